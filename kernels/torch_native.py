@@ -1,0 +1,95 @@
+"""Position-free paged attention in plain torch: the CPU path and the reference for the Triton kernels.
+
+Keys are read unrotated from the pool through req_to_token and rotated by their logical index j; queries are
+rotated by their own positions. Query t of request b sees keys j with attn_lo[t] <= j <= positions[t].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., H, D] by positions [...] in float32 (neox rotate_half form; cos|sin halves in the cache)."""
+    rot = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
+    cos = cos.unsqueeze(-2)
+    sin = sin.unsqueeze(-2)
+    xf = x.float()
+    x1, x2 = xf[..., : rot // 2], xf[..., rot // 2 : rot]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rot:]], dim=-1)
+
+
+def store_kv_torch(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    k_buffer[loc] = k.to(k_buffer.dtype)
+    v_buffer[loc] = v.to(v_buffer.dtype)
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [T, Hq, D] unrotated
+    k_buffer: torch.Tensor,  # [S, Hkv, D] unrotated keys
+    v_buffer: torch.Tensor,  # [S, Hkv, Dv]
+    req_to_token: torch.Tensor,  # [R, L]
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B]
+    extend_start_loc: torch.Tensor,  # [B]
+    extend_seq_lens: torch.Tensor,  # [B]
+    positions: torch.Tensor,  # [T]
+    attn_lo: torch.Tensor,  # [T]
+    cos_sin_cache: torch.Tensor,  # [P, rotary_dim]
+    sm_scale: float,
+    max_q: int | None = None,
+    max_kv: int | None = None,
+    keys_rotated: bool = False,
+) -> torch.Tensor:
+    """Batched (padded) masked attention for extend and decode alike. Returns [T, Hq, Dv] in q's dtype.
+
+    keys_rotated=True reads keys that were stored already rotated (the baseline engines use); then only
+    queries are rotated here.
+    """
+    T, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    group = hq // hkv
+    bsz = req_pool_indices.shape[0]
+    device = q.device
+    max_q = int(extend_seq_lens.max()) if max_q is None else max_q
+    max_kv = int(seq_lens.max()) if max_kv is None else max_kv
+
+    # Gather each request's keys and values, padded to max_kv.
+    kv_idx = torch.arange(max_kv, device=device)
+    kv_valid = kv_idx[None, :] < seq_lens[:, None]  # [B, K]
+    slots = req_to_token[req_pool_indices][:, :max_kv]
+    slots = torch.where(kv_valid, slots, torch.zeros_like(slots))
+    keys = k_buffer[slots]  # [B, K, Hkv, D]
+    if keys_rotated:
+        keys = keys.float()
+    else:
+        keys = rope_rotate(keys, kv_idx[None, :].expand(bsz, max_kv), cos_sin_cache)
+    values = v_buffer[slots].float()
+
+    # Scatter each request's queries into [B, Q] rows.
+    q_off = torch.arange(max_q, device=device)
+    q_valid = q_off[None, :] < extend_seq_lens[:, None]  # [B, Q]
+    rows = torch.where(q_valid, extend_start_loc[:, None] + q_off[None, :], torch.zeros_like(q_valid, dtype=torch.long))
+    q_rot = rope_rotate(q, positions, cos_sin_cache)[rows]  # [B, Q, Hq, D]
+    q_pos = positions[rows]
+    q_lo = attn_lo[rows]
+
+    visible = (kv_idx[None, None, :] <= q_pos[:, :, None]) & (kv_idx[None, None, :] >= q_lo[:, :, None])
+    visible &= kv_valid[:, None, :] & q_valid[:, :, None]
+    visible[:, :, 0] |= ~q_valid  # padded query rows see one key so softmax stays finite
+
+    # [B, Hkv, group*Q, D] against [B, Hkv, K, D]
+    qh = q_rot.view(bsz, max_q, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(bsz, hkv, group * max_q, d)
+    kh = keys.permute(0, 2, 1, 3)
+    vh = values.permute(0, 2, 1, 3)
+    mask = visible[:, None, None, :, :].expand(bsz, hkv, group, max_q, max_kv).reshape(bsz, hkv, group * max_q, max_kv)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale)
+    dv = out.shape[-1]
+    out = out.view(bsz, hkv, group, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bsz, max_q, hq, dv)
+    result = torch.empty((T, hq, dv), dtype=q.dtype, device=device)
+    result[rows[q_valid]] = out[q_valid].to(q.dtype)
+    return result

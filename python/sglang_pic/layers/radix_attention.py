@@ -1,0 +1,33 @@
+"""The attention layer models call: it forwards unrotated q, k, v to the batch's attention backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+from sglang_pic.model_executor.forward_batch import ForwardBatch
+
+
+class RadixAttention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scaling: float,
+        num_kv_heads: int,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        v_head_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.scaling = scaling
+        self.num_kv_heads = num_kv_heads
+        self.layer_id = layer_id
+        self.rotary = rotary
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)

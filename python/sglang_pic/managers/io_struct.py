@@ -1,0 +1,66 @@
+"""Request objects at the API boundary, with SGLang's field names (`/generate` and `Engine.generate`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class GenerateReqInput:
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict | list[dict] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    @classmethod
+    def from_json(cls, body: Any) -> "GenerateReqInput":
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(body) - names)
+        if unknown:
+            raise ValueError(f"unknown fields: {', '.join(unknown)}")
+        return cls(**body)
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def batch_size(self) -> int:
+        if self.text is None and self.input_ids is None:
+            raise ValueError("either text or input_ids is required")
+        if self.text is not None and self.input_ids is not None:
+            raise ValueError("give either text or input_ids, not both")
+        if not self.is_batch:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids)
+
+    def item(self, i: int) -> dict:
+        """The i-th request of a (possibly) batched input, as plain values."""
+        batch = self.is_batch
+
+        def pick(value: Any, default_list_ok: bool = True) -> Any:
+            if batch and isinstance(value, list):
+                if len(value) != self.batch_size():
+                    raise ValueError("batched fields must have one entry per prompt")
+                return value[i]
+            return value
+
+        return {
+            "text": self.text[i] if batch and self.text is not None else (None if batch else self.text),
+            "input_ids": self.input_ids[i] if batch and self.input_ids is not None else (None if batch else self.input_ids),
+            "sampling_params": pick(self.sampling_params),
+            "rid": pick(self.rid),
+            "return_logprob": pick(self.return_logprob),
+            "logprob_start_len": pick(self.logprob_start_len),
+            "top_logprobs_num": pick(self.top_logprobs_num),
+        }

@@ -1,0 +1,127 @@
+"""A request's state inside the scheduler: its segments, which of their tokens have KV, and its output.
+
+A request's logical token sequence is the concatenation of its segments' tokens; generated tokens are appended to
+the tail segment (the last prefix/PDEP segment, or an implicit PDEP segment after a trailing span). Token j of the
+sequence has RoPE position j and KV slot req_to_token[req_pool_idx, j]. For each segment the request tracks how
+many leading tokens have KV (`done`), and how many of those belong to the radix tree (`cached`, locked through
+`lock_node`); slots in [cached, done) belong to the request until it inserts them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from sglang_pic.radix_ext import RadixKey
+from sglang_pic.sampling.sampling_params import SamplingParams
+
+
+class SegmentKind(str, Enum):
+    PREFIX = "prefix"
+    SPAN = "span"
+    PDEP = "pdep"
+
+
+@dataclass
+class ReqSegment:
+    kind: str  # "prefix" | "span" | "pdep"
+    tokens: list[int]
+    extra_key: str | None  # radix namespace (see radix_ext.segments)
+    start: int = 0  # logical index of the first token
+    done: int = 0  # leading tokens whose KV is in the request's row
+    cached: int = 0  # leading tokens owned by the radix tree (locked via lock_node)
+    lock_node: Any = None
+    last_slot: int = -1  # slot of token done-1, so allocation continues the segment's page
+
+    @property
+    def attn_lo(self) -> int:
+        return self.start if self.kind == "span" else 0
+
+    def key(self, length: int | None = None) -> RadixKey:
+        toks = self.tokens if length is None else self.tokens[:length]
+        return RadixKey(tuple(toks), self.extra_key)
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {"type": self.type, "matched": self.matched}
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class Req:
+    rid: str
+    segments: list[ReqSegment]
+    sampling_params: SamplingParams
+    prompt_len: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    eos_token_ids: set[int] = field(default_factory=set)
+    input_text: str | None = None
+
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: FinishReason | None = None
+    req_pool_idx: int | None = None
+    generator: Any = None
+    created_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    cached_prefix_tokens: int = 0
+    cached_span_tokens: int = 0
+    matched_once: bool = False
+    retracted_count: int = 0
+    # Logprobs collected so far.
+    input_token_logprobs: list = field(default_factory=list)  # (logprob|None, token_id)
+    input_top_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    # Streaming cursor: how many output ids have been reported.
+    sent_offset: int = 0
+    input_logprobs_done: bool = False
+
+    # ---- derived views -------------------------------------------------------------------------------------
+    @property
+    def tail(self) -> ReqSegment:
+        return self.segments[-1]
+
+    def seq_len(self) -> int:
+        return self.tail.start + len(self.tail.tokens)
+
+    def prompt_ids(self) -> list[int]:
+        ids: list[int] = []
+        for seg in self.segments:
+            ids.extend(seg.tokens)
+        return ids[: self.prompt_len]
+
+    def all_ids(self) -> list[int]:
+        ids: list[int] = []
+        for seg in self.segments:
+            ids.extend(seg.tokens)
+        return ids
+
+    def pending(self) -> int:
+        """Tokens still without KV (for a decoding request: exactly 1, the last sampled token)."""
+        return sum(len(s.tokens) - s.done for s in self.segments)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def needs_input_logprobs(self) -> bool:
+        return self.return_logprob and not self.input_logprobs_done and 0 <= self.logprob_start_len < self.prompt_len
+
+    def cached_tokens(self) -> int:
+        return self.cached_prefix_tokens + self.cached_span_tokens
+
+    def append_output(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.tail.tokens.append(token_id)

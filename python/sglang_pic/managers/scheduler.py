@@ -1,0 +1,353 @@
+"""The scheduler: continuous batching with chunked prefill over a position-free, span-aware KV cache.
+
+Each step either extends requests (prefill chunks; with `enable_mixed_chunk` the running decodes ride along) or
+decodes all running requests. Admission is checked against free + evictable KV; when decode runs out of slots the
+newest running request is retracted (its KV goes to the tree, it re-queues and later resumes where it stopped).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sglang_pic.managers.req import FinishReason, Req
+from sglang_pic.managers.schedule_batch import BatchEntry, build_forward_batch, plan_entry
+from sglang_pic.mem_cache.req_kv import ReqKVManager
+from sglang_pic.radix_ext import RadixCache
+from sglang_pic.sampling.logprobs import compute_logprobs, get_token_logprobs, get_top_logprobs
+from sglang_pic.sampling.sampler import Sampler
+from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang_pic.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+RESERVE_CLIP = 4096
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    computed_prefill_tokens: int = 0
+    cached_prefix_tokens: int = 0
+    cached_span_tokens: int = 0
+    span_segments: int = 0
+    span_segment_hits: int = 0
+    num_retractions: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None) -> None:
+        self.server_args = server_args
+        self.runner = model_runner
+        self.tokenizer = tokenizer
+        self.page_size = server_args.page_size
+        self.tree = RadixCache(model_runner.allocator, self.page_size, disable=server_args.disable_radix_cache)
+        self.kv = ReqKVManager(model_runner.req_to_token_pool, model_runner.allocator, self.tree)
+        self.sampler = Sampler()
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # requests past prefill, decoding
+        self.chunked: Req | None = None  # a request whose prefill spans several steps
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness
+        self.stats = SchedulerStats()
+        self.vocab_size = model_runner.model_config.vocab_size
+        self.context_len = model_runner.model_config.context_len
+        self.prefill_budget = server_args.chunked_prefill_size or server_args.max_prefill_tokens
+        self.chunking = server_args.chunked_prefill_size is not None
+        self.finished_early: list[Req] = []  # finished outside a forward (e.g. can never fit the pool)
+
+    # ---- requests in and out ----------------------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str) -> Req | None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    return self._finish_abort(req)
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            return self._finish_abort(req)
+        return None
+
+    def _finish_abort(self, req: Req) -> Req:
+        self.kv.release(req)
+        req.finished_reason = FinishReason("abort", message="aborted")
+        return req
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked is None
+
+    def num_running(self) -> int:
+        return len(self.running) + (self.chunked is not None)
+
+    def flush_cache(self) -> bool:
+        if not self.is_idle():
+            return False
+        self.tree.reset()
+        self.runner.allocator.clear()
+        self.runner.req_to_token_pool.clear()
+        return True
+
+    def token_usage(self) -> float:
+        pool = self.runner.allocator.size
+        return 1.0 - (self.runner.allocator.available_size() + self.tree.evictable_size()) / pool
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one forward; return the requests that produced output (or finished) in it."""
+        entries = self._schedule_extend()
+        if entries is None:
+            entries = self._schedule_decode()
+        updated, self.finished_early = self.finished_early, []
+        if not entries:
+            return updated
+        batch = build_forward_batch(entries, torch.cat([e.slots for e in entries]), self.runner)
+        logits = self.runner.forward(batch)
+        self.stats.num_steps += 1
+        return updated + self._process_results(entries, logits)
+
+    def _reserved_decode_tokens(self) -> float:
+        reqs = self.running + ([self.chunked] if self.chunked else [])
+        return sum(
+            min(r.sampling_params.max_new_tokens - len(r.output_ids), RESERVE_CLIP) for r in reqs
+        ) * self.new_token_ratio
+
+    def _schedule_extend(self) -> list[BatchEntry] | None:
+        budget = self.prefill_budget
+        entries: list[BatchEntry] = []
+        if self.chunked is not None:
+            entry = self._take(self.chunked, budget)
+            if entry is None:
+                return None
+            entries.append(entry)
+            budget -= entry.num_tokens
+            if not entry.completes:
+                return entries
+            self.chunked = None
+        for req in self._ordered_waiting():
+            if budget <= 0 or len(self.running) + len(entries) >= self.server_args.max_running_requests:
+                break
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.runner.req_to_token_pool.alloc()
+                if req.req_pool_idx is None:
+                    break
+                self.kv.match(req)
+            if self.kv.waits_for_inflight_span(req):
+                self.kv.release(req)  # another request is computing one of its spans: match again next step
+                continue
+            reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
+            need = self.kv.slots_needed(req, [len(s.tokens) - s.done for s in req.segments])
+            if need + reserve + self._reserved_decode_tokens() > self.kv.available_size():
+                if entries or self.running:
+                    self.kv.release(req)
+                    break
+            if not self.chunking and req.pending() > budget and entries:
+                self.kv.release(req)
+                break
+            self.kv.claim_spans(req)
+            entry = self._take(req, budget if self.chunking else req.pending())
+            if entry is None:
+                self.kv.release(req)
+                if not entries and not self.running and self.chunked is None:
+                    self._reject_oversized(req)
+                break
+            self.waiting.remove(req)
+            self._count_admission(req)
+            entries.append(entry)
+            budget -= entry.num_tokens
+            if not entry.completes:
+                self.chunked = req
+                break
+        if not entries:
+            return None
+        if self.server_args.enable_mixed_chunk and self.running:
+            decodes = self._schedule_decode()
+            entries.extend(decodes or [])
+        return entries
+
+    def _reject_oversized(self, req: Req) -> None:
+        self.waiting.remove(req)
+        req.finished_reason = FinishReason("abort", message="request needs more KV memory than the whole pool")
+        self.finished_early.append(req)
+
+    def _ordered_waiting(self) -> list[Req]:
+        if self.server_args.schedule_policy == "lpm" and len(self.waiting) > 1:
+            def matched(req: Req) -> int:
+                return -sum(
+                    int(self.tree.match_prefix(s.key()).device_indices.numel()) for s in req.segments
+                ) if not self.tree.disable else 0
+            return sorted(self.waiting, key=matched)
+        return list(self.waiting)
+
+    def _take(self, req: Req, budget: int) -> BatchEntry | None:
+        entry = plan_entry(req, budget)
+        slots = self.kv.alloc(req, entry.counts)
+        if slots is None:
+            return None
+        entry.slots = slots
+        return entry
+
+    def _count_admission(self, req: Req) -> None:
+        if req.matched_once:
+            return
+        req.matched_once = True
+        self.stats.prompt_tokens += req.prompt_len
+        self.stats.cached_prefix_tokens += req.cached_prefix_tokens
+        self.stats.cached_span_tokens += req.cached_span_tokens
+        spans = [s for s in req.segments if s.kind == "span"]
+        self.stats.span_segments += len(spans)
+        self.stats.span_segment_hits += sum(1 for s in spans if s.cached == len(s.tokens))
+
+    def _schedule_decode(self) -> list[BatchEntry]:
+        entries: list[BatchEntry] = []
+        while self.running:
+            need = sum(self.kv.slots_needed(r, [0] * (len(r.segments) - 1) + [1]) for r in self.running)
+            if self.kv.ensure_free(need):
+                break
+            self._retract_one()
+        for req in self.running:
+            entry = self._take(req, 1)
+            assert entry is not None, "decode slots were reserved above"
+            entries.append(entry)
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return entries
+
+    def _retract_one(self) -> None:
+        req = self.running.pop()
+        if not self.running:
+            self.kv.cache(req)
+            self.kv.release(req)
+            req.finished_reason = FinishReason("abort", message="KV cache pool is full")
+            self.finished_early.append(req)
+            return
+        self.kv.cache(req)
+        self.kv.release(req)
+        req.retracted_count += 1
+        self.stats.num_retractions += 1
+        self.waiting.insert(0, req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
+        logger.info("retracted request %s to free KV memory", req.rid)
+
+    # ---- results ----------------------------------------------------------------------------------------------
+    def _process_results(self, entries: list[BatchEntry], logits: torch.Tensor) -> list[Req]:
+        row = 0
+        sample_rows, sample_reqs, updated = [], [], []
+        logprob_rows: list[tuple[BatchEntry, int]] = []
+        for e in entries:
+            prefill = e.num_tokens > 1 or not e.completes or not e.req.output_ids
+            if prefill:
+                self.stats.computed_prefill_tokens += e.num_tokens
+            if e.logprob_positions:
+                logprob_rows.append((e, row))
+                row += len(e.logprob_positions)
+            if e.completes:
+                sample_rows.append(row)
+                sample_reqs.append(e.req)
+                row += 1
+        if logprob_rows:
+            self._record_input_logprobs(logprob_rows, logits)
+        # Hand freshly computed spans and prefixes to the tree now, so waiting requests can reuse them.
+        for e in entries:
+            if e.num_tokens > 1 or not e.completes:
+                self.kv.cache(e.req)
+        if sample_rows:
+            self._sample(sample_reqs, logits[torch.tensor(sample_rows, device=logits.device)], updated)
+        return updated
+
+    def _record_input_logprobs(self, rows: list[tuple[BatchEntry, int]], logits: torch.Tensor) -> None:
+        for e, start in rows:
+            req = e.req
+            n = len(e.logprob_positions)
+            lp = compute_logprobs(logits[start : start + n])
+            ids = req.prompt_ids()
+            targets = [ids[p + 1] for p in e.logprob_positions]
+            values = get_token_logprobs(lp, targets)
+            tops = get_top_logprobs(lp, [req.top_logprobs_num] * n) if req.top_logprobs_num else [[]] * n
+            if not req.input_token_logprobs and req.logprob_start_len == 0:
+                req.input_token_logprobs.append((None, ids[0]))
+                req.input_top_logprobs.append(None)
+            req.input_token_logprobs.extend(zip(values, targets))
+            req.input_top_logprobs.extend(tops)
+            if e.logprob_positions[-1] >= req.prompt_len - 2:
+                req.input_logprobs_done = True
+        for e, _ in rows:
+            if e.req.prompt_len == 1 or e.completes:
+                e.req.input_logprobs_done = True
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, updated: list[Req]) -> None:
+        info = SamplingBatchInfo.from_requests(
+            [r.sampling_params for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.prompt_ids() for r in reqs],
+            self.vocab_size,
+            logits.device,
+            [self._min_tokens_ban(r) for r in reqs],
+            [r.generator for r in reqs],
+        )
+        next_ids = self.sampler(logits[:, : self.vocab_size].float(), info).tolist()
+        want_lp = [r for r in reqs if r.return_logprob]
+        if want_lp:
+            lp = compute_logprobs(logits.float())
+        now = time.time()
+        for i, (req, tok) in enumerate(zip(reqs, next_ids)):
+            if req.sampling_params.max_new_tokens == 0:  # prefill-only call: the sampled token is not output
+                req.finished_reason = FinishReason("length", matched=None)
+                self._finish(req)
+                updated.append(req)
+                continue
+            if req.return_logprob:
+                req.output_token_logprobs.append((get_token_logprobs(lp[i : i + 1], [tok])[0], tok))
+                if req.top_logprobs_num:
+                    req.output_top_logprobs.append(get_top_logprobs(lp[i : i + 1], [req.top_logprobs_num])[0])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.append_output(tok)
+            self.stats.generation_tokens += 1
+            self._check_finished(req)
+            if req.finished():
+                self._finish(req)
+            elif req not in self.running:
+                self.running.append(req)
+            updated.append(req)
+
+    def _min_tokens_ban(self, req: Req) -> set[int]:
+        sp = req.sampling_params
+        if len(req.output_ids) >= sp.min_new_tokens:
+            return set()
+        return set(req.eos_token_ids) | set(sp.stop_token_ids or [])
+
+    def _check_finished(self, req: Req) -> None:
+        sp = req.sampling_params
+        tok = req.output_ids[-1]
+        n = len(req.output_ids)
+        if n >= sp.min_new_tokens:
+            if sp.stop_token_ids and tok in sp.stop_token_ids:
+                req.finished_reason = FinishReason("stop", matched=tok)
+                return
+            if not sp.ignore_eos and tok in req.eos_token_ids:
+                req.finished_reason = FinishReason("stop", matched=tok)
+                return
+            if sp.stop and self.tokenizer is not None:
+                tail = self.tokenizer.decode(req.output_ids[-(sp.stop_str_max_len + 1) :])
+                for s in sp.stop:
+                    if s and s in tail:
+                        req.finished_reason = FinishReason("stop", matched=s)
+                        return
+        if n >= sp.max_new_tokens or req.seq_len() >= self.context_len:
+            req.finished_reason = FinishReason("length", matched=None)
+
+    def _finish(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        # The last sampled token has no KV; everything before it is cached for later requests.
+        self.kv.cache(req)
+        self.kv.release(req)

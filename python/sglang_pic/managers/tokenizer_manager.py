@@ -1,0 +1,162 @@
+"""From API inputs to scheduler requests (tokenize, segment, validate) and from finished requests to API outputs.
+
+Shared by the offline Engine and the HTTP server so both speak exactly the same wire format.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.managers.segmenter import PromptSegmenter
+from sglang_pic.radix_ext.segments import canonicalize, segment_keys, tail_key
+from sglang_pic.sampling.sampling_params import SamplingParams
+from sglang_pic.server_args import ServerArgs
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, tokenizer, model_config) -> None:
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.context_len = model_config.context_len
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        self.segmenter = PromptSegmenter(tokenizer, server_args, self.vocab_size)
+
+    # ---- input --------------------------------------------------------------------------------------------
+    def build_requests(self, obj: GenerateReqInput) -> list[Req]:
+        """Validate and tokenize every prompt; raise ValueError naming the first problem (nothing is queued)."""
+        reqs = []
+        for i in range(obj.batch_size()):
+            item = obj.item(i)
+            try:
+                reqs.extend(self._build_one(item))
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}" if obj.is_batch else str(e)) from None
+        return reqs
+
+    def _build_one(self, item: dict[str, Any]) -> list[Req]:
+        params = SamplingParams.from_dict(item["sampling_params"])
+        params.verify(self.vocab_size)
+        params.normalize(self.tokenizer)
+        if item["text"] is not None:
+            if not isinstance(item["text"], str):
+                raise ValueError("text must be a string")
+            segments = self.segmenter.from_text(item["text"])
+        else:
+            ids = item["input_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("input_ids must be a list of integers")
+            segments = self.segmenter.from_ids(ids)
+        segments = canonicalize(segments)
+        prompt_len = sum(len(s.token_ids) for s in segments)
+        if prompt_len >= self.context_len:
+            raise ValueError(
+                f"the prompt has {prompt_len} tokens, more than the context length allows "
+                f"({self.context_len} including at least one generated token)"
+            )
+        logprob_start_len = item["logprob_start_len"]
+        top_n = item["top_logprobs_num"]
+        if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool) or logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
+        if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+            raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_n!r}")
+        base_rid = item["rid"] or uuid.uuid4().hex
+        reqs = []
+        for k in range(params.n):
+            rid = base_rid if params.n == 1 else f"{base_rid}-{k}"
+            reqs.append(
+                Req(
+                    rid=rid,
+                    segments=self._req_segments(segments),
+                    sampling_params=params,
+                    prompt_len=prompt_len,
+                    return_logprob=bool(item["return_logprob"]),
+                    logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_n,
+                    eos_token_ids=self.eos_token_ids,
+                    input_text=item["text"],
+                    generator=self._generator(params.seed, k),
+                )
+            )
+        return reqs
+
+    @staticmethod
+    def _generator(seed: int | None, k: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = torch.Generator()
+        g.manual_seed(seed + k)
+        return g
+
+    @staticmethod
+    def _req_segments(segments) -> list[ReqSegment]:
+        keys = segment_keys(segments)
+        out, start = [], 0
+        for seg, key in zip(segments, keys):
+            out.append(ReqSegment(seg.kind, list(seg.token_ids), key.extra_key, start=start))
+            start += len(seg.token_ids)
+        if out[-1].kind == "span":
+            out.append(ReqSegment("pdep", [], tail_key(segments, ()).extra_key, start=start))
+        return out
+
+    # ---- output -------------------------------------------------------------------------------------------
+    def output_text(self, req: Req) -> str:
+        sp = req.sampling_params
+        ids = req.output_ids
+        reason = req.finished_reason
+        if reason is not None and reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(
+            ids,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        )
+        if reason is None:
+            return text.rstrip("\ufffd")  # hold back a partial multi-byte character while streaming
+        if reason.type == "stop" and isinstance(reason.matched, str) and not sp.no_stop_trim:
+            cut = text.find(reason.matched)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def format_output(self, req: Req, return_text_in_logprobs: bool = False) -> dict[str, Any]:
+        now = time.time()
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens(),
+            "cached_prefix_tokens": req.cached_prefix_tokens,
+            "cached_span_tokens": req.cached_span_tokens,
+            "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
+            "e2e_latency": now - req.created_time,
+        }
+        if req.first_token_time is not None:
+            meta["ttft"] = req.first_token_time - req.created_time
+        if req.return_logprob:
+            meta.update(self._logprob_fields(req, return_text_in_logprobs))
+        return {"text": self.output_text(req), "output_ids": list(req.output_ids), "meta_info": meta}
+
+    def _logprob_fields(self, req: Req, with_text: bool) -> dict[str, Any]:
+        def token_text(tok: int) -> str | None:
+            return self.tokenizer.decode([tok]) if with_text else None
+
+        def triples(pairs) -> list:
+            return [[lp, tok, token_text(tok)] for lp, tok in pairs]
+
+        def tops(rows) -> list:
+            return [None if row is None else [[lp, tok, token_text(tok)] for lp, tok in row] for row in rows]
+
+        return {
+            "input_token_logprobs": triples(req.input_token_logprobs),
+            "output_token_logprobs": triples(req.output_token_logprobs),
+            "input_top_logprobs": tops(req.input_top_logprobs),
+            "output_top_logprobs": tops(req.output_top_logprobs),
+        }

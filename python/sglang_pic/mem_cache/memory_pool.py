@@ -1,0 +1,79 @@
+"""Memory pools: the request-to-token table and the per-layer KV tensors.
+
+Slot 0 of the KV pool is a dummy that padded rows write to; real slots are 1..size. Keys are stored unrotated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """req_to_token[r, j] = KV slot of logical token j of the request living in row r."""
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def free(self, index: int) -> None:
+        self.free_slots.append(index)
+
+    def write(self, index: int, positions: torch.Tensor | slice, slots: torch.Tensor) -> None:
+        self.req_to_token[index, positions] = slots
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class MHATokenToKVPool:
+    """Per-layer key and value buffers of shape [size + page_size, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str | torch.device,
+        v_head_dim: int | None = None,
+    ) -> None:
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.layer_num = layer_num
+        self.device = device
+        rows = size + page_size
+        self.k_buffer = [torch.zeros((rows, head_num, head_dim), dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [
+            torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=device) for _ in range(layer_num)
+        ]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+
+    def bytes_per_token(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.layer_num * self.head_num * (self.head_dim + self.v_head_dim) * elem

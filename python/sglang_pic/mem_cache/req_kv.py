@@ -1,0 +1,159 @@
+"""Per-request KV bookkeeping between the request table, the slot allocator and the span-aware radix tree.
+
+Ownership, per segment of a request (see managers/req.py):
+  tokens [0, cached)     slots owned by the radix tree, locked through seg.lock_node
+  tokens [cached, done)  slots owned by the request (freed by it, or handed to the tree by `cache`)
+  tokens [done, len)     no KV yet
+So at any moment: allocator free + tree-owned + request-owned slots == pool size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang_pic.mem_cache.memory_pool import ReqToTokenPool
+from sglang_pic.radix_ext import RadixCache
+
+
+class ReqKVManager:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree: RadixCache) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree = tree
+        self.page_size = allocator.page_size
+        self.disable_cache = tree.disable
+        # Spans being computed right now: (extra_key, tokens) -> rid. Others needing them wait instead of recomputing.
+        self.inflight_spans: dict[tuple, str] = {}
+
+    # ---- capacity ---------------------------------------------------------------------------------------------
+    def available_size(self) -> int:
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def ensure_free(self, num_tokens: int) -> bool:
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.available_size() >= num_tokens
+
+    def slots_needed(self, req: Req, counts: list[int]) -> int:
+        """Slots (whole pages) needed to give `counts[i]` more tokens to segment i."""
+        ps = self.page_size
+        total = 0
+        for seg, n in zip(req.segments, counts):
+            if n <= 0:
+                continue
+            head = 0 if seg.last_slot < 0 else ps - 1 - seg.last_slot % ps
+            total += (max(n - head, 0) + ps - 1) // ps * ps
+        return total
+
+    # ---- admission --------------------------------------------------------------------------------------------
+    def match(self, req: Req) -> None:
+        """Reuse cached KV for every segment; lock what was matched and write its slots into the request's row."""
+        last_nonempty = max((i for i, s in enumerate(req.segments) if s.tokens), default=0)
+        limit = max(req.logprob_start_len - 1, 0) if req.needs_input_logprobs() else None
+        req.cached_prefix_tokens = req.cached_span_tokens = 0
+        for i, seg in enumerate(req.segments):
+            cap = len(seg.tokens)
+            if i == last_nonempty:
+                cap -= 1  # the last token is always computed: its logits give the next token
+            if limit is not None:
+                cap = min(cap, max(limit - seg.start, 0))
+            if self.disable_cache or cap <= 0:
+                continue
+            result = self.tree.match_prefix(seg.key(cap))
+            n = int(result.device_indices.numel())
+            if n == 0:
+                continue
+            self.req_to_token_pool.write(req.req_pool_idx, slice(seg.start, seg.start + n), result.device_indices)
+            self.tree.inc_lock_ref(result.last_node)
+            seg.lock_node, seg.cached, seg.done = result.last_node, n, n
+            seg.last_slot = int(result.device_indices[-1])
+            if seg.kind == "span":
+                req.cached_span_tokens += n
+            else:
+                req.cached_prefix_tokens += n
+
+    def _shareable_uncached_spans(self, req: Req) -> list[ReqSegment]:
+        # Only whole pages are shared, so a span with less than a page left to compute is not worth waiting for.
+        return [s for s in req.segments if s.kind == "span" and len(s.tokens) - s.done >= self.page_size]
+
+    def waits_for_inflight_span(self, req: Req) -> bool:
+        return any(
+            self.inflight_spans.get(self._span_id(s), req.rid) != req.rid for s in self._shareable_uncached_spans(req)
+        )
+
+    def claim_spans(self, req: Req) -> None:
+        if self.disable_cache:
+            return
+        for s in self._shareable_uncached_spans(req):
+            self.inflight_spans.setdefault(self._span_id(s), req.rid)
+
+    def _unclaim(self, req: Req, seg: ReqSegment) -> None:
+        if self.inflight_spans.get(self._span_id(seg)) == req.rid:
+            del self.inflight_spans[self._span_id(seg)]
+
+    @staticmethod
+    def _span_id(seg: ReqSegment) -> tuple:
+        return (seg.extra_key, tuple(seg.tokens))
+
+    # ---- allocation -------------------------------------------------------------------------------------------
+    def alloc(self, req: Req, counts: list[int]) -> torch.Tensor | None:
+        """Allocate slots for the next counts[i] tokens of each segment (in logical order) and record them."""
+        if not self.ensure_free(self.slots_needed(req, counts)):
+            return None
+        parts = []
+        for seg, n in zip(req.segments, counts):
+            if n <= 0:
+                continue
+            slots = self.allocator.alloc(n, seg.last_slot)
+            assert slots is not None
+            pos = seg.start + seg.done
+            self.req_to_token_pool.write(req.req_pool_idx, slice(pos, pos + n), slots)
+            seg.done += n
+            seg.last_slot = int(slots[-1])
+            parts.append(slots)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    # ---- handing KV to the tree -------------------------------------------------------------------------------
+    def cache(self, req: Req, upto_output: bool = True) -> None:
+        """Insert every segment's computed, page-aligned tokens into the tree and lock the new path."""
+        for seg in req.segments:
+            if seg.kind == "span" and seg.done == len(seg.tokens):
+                self._unclaim(req, seg)
+            if self.disable_cache:
+                continue
+            aligned = seg.done // self.page_size * self.page_size
+            if aligned <= seg.cached:
+                continue
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            slots = row[seg.start : seg.start + aligned].clone()
+            already = self.tree.insert(seg.key(aligned), slots)
+            if already > seg.cached:
+                self.allocator.free(slots[seg.cached : already])
+            result = self.tree.match_prefix(seg.key(aligned))
+            assert result.device_indices.numel() == aligned, "tree lost tokens it just inserted"
+            self.req_to_token_pool.write(req.req_pool_idx, slice(seg.start, seg.start + aligned), result.device_indices)
+            self.tree.inc_lock_ref(result.last_node)
+            if seg.lock_node is not None:
+                self.tree.dec_lock_ref(seg.lock_node)
+            seg.lock_node, seg.cached = result.last_node, aligned
+            if seg.done == aligned:
+                seg.last_slot = int(result.device_indices[-1])
+
+    def release(self, req: Req) -> None:
+        """Free the request's own slots, unlock its tree paths and give back its table row."""
+        if req.req_pool_idx is None:
+            return
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        for seg in req.segments:
+            if seg.kind == "span":
+                self._unclaim(req, seg)
+            if seg.done > seg.cached:
+                self.allocator.free(row[seg.start + seg.cached : seg.start + seg.done])
+            if seg.lock_node is not None:
+                self.tree.dec_lock_ref(seg.lock_node)
+            seg.lock_node, seg.cached, seg.done, seg.last_slot = None, 0, 0, -1
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None

@@ -1,0 +1,133 @@
+"""Model shape and runtime settings read from a HF folder's config.json (transformers 4 and 5 layouts)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None): transformers 5 folds both into `rope_parameters`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    return theta, (dict(scaling) if rope_type not in ("default", None) else None)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: str) -> torch.dtype:
+    """`auto` is float32 on CPU (bf16 matmuls are slow and inexact there) and the checkpoint's dtype on GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}")
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.bfloat16)
+
+
+@dataclass
+class ModelConfig:
+    model_path: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    context_len: int
+    dtype: torch.dtype
+    tie_word_embeddings: bool
+    eos_token_ids: list[int]
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @classmethod
+    def from_path(
+        cls, path: str, context_length: int | None = None, dtype: str | torch.dtype = "auto", device: str = "auto"
+    ) -> "ModelConfig":
+        """Read `path`/config.json (+ generation_config.json). For GGUF, pass `resolve_model_path`'s folder."""
+        folder = Path(path)
+        cfg = _read_json(folder / "config.json")
+        if not cfg:
+            raise FileNotFoundError(
+                f"no config.json in {path!r}; for a .gguf file resolve it first with "
+                "sglang_pic.model_loader.resolve_model_path(path, 'gguf')"
+            )
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError(f"config.json in {path!r} names no architectures")
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        if context_length is not None and context_length > max_pos:
+            raise ValueError(f"context_length {context_length} exceeds max_position_embeddings {max_pos}")
+        theta, scaling = _rope(cfg)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = _read_json(folder / "generation_config.json")
+        eos = list(dict.fromkeys(_as_id_list(cfg.get("eos_token_id")) + _as_id_list(gen.get("eos_token_id"))))
+        return cls(
+            model_path=str(path),
+            architecture=archs[0],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            num_hidden_layers=cfg["num_hidden_layers"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            context_len=context_length or max_pos,
+            dtype=resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype"), device),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            hf_config=cfg,
+        )

@@ -1,0 +1,67 @@
+"""Owns the model, the KV pools and the attention backend; runs one ForwardBatch and returns logits."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_pic.layers.attention_backend import create_attention_backend
+from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang_pic.model_config import ModelConfig
+from sglang_pic.model_executor.forward_batch import ForwardBatch
+from sglang_pic.model_loader.loader import load_model
+from sglang_pic.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
+        self.server_args = server_args
+        self.model_config = model_config
+        self.device = torch.device(server_args.resolved_device())
+        self.dtype = model_config.dtype
+        torch.manual_seed(server_args.random_seed)
+        self.model = load_model(
+            model_config, server_args.load_format, self.device, self.dtype, server_args.random_seed
+        )
+        self.model.eval()
+        self._init_memory_pools()
+        self.attn_backend = create_attention_backend(server_args.resolved_attention_backend())
+
+    def _init_memory_pools(self) -> None:
+        cfg = self.model_config
+        page = self.server_args.page_size
+        kv_heads = cfg.num_key_value_heads
+        probe = MHATokenToKVPool(0, page, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, "meta")
+        per_token = probe.bytes_per_token()
+        size = self.server_args.max_total_tokens
+        if size is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = free - total * (1 - self.server_args.mem_fraction_static)
+                size = int(max(budget, 0) // per_token)
+            else:
+                size = CPU_DEFAULT_MAX_TOTAL_TOKENS
+        size = max(size // page * page, page)
+        self.max_total_num_tokens = size
+        self.token_to_kv_pool = MHATokenToKVPool(
+            size, page, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.device
+        )
+        self.allocator = TokenToKVPoolAllocator(size, page, self.device)
+        rows = self.server_args.max_running_requests + 8
+        self.req_to_token_pool = ReqToTokenPool(rows, cfg.context_len + page, self.device)
+        logger.info("KV pool: %d tokens (%.2f GiB), %d request rows", size, size * per_token / 2**30, rows)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in float32."""
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if batch.logits_indices is None or batch.logits_indices.numel() == 0:
+            return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(hidden[batch.logits_indices]).float()

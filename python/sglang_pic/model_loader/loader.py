@@ -1,0 +1,115 @@
+"""Build a model on its device and fill its weights: from safetensors (auto), a GGUF file (gguf) or a seed (dummy)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from sglang_pic.layers.layernorm import RMSNorm
+from sglang_pic.model_config import ModelConfig, resolve_dtype
+from sglang_pic.model_loader.gguf_convert import convert_gguf
+from sglang_pic.models.registry import get_model_class
+
+DUMMY_STD = 0.02
+
+
+def cache_root() -> Path:
+    """Where converted models live; SGLANG_PIC_CACHE overrides ~/.cache/sglang_pic."""
+    return Path(os.environ.get("SGLANG_PIC_CACHE") or Path.home() / ".cache" / "sglang_pic")
+
+
+def _find_gguf(path: Path) -> Path | None:
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(found) > 1:
+        raise ValueError(f"{path} holds several .gguf files ({', '.join(f.name for f in found)}); name one")
+    return found[0] if found else None
+
+
+def resolve_model_path(model_path: str, load_format: str = "auto") -> str:
+    """The HF-format folder to read config, weights and tokenizer from, converting a GGUF once if needed.
+
+    A .gguf file (or a folder holding one) is converted when load_format is gguf, or under auto/dummy when no
+    config.json sits beside it. A folder with config.json is returned as is, so calling this twice is harmless.
+    """
+    path = Path(model_path).expanduser()
+    has_config = path.is_dir() and (path / "config.json").is_file()
+    gguf = _find_gguf(path)
+    if gguf is not None and (load_format == "gguf" or not has_config):
+        return str(convert_gguf(gguf, cache_root()))
+    if has_config:
+        return str(path)
+    raise FileNotFoundError(f"{model_path!r} is neither a HF model folder (with config.json) nor a .gguf file")
+
+
+def safetensors_files(folder: str) -> list[Path]:
+    """The shards named by model.safetensors.index.json, else every *.safetensors in the folder."""
+    root = Path(folder)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / name for name in names]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder!r} (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Seeded N(0, DUMMY_STD) weights and unit norms, drawn on the model's device so large models init fast."""
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generator = None
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) in norms:
+                param.fill_(1.0)
+                continue
+            if generator is None:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            param.normal_(0.0, DUMMY_STD, generator=generator)
+
+
+def load_model(
+    config: ModelConfig,
+    load_format: str = "auto",
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    seed: int = 0,
+) -> nn.Module:
+    """Instantiate `config.architecture` on `device` in `dtype` (default config.dtype) and load its weights."""
+    if load_format not in ("auto", "dummy", "gguf"):
+        raise ValueError(f"unknown load_format {load_format!r}")
+    device = torch.device(device)
+    dtype = config.dtype if dtype in (None, "auto") else resolve_dtype(dtype, None, device.type)
+    with _default_dtype(dtype), device:
+        model = get_model_class(config.architecture)(config)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(resolve_model_path(config.model_path, load_format)))
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,187 @@
+"""Llama decoder, also the base of the Qwen2, Qwen3 and Mistral models (they differ only in small switches).
+
+The model never rotates q or k: it hands them unrotated to RadixAttention, whose backend stores keys unrotated
+and applies RoPE from logical positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from sglang_pic.layers.activation import GatedAct
+from sglang_pic.layers.layernorm import RMSNorm
+from sglang_pic.layers.linear import Linear, MergedLinear
+from sglang_pic.layers.radix_attention import RadixAttention
+from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+from sglang_pic.model_config import ModelConfig
+from sglang_pic.model_executor.forward_batch import ForwardBatch
+
+# HF projection name -> (our merged module name, shard key).
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        self.qkv_proj = MergedLinear(config.hidden_size, sizes, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id, rotary
+        )
+
+    def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(-1, self.kv_size)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=config.mlp_bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.act = GatedAct(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, **attn_flags: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary, **attn_flags)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, **attn_flags: bool) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            max_position=config.context_len,
+            base=config.rope_theta,
+            rope_scaling=config.rope_scaling,
+            device=torch.get_default_device(),
+        )
+        # An explicit weight skips nn.Embedding's random init; the loader fills it.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary, **attn_flags) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, forward_batch)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    # Switches the subclasses flip; Llama reads its biases from the config.
+    qkv_bias: bool | None = None
+    qk_norm: bool = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.check_config(config)
+        qkv_bias = config.attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = config.attention_bias if self.qkv_bias is None else False
+        self.model = LlamaModel(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        """Refuse configs whose semantics this implementation would silently get wrong."""
+        window = config.sliding_window
+        if window is not None and window < config.context_len:
+            raise NotImplementedError(
+                f"{cls.__name__}: sliding-window attention (window {window} < context {config.context_len}) is "
+                f"not supported; pass context_length <= {window}"
+            )
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        return self.model.rotary
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. Positions reach RoPE through `forward_batch`."""
+        return self.model(input_ids, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, packing q/k/v and gate/up; raise if any parameter (or shard) stays unloaded."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        expected = {
+            (f"{mod_name}.{leaf}", shard)
+            for mod_name, mod in modules.items()
+            for leaf, _ in mod.named_parameters(recurse=False)
+            for shard in (mod.offsets if isinstance(mod, MergedLinear) else (None,))
+        }
+        loaded: set[tuple[str, str | None]] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb." in hf_name or (hf_name == "lm_head.weight" and self.lm_head is None):
+                continue
+            module_name, _, leaf = hf_name.rpartition(".")
+            parent, _, proj = module_name.rpartition(".")
+            merged, shard = PACKED_MODULES.get(proj, (proj, None))
+            name = f"{parent}.{merged}.{leaf}" if parent else hf_name
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {hf_name!r} matches no parameter of {type(self).__name__}")
+            if shard is not None:
+                modules[f"{parent}.{merged}"].load_shard(params[name], shard, tensor)
+            elif params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+            else:
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+            loaded.add((name, shard))
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")

@@ -1,0 +1,37 @@
+"""Log-probabilities returned to clients, and the per-row lookups the output path needs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_logprobs(logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 log_softmax over the last dim of the raw logits (no penalties, no filtering).
+
+    `temperatures` ([N, 1], as in SamplingBatchInfo) scales first when the caller wants the distribution that was
+    actually sampled from rather than the model's own.
+    """
+    logits = logits.float()
+    if temperatures is not None:
+        logits = logits / temperatures
+    return torch.log_softmax(logits, dim=-1)
+
+
+def get_top_logprobs(logprobs: torch.Tensor, k: list[int]) -> list[list[tuple[float, int]]]:
+    """Row i's k[i] most likely tokens as (logprob, token_id), best first; one topk and one copy to the host."""
+    if len(k) != logprobs.shape[0]:
+        raise ValueError(f"got {len(k)} top-logprob counts for {logprobs.shape[0]} rows")
+    widest = min(max(k, default=0), logprobs.shape[-1])
+    if widest <= 0:
+        return [[] for _ in k]
+    values, ids = logprobs.topk(widest, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [list(zip(v[: max(n, 0)], i[: max(n, 0)])) for v, i, n in zip(values, ids, k)]
+
+
+def get_token_logprobs(logprobs: torch.Tensor, ids: list[int] | torch.Tensor) -> list[float]:
+    """Row i's logprob of token ids[i]."""
+    index = torch.as_tensor(ids, dtype=torch.int64, device=logprobs.device).view(-1, 1)
+    if index.shape[0] != logprobs.shape[0]:
+        raise ValueError(f"got {index.shape[0]} token ids for {logprobs.shape[0]} rows")
+    return logprobs.gather(1, index).view(-1).tolist()

@@ -1,0 +1,221 @@
+"""Per-request sampling parameters, named and defaulted as in SGLang, checked at the door so bad requests fail early.
+
+Every check raises ValueError with the offending field's name in the message, so the HTTP layer can return it as a
+400 unchanged. Checks that need the model's vocabulary size wait for `verify`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from numbers import Integral, Real
+from typing import Any, Protocol
+
+# Below this a temperature is treated as zero, i.e. greedy decoding (as in SGLang).
+SAMPLING_EPS = 1e-6
+
+# SGLang fields this engine knows but cannot honour: it has no grammar backend. Asking for one is an error rather
+# than an unconstrained answer the client would take for a constrained one.
+_UNSUPPORTED = {
+    "json_schema": "json_schema constrained decoding is not supported",
+    "regex": "regex constrained decoding is not supported",
+    "ebnf": "ebnf constrained decoding is not supported",
+    "structural_tag": "structural_tag constrained decoding is not supported",
+    "stop_regex": "stop_regex is not supported",
+}
+
+
+class StopTokenizer(Protocol):
+    """Anything with an HF-style `encode`; a `tokenizers.Tokenizer` (returning an Encoding) also fits."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> Any: ...
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    # Added to the logits of the given token ids; JSON's string keys are turned into ints.
+    logit_bias: dict[int, float] | None = None
+    # SGLang hands these to a custom logit processor; none is ever loaded here, so they have no effect (as in
+    # SGLang when a request names no processor).
+    custom_params: dict[str, Any] | None = None
+    # Known but unsupported: setting any of these raises ValueError.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    stop_regex: str | list[str] | None = None
+    # Filled by normalize(): the longest stop string in tokens (characters without a tokenizer), which bounds how
+    # much trailing output the detokenizer must hold back while a stop string may still be forming.
+    stop_str_max_len: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request's JSON object. A null value means the default, as in SGLang."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        d = dict(d)
+        alias = d.pop("sampling_seed", None)  # SGLang's name for `seed`
+        if alias is not None:
+            if d.get("seed") is not None and d["seed"] != alias:
+                raise ValueError("seed and sampling_seed disagree; give only one")
+            d["seed"] = alias
+        unknown = sorted(set(d) - _INIT_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def verify(self, vocab_size: int) -> None:
+        """Re-run every check (fields may have been set after construction) plus those needing the vocabulary."""
+        self._validate()
+        bad = [t for t in self.stop_token_ids or [] if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad}")
+        bad = [t for t in self.logit_bias or {} if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {bad}")
+
+    def normalize(self, tokenizer: StopTokenizer | None = None) -> None:
+        """Turn `stop` into a list and measure its longest entry."""
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop_str_max_len = max((_stop_len(s, tokenizer) for s in self.stop), default=0)
+
+    def _validate(self) -> None:
+        for name, message in _UNSUPPORTED.items():
+            if getattr(self, name) is not None:
+                raise ValueError(message)
+
+        self.max_new_tokens = _int("max_new_tokens", self.max_new_tokens)
+        self.min_new_tokens = _int("min_new_tokens", self.min_new_tokens)
+        self.top_k = _int("top_k", self.top_k)
+        self.n = _int("n", self.n)
+        self.temperature = _float("temperature", self.temperature)
+        self.top_p = _float("top_p", self.top_p)
+        self.min_p = _float("min_p", self.min_p)
+        self.frequency_penalty = _float("frequency_penalty", self.frequency_penalty)
+        self.presence_penalty = _float("presence_penalty", self.presence_penalty)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise ValueError(f"custom_params must be an object, got {self.custom_params!r}")
+
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+
+
+_INIT_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
+
+
+def _int(name: str, value: Any) -> int:
+    # bool is an Integral in Python, but `"max_new_tokens": true` is a client bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _stop_strings(stop: Any) -> str | list[str] | None:
+    if stop is None:
+        return None
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in items):
+        raise ValueError("stop strings must be non-empty")
+    return stop if isinstance(stop, str) else list(stop)
+
+
+def _token_ids(ids: Any) -> list[int] | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple, set, frozenset)):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+    out = [_int("stop_token_ids", t) for t in ids]
+    if any(t < 0 for t in out):
+        raise ValueError(f"stop_token_ids must be non-negative, got {out}")
+    return out
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        token = _int("logit_bias key", token)
+        if token < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}")
+        value = _float(f"logit_bias[{key!r}]", value)
+        if not math.isfinite(value):
+            raise ValueError(f"logit_bias[{key!r}] must be finite, got {value}")
+        out[token] = value
+    return out
+
+
+def _stop_len(stop: str, tokenizer: StopTokenizer | None) -> int:
+    if tokenizer is None:
+        return len(stop)  # a token holds at least one character, so this bounds the token count
+    encoded = tokenizer.encode(stop, add_special_tokens=False)
+    return len(getattr(encoded, "ids", encoded))

@@ -1,0 +1,279 @@
+"""SGLang's radix prefix cache over KV slots, split into namespaces.
+
+Every key carries an `extra_key`; each distinct extra_key has its own root, so keys of different namespaces never
+match each other even when their tokens agree. That one mechanism is what lets span KV, prompt-dependent KV and
+plain causal KV share a single tree and a single LRU without ever aliasing (see segments.py for the keys).
+
+Ownership contract with the caller:
+  * `match_prefix` hands out slots the tree owns; the caller locks `last_node` (`inc_lock_ref`) for as long as it
+    reads them and unlocks it (`dec_lock_ref`) afterwards. Unlocked slots may be evicted at any time.
+  * `insert(key, value)` stores only the page-aligned head of the key. It returns `n`, the number of leading
+    tokens that were already in the tree: value[:n] stays with the caller (who frees the part it allocated
+    itself), value[n:aligned] now belongs to the tree, and value[aligned:] (the unaligned tail) stays with the
+    caller. Disabled cache: `insert` takes nothing and returns 0, so the caller frees all of `value` itself.
+  * The tree frees slots only in `evict`, through `allocator.free`; `reset` forgets everything without freeing
+    (the caller clears the allocator alongside it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+_SCAN_CHUNK = 64  # tokens compared per slice when locating the first mismatch
+
+
+@dataclass(frozen=True)
+class RadixKey:
+    token_ids: tuple[int, ...]
+    extra_key: str | None = None
+
+    def __post_init__(self) -> None:
+        # Edges are tuples and page children are keyed by tuples: a list here would never match.
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One edge of the tree: `key` tokens whose KV lives in `value` slots. Roots have an empty key and no parent."""
+
+    key: tuple[int, ...] = ()
+    value: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    parent: TreeNode | None = None
+    children: dict = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access_time: int = 0
+    id: int = field(default_factory=itertools.count().__next__)
+    namespace: str | None = None  # the extra_key a root stands for (unused below roots)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+@dataclass
+class MatchResult:
+    device_indices: torch.Tensor  # int64 slots of the matched tokens
+    last_node: TreeNode  # lock this to keep the matched slots alive
+
+
+def common_prefix_len(edge: tuple[int, ...], tokens: tuple[int, ...], start: int, page_size: int) -> int:
+    """Length of the common prefix of `edge` and tokens[start:], floored to whole pages.
+
+    Compares by C-level slice equality (whole edge first, then chunks) so long keys cost no per-token Python work.
+    """
+    n = min(len(edge), len(tokens) - start)
+    if edge[:n] == tokens[start : start + n]:
+        i = n
+    else:
+        i = 0
+        while edge[i : i + _SCAN_CHUNK] == tokens[start + i : start + i + _SCAN_CHUNK]:
+            i += _SCAN_CHUNK
+        while edge[i] == tokens[start + i]:
+            i += 1
+    return i - i % page_size
+
+
+class RadixCache:
+    def __init__(self, token_to_kv_pool_allocator: TokenToKVPoolAllocator, page_size: int, disable: bool = False):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.disable = disable
+        self._clock = itertools.count(1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every node. Slots are not freed: the caller clears the allocator at the same time."""
+        self.roots: dict[str | None, TreeNode] = {}
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+
+    # ---- lookup ---------------------------------------------------------------------------------------------
+    def _child_key(self, tokens: tuple[int, ...], start: int):
+        return tokens[start] if self.page_size == 1 else tokens[start : start + self.page_size]
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached page-aligned prefix of `key` in its namespace.
+
+        Splits the last node when the match ends inside it, so `last_node` covers exactly the matched tokens and
+        locking it protects nothing more. Refreshes the LRU time of every node on the path.
+        """
+        root = self.roots.get(key.extra_key)
+        if self.disable or root is None:
+            return MatchResult(_EMPTY.clone(), root if root is not None else TreeNode(namespace=key.extra_key))
+        n = self._aligned(len(key.token_ids))
+        tokens = key.token_ids[:n]
+        now = next(self._clock)
+        node, i, values = root, 0, []
+        while i < n:
+            child = node.children.get(self._child_key(tokens, i))
+            if child is None:
+                break
+            child.last_access_time = now
+            matched = common_prefix_len(child.key, tokens, i, self.page_size)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            values.append(child.value)
+            node, i = child, i + matched
+        device_indices = torch.cat(values) if values else _EMPTY.clone()
+        return MatchResult(device_indices, node)
+
+    # ---- update ---------------------------------------------------------------------------------------------
+    def insert(self, key: RadixKey, value: torch.Tensor) -> int:
+        """Store key's page-aligned head; returns how many leading tokens the tree already had (see module doc)."""
+        if value.numel() != len(key.token_ids):
+            raise ValueError(f"insert: key has {len(key.token_ids)} tokens but value has {value.numel()} slots")
+        n = self._aligned(len(key.token_ids))
+        if self.disable or n == 0:
+            return 0
+        tokens = key.token_ids[:n]
+        root = self.roots.get(key.extra_key)
+        if root is None:
+            root = self.roots[key.extra_key] = TreeNode(namespace=key.extra_key)
+        now = next(self._clock)
+        node, i = root, 0
+        while i < n:
+            child = node.children.get(self._child_key(tokens, i))
+            if child is None:
+                break
+            child.last_access_time = now
+            matched = common_prefix_len(child.key, tokens, i, self.page_size)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            node, i = child, i + matched
+        if i < n:
+            leaf = TreeNode(key=tokens[i:], value=value[i:n].to(torch.int64).clone(), parent=node, last_access_time=now)
+            node.children[self._child_key(tokens, i)] = leaf
+            self.evictable_size_ += n - i
+        return i
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut `node` after `at` tokens; the new upper part inherits the lock count, so every lock stays balanced."""
+        parent = node.parent
+        upper = TreeNode(
+            key=node.key[:at],
+            value=node.value[:at],
+            parent=parent,
+            lock_ref=node.lock_ref,
+            last_access_time=node.last_access_time,
+        )
+        parent.children[self._child_key(node.key, 0)] = upper
+        node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
+        upper.children[self._child_key(node.key, 0)] = node
+        return upper
+
+    # ---- eviction ---------------------------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free LRU unlocked leaves, across all namespaces, until `num_tokens` are freed; returns tokens freed."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(leaf.last_access_time, leaf.id, leaf) for leaf in self._evictable_leaves()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self.token_to_kv_pool_allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self.evictable_size_ -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key, 0)]
+            leaf.parent = None
+            if parent.children:
+                continue
+            if parent.is_root:
+                self._drop_root(parent)
+            elif parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        return freed
+
+    def _evictable_leaves(self) -> list[TreeNode]:
+        return [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+
+    def _drop_root(self, root: TreeNode) -> None:
+        if self.roots.get(root.namespace) is root:
+            del self.roots[root.namespace]
+
+    # ---- locking ----------------------------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Protect node and its ancestors from eviction; returns the change in evictable size (<= 0)."""
+        if self.disable:
+            return 0
+        delta = 0
+        while not node.is_root:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+                delta -= len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one inc_lock_ref on the same node; returns the change in evictable size (>= 0)."""
+        if self.disable:
+            return 0
+        delta = 0
+        while not node.is_root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("dec_lock_ref on a node that is not locked")
+            if node.lock_ref == 1:
+                self.evictable_size_ += len(node.key)
+                self.protected_size_ -= len(node.key)
+                delta += len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+        return delta
+
+    # ---- accounting -------------------------------------------------------------------------------------------
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        """Tokens held by the tree, counted by walking it (a check on evictable_size + protected_size)."""
+        return sum(len(n.key) for n in self._nodes())
+
+    def all_slots(self) -> torch.Tensor:
+        """Every slot the tree owns."""
+        values = [n.value for n in self._nodes()]
+        return torch.cat(values) if values else _EMPTY.clone()
+
+    def _nodes(self):
+        """Every non-root node of every namespace."""
+        stack = [c for root in self.roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def pretty_print(self) -> str:
+        """The tree as indented text (also printed), for debugging."""
+        lines = []
+        for extra_key, root in self.roots.items():
+            lines.append(f"[{extra_key!r}]")
+            stack = [(c, 1) for c in root.children.values()]
+            while stack:
+                node, depth = stack.pop()
+                head = list(node.key[:8]) + (["..."] if len(node.key) > 8 else [])
+                lines.append(f"{'  ' * depth}{len(node.key)} {head} lock={node.lock_ref} t={node.last_access_time}")
+                stack.extend((c, depth + 1) for c in node.children.values())
+        lines.append(f"evictable={self.evictable_size_} protected={self.protected_size_}")
+        text = "\n".join(lines)
+        print(text)
+        return text

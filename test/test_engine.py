@@ -1,0 +1,130 @@
+"""Engine core against Hugging Face transformers: greedy tokens, prefix caching, memory accounting, retraction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_pic import Engine
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time there was a little town by the sea where",
+    "A serving engine batches requests, caches keys and values",
+]
+NEW_TOKENS = 12
+
+
+def hf_greedy(path, prompts: list[str], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, num_beams=1)
+        outs.append(gen[0, ids.shape[1] :].tolist())
+    return outs
+
+
+def greedy(n: int = NEW_TOKENS) -> dict:
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+
+
+def assert_idle_accounting(engine: Engine) -> None:
+    sched = engine.scheduler
+    assert sched.is_idle()
+    alloc = engine.runner.allocator
+    assert alloc.available_size() + sched.tree.total_size() == alloc.size
+    assert sched.tree.protected_size() == 0
+    assert not sched.kv.inflight_spans
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model) -> tuple:
+    return tiny_model, hf_greedy(tiny_model, PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "page_size,chunked_prefill_size", [(1, None), (1, 5), (16, None), (16, 7)], ids=["p1", "p1-chunk", "p16", "p16-chunk"]
+)
+def test_greedy_matches_transformers(hf_reference, page_size, chunked_prefill_size):
+    path, expected = hf_reference
+    with Engine(
+        model_path=str(path), dtype="float32", page_size=page_size, chunked_prefill_size=chunked_prefill_size,
+        max_total_tokens=2048,
+    ) as engine:
+        outs = engine.generate(PROMPTS, greedy())
+        assert [o["output_ids"] for o in outs] == expected
+        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+        assert_idle_accounting(engine)
+
+
+def test_prefix_cache_hit_gives_same_tokens(tiny_llama):
+    base = "Once upon a time there was a little town by the sea where fishermen told stories"
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
+        first = engine.generate(base + " every night", greedy())
+        second = engine.generate(base + " to the children", greedy())
+        assert first["meta_info"]["cached_tokens"] == 0
+        assert second["meta_info"]["cached_tokens"] > 10
+        assert_idle_accounting(engine)
+    with Engine(model_path=str(tiny_llama), dtype="float32", disable_radix_cache=True, max_total_tokens=2048) as cold:
+        ref = cold.generate(base + " to the children", greedy())
+        assert ref["meta_info"]["cached_tokens"] == 0
+        assert_idle_accounting(cold)
+    assert second["output_ids"] == ref["output_ids"]
+
+
+def test_retraction_under_small_pool_gives_same_tokens(tiny_qwen2):
+    prompts = [f"{p} number {i}" for i, p in enumerate(PROMPTS * 3)]
+    params = greedy(40)
+    with Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096) as big:
+        expected = [o["output_ids"] for o in big.generate(prompts, params)]
+    with Engine(
+        model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=256, page_size=4, chunked_prefill_size=32
+    ) as small:
+        outs = small.generate(prompts, params)
+        assert small.scheduler.stats.num_retractions > 0
+        assert [o["output_ids"] for o in outs] == expected
+        assert_idle_accounting(small)
+
+
+def test_abort_frees_memory(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
+        stream = engine.generate(PROMPTS[1], greedy(50), stream=True)
+        chunks = [next(stream) for _ in range(3)]
+        assert chunks[-1]["meta_info"]["completion_tokens"] >= 3
+        stream.close()
+        assert_idle_accounting(engine)
+
+
+def test_stream_matches_non_stream(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
+        full = engine.generate(PROMPTS[0], greedy())
+        chunks = list(engine.generate(PROMPTS[0], greedy(), stream=True))
+        assert chunks[-1]["text"] == full["text"]
+        assert chunks[-1]["output_ids"] == full["output_ids"]
+        assert len(chunks) == NEW_TOKENS
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(prompt=""), "empty"),
+        (dict(prompt="hi " * 400), "context length"),
+        (dict(prompt="hi", sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
+        (dict(prompt="hi", sampling_params={"max_new_tokens": 2.5}), "max_new_tokens"),
+        (dict(prompt="hi", sampling_params={"temperature": -1}), "temperature"),
+        (dict(prompt="hi", sampling_params={"top_p": 1.5}), "top_p"),
+        (dict(prompt="hi", sampling_params={"bogus": 1}), "bogus"),
+        (dict(prompt=["ok", ""]), "request 1"),
+    ],
+)
+def test_bad_input_raises_and_engine_keeps_serving(tiny_llama, kwargs, needle):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
+        with pytest.raises(ValueError, match=needle):
+            engine.generate(**kwargs)
+        assert engine.generate("hello", greedy(3))["meta_info"]["completion_tokens"] == 3
+        assert_idle_accounting(engine)
