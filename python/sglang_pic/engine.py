@@ -96,6 +96,18 @@ class Engine:
                 if not r.finished():
                     self.scheduler.abort_request(r.rid)
 
+    def warm_spans(self, spans: list[str]) -> dict[str, Any]:
+        """Prefill spans into the cache without generating (the barrier workflow's first phase)."""
+        keyed = self.tokenizer_manager.span_keys(spans)
+        before = self.scheduler.stats.computed_prefill_tokens
+        jobs = self.scheduler.add_span_jobs(keyed)
+        self._run_until_done(jobs)
+        return {
+            "num_spans": len(spans),
+            "span_tokens": sum(len(t) for _, t in keyed),
+            "computed_tokens": self.scheduler.stats.computed_prefill_tokens - before,
+        }
+
     # ---- control ------------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()

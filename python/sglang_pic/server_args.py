@@ -29,7 +29,9 @@ class ServerArgs:
     # Scheduling.
     chunked_prefill_size: int = 8192
     max_prefill_tokens: int = 16384
-    schedule_policy: str = "fcfs"  # fcfs | lpm
+    schedule_policy: str | None = None  # fcfs | lpm | isps; default isps with PIC, fcfs with --disable-pic
+    step_token_budget: int | None = None  # prefill tokens per ISPS step next to the decodes (default: chunk size)
+    isps_max_wait_steps: int = 32  # ISPS serves any work that has waited this many steps first
     schedule_conservativeness: float = 1.0
     enable_mixed_chunk: bool = False
 
@@ -44,6 +46,13 @@ class ServerArgs:
     pdep_marker: str = "<|pdep|>"
     ssep_token_id: int = -1
     pdep_token_id: int = -2
+
+    # Lossless compressed-KV speculation (VeriCache).
+    speculative_algorithm: str | None = None  # None | vericache
+    speculative_num_draft_tokens: int | None = None
+    vericache_compressor: str = "streaming"  # streaming | snapkv | h2o | kivi
+    vericache_budget: float = 0.25  # < 1: fraction of the context kept for drafting; >= 1: tokens kept
+    vericache_full_kv: str = "gpu"  # gpu | host
 
     # Server.
     host: str = "127.0.0.1"
@@ -62,12 +71,16 @@ class ServerArgs:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.schedule_policy is None:
+            self.schedule_policy = "fcfs" if self.disable_pic else "isps"
+        if self.schedule_policy not in ("fcfs", "lpm", "isps"):
+            raise ValueError(f"schedule_policy must be fcfs, lpm or isps, got {self.schedule_policy!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = None
         if self.attention_backend not in (None, "torch_native", "triton"):
             raise ValueError(f"attention_backend must be torch_native or triton, got {self.attention_backend!r}")
+        if self.speculative_algorithm not in (None, "vericache"):
+            raise ValueError(f"speculative_algorithm must be vericache, got {self.speculative_algorithm!r}")
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
 

@@ -88,6 +88,9 @@ class Req:
     # Streaming cursor: how many output ids have been reported.
     sent_offset: int = 0
     input_logprobs_done: bool = False
+    # A span prefill job (ISPS or warm-up): computes its span's KV into the tree, samples nothing.
+    warmup: bool = False
+    arrival_step: int = 0
 
     # ---- derived views -------------------------------------------------------------------------------------
     @property

@@ -58,7 +58,7 @@ def build_forward_batch(entries: list[BatchEntry], out_cache_loc: torch.Tensor, 
         starts.append(len(input_ids))
         for p in e.logprob_positions:
             logit_rows.append(len(input_ids) + e.positions.index(p))
-        if e.completes:  # the last position is never a logprob position: those end at prompt_len - 2
+        if e.completes and not e.req.warmup:  # the last position is never a logprob position (they end at prompt_len - 2)
             logit_rows.append(len(input_ids) + e.num_tokens - 1)
         input_ids.extend(e.input_ids)
         positions.extend(e.positions)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_pic.managers.isps import SpanPrefillPlanner
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.managers.schedule_batch import BatchEntry, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.req_kv import ReqKVManager
@@ -59,13 +60,36 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.vocab_size = model_runner.model_config.vocab_size
         self.context_len = model_runner.model_config.context_len
+        self.isps = server_args.schedule_policy == "isps"
         self.prefill_budget = server_args.chunked_prefill_size or server_args.max_prefill_tokens
+        if self.isps and server_args.step_token_budget:
+            self.prefill_budget = server_args.step_token_budget
         self.chunking = server_args.chunked_prefill_size is not None
+        self.mix_decodes = self.isps or server_args.enable_mixed_chunk
+        self.planner = SpanPrefillPlanner(self.kv, server_args.isps_max_wait_steps)
         self.finished_early: list[Req] = []  # finished outside a forward (e.g. can never fit the pool)
+        self.spec_worker = None
+        if server_args.speculative_algorithm == "vericache":
+            from sglang_pic.speculative.vericache_worker import VeriCacheWorker
+
+            self.spec_worker = VeriCacheWorker(self)
 
     # ---- requests in and out ----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
+        req.arrival_step = self.stats.num_steps
         self.waiting.append(req)
+
+    def add_span_jobs(self, spans: list[tuple[str | None, list[int]]]) -> list[Req]:
+        """Queue prefill-only jobs for spans (extra_key, tokens); returns the jobs (shared with ISPS's own)."""
+        jobs = []
+        for extra_key, tokens in spans:
+            from sglang_pic.managers.req import ReqSegment
+
+            job, created = self.planner.job_for(ReqSegment("span", tokens, extra_key), self.stats.num_steps)
+            if created:
+                self.waiting.append(job)
+            jobs.append(job)
+        return jobs
 
     def abort_request(self, rid: str) -> Req | None:
         for queue in (self.waiting, self.running):
@@ -105,9 +129,11 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward; return the requests that produced output (or finished) in it."""
         entries = self._schedule_extend()
+        updated, self.finished_early = self.finished_early, []
+        if entries is None and self.spec_worker is not None and self.running:
+            return updated + self.spec_worker.decode_round()
         if entries is None:
             entries = self._schedule_decode()
-        updated, self.finished_early = self.finished_early, []
         if not entries:
             return updated
         batch = build_forward_batch(entries, torch.cat([e.slots for e in entries]), self.runner)
@@ -141,8 +167,15 @@ class Scheduler:
                 if req.req_pool_idx is None:
                     break
                 self.kv.match(req)
-            if self.kv.waits_for_inflight_span(req):
-                self.kv.release(req)  # another request is computing one of its spans: match again next step
+            if req.warmup and req.pending() == 0:  # its span is cached already
+                self.waiting.remove(req)
+                self._finish_span_job(req)
+                self.finished_early.append(req)
+                continue
+            if self.kv.waits_for_inflight_span(req) or (
+                self.isps and not req.warmup and self.kv.has_shareable_uncached_span(req)
+            ):
+                self.kv.release(req)  # its span is being computed elsewhere: match again next step
                 continue
             reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
             need = self.kv.slots_needed(req, [len(s.tokens) - s.done for s in req.segments])
@@ -169,9 +202,8 @@ class Scheduler:
                 break
         if not entries:
             return None
-        if self.server_args.enable_mixed_chunk and self.running:
-            decodes = self._schedule_decode()
-            entries.extend(decodes or [])
+        if self.mix_decodes and self.running:
+            entries.extend(self._schedule_decode())
         return entries
 
     def _reject_oversized(self, req: Req) -> None:
@@ -180,6 +212,10 @@ class Scheduler:
         self.finished_early.append(req)
 
     def _ordered_waiting(self) -> list[Req]:
+        if self.isps:
+            ordered, new_jobs = self.planner.order(self.waiting, self.stats.num_steps)
+            self.waiting.extend(new_jobs)
+            return ordered
         if self.server_args.schedule_policy == "lpm" and len(self.waiting) > 1:
             def matched(req: Req) -> int:
                 return -sum(
@@ -197,7 +233,7 @@ class Scheduler:
         return entry
 
     def _count_admission(self, req: Req) -> None:
-        if req.matched_once:
+        if req.matched_once or req.warmup:
             return
         req.matched_once = True
         self.stats.prompt_tokens += req.prompt_len
@@ -243,13 +279,12 @@ class Scheduler:
         sample_rows, sample_reqs, updated = [], [], []
         logprob_rows: list[tuple[BatchEntry, int]] = []
         for e in entries:
-            prefill = e.num_tokens > 1 or not e.completes or not e.req.output_ids
-            if prefill:
+            if e.num_tokens > 1 or not e.completes or not e.req.output_ids:
                 self.stats.computed_prefill_tokens += e.num_tokens
             if e.logprob_positions:
                 logprob_rows.append((e, row))
                 row += len(e.logprob_positions)
-            if e.completes:
+            if e.completes and not e.req.warmup:
                 sample_rows.append(row)
                 sample_reqs.append(e.req)
                 row += 1
@@ -257,7 +292,10 @@ class Scheduler:
             self._record_input_logprobs(logprob_rows, logits)
         # Hand freshly computed spans and prefixes to the tree now, so waiting requests can reuse them.
         for e in entries:
-            if e.num_tokens > 1 or not e.completes:
+            if e.completes and e.req.warmup:
+                self._finish_span_job(e.req)
+                updated.append(e.req)
+            elif e.num_tokens > 1 or not e.completes:
                 self.kv.cache(e.req)
         if sample_rows:
             self._sample(sample_reqs, logits[torch.tensor(sample_rows, device=logits.device)], updated)
@@ -283,41 +321,51 @@ class Scheduler:
             if e.req.prompt_len == 1 or e.completes:
                 e.req.input_logprobs_done = True
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, updated: list[Req]) -> None:
-        info = SamplingBatchInfo.from_requests(
+    def sampling_info(self, reqs: list[Req], device: torch.device) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [r.output_ids for r in reqs],
             [r.prompt_ids() for r in reqs],
             self.vocab_size,
-            logits.device,
+            device,
             [self._min_tokens_ban(r) for r in reqs],
             [r.generator for r in reqs],
         )
-        next_ids = self.sampler(logits[:, : self.vocab_size].float(), info).tolist()
-        want_lp = [r for r in reqs if r.return_logprob]
-        if want_lp:
-            lp = compute_logprobs(logits.float())
-        now = time.time()
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, updated: list[Req]) -> None:
+        logits = logits[:, : self.vocab_size].float()
+        next_ids = self.sampler(logits, self.sampling_info(reqs, logits.device)).tolist()
+        lp = compute_logprobs(logits) if any(r.return_logprob for r in reqs) else None
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             if req.sampling_params.max_new_tokens == 0:  # prefill-only call: the sampled token is not output
                 req.finished_reason = FinishReason("length", matched=None)
                 self._finish(req)
-                updated.append(req)
-                continue
-            if req.return_logprob:
-                req.output_token_logprobs.append((get_token_logprobs(lp[i : i + 1], [tok])[0], tok))
-                if req.top_logprobs_num:
-                    req.output_top_logprobs.append(get_top_logprobs(lp[i : i + 1], [req.top_logprobs_num])[0])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.append_output(tok)
-            self.stats.generation_tokens += 1
-            self._check_finished(req)
-            if req.finished():
-                self._finish(req)
-            elif req not in self.running:
-                self.running.append(req)
+            else:
+                self.commit_token(req, tok, lp[i] if lp is not None else None)
             updated.append(req)
+
+    def commit_token(self, req: Req, tok: int, logprobs: torch.Tensor | None = None) -> bool:
+        """Append one generated token (its KV comes with the next forward); finish the request if it stops.
+
+        `logprobs` is the raw log-softmax row that produced `tok` (needed only when the request returns logprobs).
+        Returns whether the request finished.
+        """
+        if req.return_logprob:
+            row = logprobs[None]
+            req.output_token_logprobs.append((get_token_logprobs(row, [tok])[0], tok))
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(get_top_logprobs(row, [req.top_logprobs_num])[0])
+        if req.first_token_time is None:
+            req.first_token_time = time.time()
+        req.append_output(tok)
+        self.stats.generation_tokens += 1
+        self._check_finished(req)
+        if req.finished():
+            self._finish(req)
+            return True
+        if req not in self.running:
+            self.running.append(req)
+        return False
 
     def _min_tokens_ban(self, req: Req) -> set[int]:
         sp = req.sampling_params
@@ -344,6 +392,11 @@ class Scheduler:
                         return
         if n >= sp.max_new_tokens or req.seq_len() >= self.context_len:
             req.finished_reason = FinishReason("length", matched=None)
+
+    def _finish_span_job(self, job: Req) -> None:
+        job.finished_reason = FinishReason("length", matched=None)
+        self.planner.job_done(job)
+        self._finish(job)
 
     def _finish(self, req: Req) -> None:
         if req in self.running:

@@ -14,7 +14,7 @@ import torch
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.managers.segmenter import PromptSegmenter
-from sglang_pic.radix_ext.segments import canonicalize, segment_keys, tail_key
+from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys, tail_key
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.server_args import ServerArgs
 
@@ -86,6 +86,18 @@ class TokenizerManager:
                 )
             )
         return reqs
+
+    def span_keys(self, spans: list[str]) -> list[tuple[str | None, list[int]]]:
+        """(radix namespace, tokens) of each span text, tokenized exactly as inside a marked prompt."""
+        out = []
+        for i, text in enumerate(spans):
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"span {i} must be a non-empty string")
+            if self.segmenter.has_markers(text):
+                raise ValueError(f"span {i} contains a span marker; markers are structure, not text")
+            tokens = self.segmenter.from_text(self.server_args.ssep_marker + text)[-1].token_ids
+            out.append((segment_keys([Segment("span", tokens)])[0].extra_key, list(tokens)))
+        return out
 
     @staticmethod
     def _generator(seed: int | None, k: int) -> torch.Generator | None:

@@ -56,7 +56,7 @@ class ReqKVManager:
         req.cached_prefix_tokens = req.cached_span_tokens = 0
         for i, seg in enumerate(req.segments):
             cap = len(seg.tokens)
-            if i == last_nonempty:
+            if i == last_nonempty and not req.warmup:
                 cap -= 1  # the last token is always computed: its logits give the next token
             if limit is not None:
                 cap = min(cap, max(limit - seg.start, 0))
@@ -78,6 +78,21 @@ class ReqKVManager:
     def _shareable_uncached_spans(self, req: Req) -> list[ReqSegment]:
         # Only whole pages are shared, so a span with less than a page left to compute is not worth waiting for.
         return [s for s in req.segments if s.kind == "span" and len(s.tokens) - s.done >= self.page_size]
+
+    def has_shareable_uncached_span(self, req: Req) -> bool:
+        return bool(self._shareable_uncached_spans(req))
+
+    def uncached_span_segments(self, req: Req) -> list[ReqSegment]:
+        """Spans of a queued request that still have whole pages to compute (looked up without locking)."""
+        if self.disable_cache:
+            return []
+        out = []
+        for seg in req.segments:
+            if seg.kind == "span" and len(seg.tokens) >= self.page_size:
+                hit = int(self.tree.match_prefix(seg.key()).device_indices.numel())
+                if len(seg.tokens) - hit >= self.page_size:
+                    out.append(seg)
+        return out
 
     def waits_for_inflight_span(self, req: Req) -> bool:
         return any(

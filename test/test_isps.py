@@ -1,0 +1,99 @@
+"""ISPS: span prefills interleaved with decodes — each span computed once, no starvation, same tokens as FCFS."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from sglang_pic import Engine
+from sglang_pic.frontend_lang import span
+from sglang_pic.managers.io_struct import GenerateReqInput
+
+DOCS = [
+    "The capital of France is Paris, the capital of Japan is Tokyo.",
+    "A serving engine batches requests and streams tokens back to each client.",
+    "In the morning we walked to the market and bought fresh bread and apples.",
+    "She opened the old book and read the first chapter aloud to the children.",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def workload() -> list[str]:
+    out = []
+    for i in range(8):
+        docs = [DOCS[(i + k) % len(DOCS)] for k in range(3)]
+        out.append(f"Question {i}." + "".join(span(d) for d in docs) + f"Which document mentions item {i}?")
+    return out
+
+
+def spy_span_computation(engine: Engine) -> Counter:
+    """Count, per span, how many of its tokens get fresh KV slots (= are computed)."""
+    counts: Counter = Counter()
+    kv = engine.scheduler.kv
+    original = kv.alloc
+
+    def alloc(req, seg_counts):
+        for seg, n in zip(req.segments, seg_counts):
+            if seg.kind == "span" and n > 0:
+                counts[tuple(seg.tokens)] += n
+        return original(req, seg_counts)
+
+    kv.alloc = alloc
+    return counts
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_isps_computes_each_span_once_and_matches_fcfs(tiny_llama, page_size):
+    texts = workload()
+    common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, page_size=page_size)
+    with Engine(schedule_policy="fcfs", **common) as fcfs:
+        expected = [o["output_ids"] for o in fcfs.generate(texts, GREEDY)]
+    with Engine(schedule_policy="isps", step_token_budget=64, **common) as isps:
+        counts = spy_span_computation(isps)
+        outs = isps.generate(texts, GREEDY)
+        assert [o["output_ids"] for o in outs] == expected
+        span_lens = {tuple(isps.tokenizer.encode(d, add_special_tokens=False)) for d in DOCS}
+        for tokens in span_lens:
+            # Whole pages of a span are computed once; only a partial last page may be recomputed per request.
+            assert counts[tokens] <= len(tokens) + (len(tokens) % page_size) * len(texts)
+        assert sum(o["meta_info"]["cached_span_tokens"] for o in outs) > 0
+
+
+def test_isps_never_starves_a_request(tiny_llama):
+    """A request whose span only it needs is served within a bounded number of steps, however many popular
+    span prefills keep arriving."""
+    max_wait = 6
+    with Engine(
+        model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="isps",
+        step_token_budget=24, isps_max_wait_steps=max_wait,
+    ) as engine:
+        tm, sched = engine.tokenizer_manager, engine.scheduler
+        lonely = tm.build_requests(GenerateReqInput(text="Alone." + span(DOCS[3] * 2) + "?", sampling_params=GREEDY))[0]
+        sched.add_request(lonely)
+        steps = 0
+        while lonely.first_token_time is None:
+            # Every step more popular span work arrives than the step budget holds (each span shared by two).
+            for j in range(2):
+                popular = f"Popular document {steps} {j} about the market and the sea and the town."
+                for k in range(2):
+                    text = f"Reader {k}." + span(popular) + "Summarize."
+                    for req in tm.build_requests(GenerateReqInput(text=text, sampling_params=GREEDY)):
+                        sched.add_request(req)
+            sched.step()
+            steps += 1
+            assert steps < 60, "the lonely request starved"
+        # It waits at most max_wait steps before its span job runs, then a few steps to compute span and prompt.
+        assert steps <= max_wait + 8
+
+
+def test_warm_spans_then_prompts_reuse_them(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="fcfs") as engine:
+        info = engine.warm_spans(DOCS[:2])
+        assert info["computed_tokens"] == info["span_tokens"]
+        again = engine.warm_spans(DOCS[:2])
+        assert again["computed_tokens"] == 0
+        out = engine.generate("Prefix." + span(DOCS[0]) + span(DOCS[1]) + "Question?", GREEDY)
+        assert out["meta_info"]["cached_span_tokens"] == info["span_tokens"]
+        with pytest.raises(ValueError, match="marker"):
+            engine.warm_spans(["bad <|ssep|> span"])
