@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """`Engine(model_path=..., **server_args)`; `generate(...)` returns a dict for one prompt, a list for a batch."""
+    """`Engine(model_path=..., **server_args)`; `generate(...)` returns a dict for one prompt, a list for a batch.
+
+    Thread-safe: concurrent callers (e.g. SGLang programs running forks in threads) share one scheduler; whoever
+    waits drives it one step at a time under a lock, so their requests are batched together.
+    """
 
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
         self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
@@ -37,6 +42,7 @@ class Engine:
         self.runner = ModelRunner(args, self.model_config)
         self.scheduler = Scheduler(args, self.runner, self.tokenizer)
         self.tokenizer_manager = TokenizerManager(args, self.tokenizer, self.model_config)
+        self._lock = threading.Lock()
 
     # ---- generation ---------------------------------------------------------------------------------------
     def generate(
@@ -65,42 +71,82 @@ class Engine:
         reqs = self.tokenizer_manager.build_requests(obj)
         if stream:
             return self._stream(reqs, return_text_in_logprobs)
-        for req in reqs:
-            self.scheduler.add_request(req)
+        self._submit(reqs)
         self._run_until_done(reqs)
         outs = [self.tokenizer_manager.format_output(r, return_text_in_logprobs) for r in reqs]
         return outs if obj.is_batch or len(outs) > 1 else outs[0]
 
-    def _run_until_done(self, reqs: list[Req]) -> None:
-        try:
-            while not all(r.finished() for r in reqs):
-                self.scheduler.step()
-        except BaseException:
+    def _submit(self, reqs: list[Req]) -> None:
+        with self._lock:
+            for req in reqs:
+                self.scheduler.add_request(req)
+
+    def _step(self) -> list[Req]:
+        with self._lock:
+            return self.scheduler.step()
+
+    def _abort_unfinished(self, reqs: list[Req]) -> None:
+        with self._lock:
             for r in reqs:
                 if not r.finished():
                     self.scheduler.abort_request(r.rid)
+
+    def _run_until_done(self, reqs: list[Req]) -> None:
+        try:
+            while not all(r.finished() for r in reqs):
+                self._step()
+        except BaseException:
+            self._abort_unfinished(reqs)
             raise
 
     def _stream(self, reqs: list[Req], with_text: bool) -> Iterator[dict]:
         """Yield a chunk (cumulative text, like SGLang's native streaming) whenever a request has new output."""
-        for req in reqs:
-            self.scheduler.add_request(req)
-        mine = {r.rid for r in reqs}
+        self._submit(reqs)
+        sent = {r.rid: -1 for r in reqs}
         try:
             while not all(r.finished() for r in reqs):
-                for req in self.scheduler.step():
-                    if req.rid in mine:
+                self._step()
+                for req in reqs:
+                    progress = len(req.output_ids) + req.finished()
+                    if progress != sent[req.rid]:
+                        sent[req.rid] = progress
                         yield self.tokenizer_manager.format_output(req, with_text)
         finally:
-            for r in reqs:
-                if not r.finished():
-                    self.scheduler.abort_request(r.rid)
+            self._abort_unfinished(reqs)
+
+    def generate_request(self, body: dict[str, Any]) -> dict | list[dict] | Iterator[dict]:
+        """Serve a `/generate` JSON body (SGLang's field names) in-process."""
+        obj = GenerateReqInput.from_json(body)
+        return self.generate(
+            prompt=obj.text,
+            sampling_params=obj.sampling_params,
+            input_ids=obj.input_ids,
+            return_logprob=obj.return_logprob,
+            top_logprobs_num=obj.top_logprobs_num,
+            logprob_start_len=obj.logprob_start_len,
+            stream=obj.stream,
+            rid=obj.rid,
+            return_text_in_logprobs=obj.return_text_in_logprobs,
+        )
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.server_args.served_model_name or self.server_args.model_path,
+            "tokenizer_path": self.server_args.tokenizer_path,
+            "is_generation": True,
+        }
+
+    def get_server_info(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {**asdict(self.server_args), **self.get_stats()}
 
     def warm_spans(self, spans: list[str]) -> dict[str, Any]:
         """Prefill spans into the cache without generating (the barrier workflow's first phase)."""
         keyed = self.tokenizer_manager.span_keys(spans)
         before = self.scheduler.stats.computed_prefill_tokens
-        jobs = self.scheduler.add_span_jobs(keyed)
+        with self._lock:
+            jobs = self.scheduler.add_span_jobs(keyed)
         self._run_until_done(jobs)
         return {
             "num_spans": len(spans),
@@ -110,19 +156,21 @@ class Engine:
 
     # ---- control ------------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+        with self._lock:
+            return self.scheduler.flush_cache()
 
     def get_stats(self) -> dict[str, Any]:
         from dataclasses import asdict
 
         stats = asdict(self.scheduler.stats)
+        stats["span_hit_rate"] = stats["span_segment_hits"] / max(stats["span_segments"], 1)
+        stats["reused_prefill_tokens"] = stats["cached_prefix_tokens"] + stats["cached_span_tokens"]
         stats["token_usage"] = self.scheduler.token_usage()
         stats["max_total_num_tokens"] = self.runner.max_total_num_tokens
         return stats
 
     def shutdown(self) -> None:
-        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self.scheduler.abort_request(req.rid)
+        self._abort_unfinished(list(self.scheduler.waiting) + list(self.scheduler.running))
 
     def __enter__(self) -> "Engine":
         return self

@@ -110,7 +110,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         for name, message in _UNSUPPORTED.items():
-            if getattr(self, name) is not None:
+            if getattr(self, name):  # empty values (the frontend sends stop_regex=()) ask for nothing
                 raise ValueError(message)
 
         self.max_new_tokens = _int("max_new_tokens", self.max_new_tokens)
