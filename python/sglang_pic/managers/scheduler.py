@@ -250,10 +250,13 @@ class Scheduler:
             if self.kv.ensure_free(need):
                 break
             self._retract_one()
-        for req in self.running:
-            entry = self._take(req, 1)
-            assert entry is not None, "decode slots were reserved above"
-            entries.append(entry)
+        slots = self.kv.alloc_decode(self.running) if self.running else None
+        for i, req in enumerate(self.running):
+            pos = req.seq_len() - 1
+            entries.append(
+                BatchEntry(req, [], positions=[pos], attn_lo=[0], input_ids=[req.output_ids[-1]], completes=True,
+                           slots=slots[i : i + 1])
+            )
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return entries
 
@@ -325,7 +328,7 @@ class Scheduler:
         return SamplingBatchInfo.from_requests(
             [r.sampling_params for r in reqs],
             [r.output_ids for r in reqs],
-            [r.prompt_ids() for r in reqs],
+            [r.prompt_ids() if r.sampling_params.repetition_penalty != 1.0 else [] for r in reqs],
             self.vocab_size,
             device,
             [self._min_tokens_ban(r) for r in reqs],

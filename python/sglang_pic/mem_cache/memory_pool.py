@@ -14,7 +14,9 @@ class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        # One extra row, never handed out and all zeros (the dummy KV slot), for padded rows of CUDA graphs.
+        self.padding_row = size
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int64, device=device)
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:

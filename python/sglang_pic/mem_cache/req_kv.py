@@ -131,6 +131,30 @@ class ReqKVManager:
             parts.append(slots)
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot per decoding request (its pending last token), allocated and recorded in one batched write."""
+        ps = self.page_size
+        last = [r.tail.last_slot for r in reqs]
+        fresh = [s < 0 or s % ps == ps - 1 for s in last]
+        need = sum(fresh)
+        if not self.ensure_free(need * ps):
+            return None
+        pages = iter(self.allocator.alloc_pages(need) or [])
+        slots = [next(pages) * ps if f else s + 1 for s, f in zip(last, fresh)]
+        rows, cols = [], []
+        for req, slot in zip(reqs, slots):
+            tail = req.tail
+            rows.append(req.req_pool_idx)
+            cols.append(tail.start + tail.done)
+            tail.done += 1
+            tail.last_slot = slot
+        device = self.req_to_token_pool.req_to_token.device
+        out = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.req_to_token_pool.req_to_token[
+            torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device)
+        ] = out
+        return out
+
     # ---- handing KV to the tree -------------------------------------------------------------------------------
     def cache(self, req: Req, upto_output: bool = True) -> None:
         """Insert every segment's computed, page-aligned tokens into the tree and lock the new path."""

@@ -32,6 +32,12 @@ class ModelRunner:
         self.model.eval()
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend())
+        self.graph_runner = None
+        use_graphs = server_args.resolved_attention_backend() == "triton" and not server_args.disable_cuda_graph
+        if self.device.type == "cuda" and use_graphs:
+            from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self)
 
     def _init_memory_pools(self) -> None:
         cfg = self.model_config
@@ -60,8 +66,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32."""
-        self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            hidden = self.graph_runner.replay(batch)
+        else:
+            self.attn_backend.init_forward_metadata(batch)
+            hidden = self.model(batch.input_ids, batch.positions, batch)
         if batch.logits_indices is None or batch.logits_indices.numel() == 0:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden[batch.logits_indices]).float()
