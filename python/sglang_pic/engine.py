@@ -38,7 +38,11 @@ class Engine:
         self.model_config = ModelConfig.from_path(
             model_dir, context_length=args.context_length, dtype=args.dtype, device=args.resolved_device()
         )
-        self.tokenizer = load_tokenizer(args.tokenizer_path if args.tokenizer_path != args.model_path else model_dir)
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(
+                args.tokenizer_path if args.tokenizer_path != args.model_path else model_dir
+            )
         self.runner = ModelRunner(args, self.model_config)
         self.scheduler = Scheduler(args, self.runner, self.tokenizer)
         self.tokenizer_manager = TokenizerManager(args, self.tokenizer, self.model_config)

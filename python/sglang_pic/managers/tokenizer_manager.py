@@ -46,6 +46,8 @@ class TokenizerManager:
         params.verify(self.vocab_size)
         params.normalize(self.tokenizer)
         if item["text"] is not None:
+            if self.tokenizer is None:
+                raise ValueError("text input needs a tokenizer; this engine runs with skip_tokenizer_init")
             if not isinstance(item["text"], str):
                 raise ValueError("text must be a string")
             segments = self.segmenter.from_text(item["text"])
@@ -121,6 +123,8 @@ class TokenizerManager:
     # ---- output -------------------------------------------------------------------------------------------
     def output_text(self, req: Req) -> str:
         sp = req.sampling_params
+        if self.tokenizer is None:
+            return ""
         ids = req.output_ids
         reason = req.finished_reason
         if reason is not None and reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:

@@ -1,0 +1,457 @@
+"""A 2WikiMultihopQA-shaped RAG workload, generated locally and deterministically from a seed.
+
+2WikiMultihopQA asks multi-hop questions (comparisons, "where was the director of film X born?") over ten
+Wikipedia paragraphs, two of them gold and eight distractors. Here the paragraphs are composed from sentence
+templates over name, place, date and film-title vocabularies (bios, films, towns), so they read like English and
+tokenize like it, and a few passages are far more popular than the rest (Zipf), as in real retrieval traffic.
+That popularity skew is what makes spans recur at different offsets behind different prefixes.
+
+Prompts use SGLang's chatml roles with each passage wrapped in `span()`: `rag_program` is the SGLang frontend
+program (defined when `sglang` imports) and `rag_prompt` builds the identical text without SGLang, for the
+offline engine.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sglang_pic.frontend_lang import Span, marked_prompt, span, strip_markers
+
+SYSTEM_PROMPT = "Answer the question using the passages. Be brief."
+SYSTEM_TURN = ("<|im_start|>system\n", "<|im_end|>\n")
+USER_TURN = ("<|im_start|>user\n", "<|im_end|>\n")
+ASSISTANT_START = "<|im_start|>assistant\n"
+
+CountTokens = Callable[[str], int]
+
+MALE_NAMES = (
+    "Arthur", "Bernard", "Carl", "Daniel", "Edmund", "Felix", "George", "Henry", "Isaac", "Julian", "Karl",
+    "Leonard", "Martin", "Nathan", "Oscar", "Patrick", "Rafael", "Samuel", "Thomas", "Victor", "Walter", "Anton",
+    "Giovanni", "Hugo", "Ivan", "Lars", "Mikhail", "Pierre", "Tomas", "Yusuf",
+)
+FEMALE_NAMES = (
+    "Alice", "Beatrice", "Clara", "Dorothy", "Elena", "Frances", "Greta", "Helen", "Irene", "Johanna", "Katherine",
+    "Lucia", "Margaret", "Nora", "Olga", "Paula", "Rosa", "Sofia", "Teresa", "Ursula", "Vera", "Agnes", "Marta",
+    "Ingrid", "Louise", "Miriam", "Renata", "Sylvia", "Yvonne", "Zofia",
+)
+SURNAMES = (
+    "Abbott", "Bergman", "Castellano", "Dreyer", "Ellison", "Fairbanks", "Gallagher", "Hartmann", "Ivanov",
+    "Jansen", "Kowalski", "Lindqvist", "Moreau", "Novak", "Okafor", "Petrov", "Quinlan", "Rossi", "Schneider",
+    "Tanaka", "Underwood", "Valentini", "Whitfield", "Yamamoto", "Zeller", "Brennan", "Delacroix", "Esposito",
+    "Holloway", "Kingsley", "Lorenz", "Marchetti", "Nakamura", "Ostrowski", "Pemberton", "Rasmussen", "Sandoval",
+    "Thorne", "Vasquez", "Winslow",
+)
+COUNTRIES = (
+    ("England", "British"), ("France", "French"), ("Germany", "German"), ("Italy", "Italian"),
+    ("Sweden", "Swedish"), ("Poland", "Polish"), ("Russia", "Russian"), ("Japan", "Japanese"),
+    ("Spain", "Spanish"), ("Denmark", "Danish"), ("the Netherlands", "Dutch"), ("Ireland", "Irish"),
+    ("the United States", "American"), ("Canada", "Canadian"), ("Mexico", "Mexican"), ("Nigeria", "Nigerian"),
+)
+TOWN_HEADS = (
+    "Ash", "Bel", "Cran", "Dun", "Elder", "Fair", "Glen", "Hart", "Iron", "Kings", "Lang", "Marl", "North", "Oak",
+    "Pen", "Red", "Stan", "Thorn", "Wex", "Wynd",
+)
+TOWN_TAILS = ("ford", "moor", "wick", "bury", "field", "haven", "stead", "ton", "mouth", "dale", "holm", "brook")
+RIVERS = ("Avon", "Loire", "Elbe", "Vistula", "Tiber", "Dnieper", "Shannon", "Ebro", "Rhine", "Oder")
+INDUSTRIES = ("textiles", "shipbuilding", "wine making", "coal mining", "tourism", "fishing", "glassware", "printing")
+PROFESSIONS = (
+    "film director", "screenwriter", "actor", "novelist", "composer", "painter", "architect", "journalist",
+    "photographer", "stage designer", "film producer", "poet",
+)
+UNIVERSITIES = (
+    "the University of Vienna", "the Sorbonne", "the University of Bologna", "the Royal College of Art",
+    "Uppsala University", "the Moscow Conservatory", "the University of Edinburgh", "Columbia University",
+)
+TITLE_ADJECTIVES = (
+    "Silent", "Crimson", "Last", "Hidden", "Broken", "Golden", "Forgotten", "Distant", "Burning", "Quiet",
+    "Northern", "Winter", "Restless", "Lonely", "Second",
+)
+TITLE_NOUNS = (
+    "Harbor", "Garden", "Frontier", "Letter", "Orchard", "Kingdom", "Station", "Voyage", "Promise", "Lighthouse",
+    "Carnival", "Bridge", "Summer", "Witness", "Shadow", "River", "Mirror", "Crossing",
+)
+GENRES = ("drama", "comedy", "thriller", "war film", "musical", "romantic drama", "crime film", "western")
+STUDIOS = ("Pathé", "Universum Film", "Gaumont", "Ealing Studios", "Mosfilm", "Toho", "Nordisk Film", "Cines")
+FESTIVALS = ("Venice Film Festival", "Cannes Film Festival", "Berlin International Film Festival", "Locarno Festival")
+AWARDS = ("Golden Lion", "Palme d'Or", "Golden Bear", "Silver Bear", "Grand Prix", "Jury Prize")
+WARS = ("Thirty Years' War", "Napoleonic Wars", "First World War", "Second World War")
+STYLES = ("Gothic", "Renaissance", "Baroque", "neoclassical")
+MONTHS = (
+    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "December",
+)
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    num_samples: int = 200
+    num_passages: int = 10  # per sample, as in 2WikiMultihopQA (2 gold + 8 distractors)
+    corpus_size: int = 1000
+    zipf: float = 1.0  # popularity of the passage of rank r is proportional to 1 / r**zipf
+    passage_tokens: tuple[int, int] = (100, 200)
+    max_question_tokens: int = 30
+    system_prompt: str = SYSTEM_PROMPT
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Passage:
+    pid: int
+    kind: str  # person | film | town
+    title: str
+    text: str  # the span text: title line, then the paragraph
+    num_tokens: int
+    link: int | None  # the passage this one refers to (a film's director, a person's birthplace): the second hop
+
+
+@dataclass(frozen=True)
+class Sample:
+    sid: int
+    passage_ids: tuple[int, ...]
+    question: str
+
+
+@dataclass
+class _Person:
+    name: str
+    male: bool
+    nationality: str
+    profession: str
+    born: tuple[int, int, int]  # year, month, day
+    died: tuple[int, int, int]
+    town: int  # pid of the birthplace passage
+
+
+@dataclass
+class _Film:
+    title: str
+    year: int
+    director: int  # pid of the director's passage
+    genre: str
+    nationality: str
+
+
+@dataclass
+class _Town:
+    name: str
+    country: str
+    river: str
+
+
+@dataclass
+class RagWorkload:
+    config: WorkloadConfig
+    corpus: list[Passage]
+    samples: list[Sample]
+
+    def passages(self, sample: Sample) -> list[str]:
+        return [self.corpus[pid].text for pid in sample.passage_ids]
+
+    def prompt(self, sample: Sample) -> str:
+        """The marker-aware prompt (each passage a span) up to the assistant turn."""
+        return rag_prompt(self.config.system_prompt, self.passages(sample), sample.question)
+
+    def plain_prompt(self, sample: Sample) -> str:
+        """The same prompt as a PIC-unaware engine sees it."""
+        return strip_markers(self.prompt(sample))
+
+    def span_texts(self) -> list[str]:
+        """Every distinct passage the samples use, in first-use order."""
+        seen = dict.fromkeys(pid for s in self.samples for pid in s.passage_ids)
+        return [self.corpus[pid].text for pid in seen]
+
+    def summary(self) -> dict:
+        uses = [pid for s in self.samples for pid in s.passage_ids]
+        tokens = [p.num_tokens for p in self.corpus]
+        return {
+            "num_samples": len(self.samples),
+            "passages_per_sample": self.config.num_passages,
+            "corpus_size": len(self.corpus),
+            "zipf": self.config.zipf,
+            "distinct_passages_used": len(set(uses)),
+            "passage_uses": len(uses),
+            "repeat_fraction": 1 - len(set(uses)) / max(len(uses), 1),
+            "passage_tokens_mean": float(np.mean(tokens)),
+            "passage_tokens_min": int(min(tokens)),
+            "passage_tokens_max": int(max(tokens)),
+        }
+
+
+def rag_prompt(system: str, passages: list[str], question: str) -> str:
+    """chatml system + user turns, passages as spans, ending where the assistant's answer starts."""
+    head = SYSTEM_TURN[0] + system + SYSTEM_TURN[1] + USER_TURN[0]
+    tail = question_block(question) + USER_TURN[1] + ASSISTANT_START
+    return marked_prompt(head, *(Span(p) for p in passages), tail)
+
+
+def question_block(question: str) -> str:
+    return f"Question: {question}"
+
+
+try:
+    import sglang as sgl
+except ImportError:
+    sgl = None
+
+if sgl is not None:
+
+    @sgl.function
+    def rag_program(s, system: str, passages: list[str], question: str, max_tokens: int = 32):
+        """The SGLang frontend form of `rag_prompt` (with a chatml backend) plus the answer."""
+        s += sgl.system(system)
+        s += sgl.user("".join(span(p) for p in passages) + question_block(question))
+        s += sgl.assistant(sgl.gen("answer", max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+def _article(word: str) -> str:
+    """'a' or 'an' as the word is spoken ("an Irish", "an 1893", "a 1920")."""
+    if word[0].isdigit():
+        return "an" if word.startswith(("8", "11", "18")) else "a"
+    return "an" if word[0].lower() in "aeiou" else "a"
+
+
+def _date(d: tuple[int, int, int]) -> str:
+    return f"{d[2]} {MONTHS[d[1] - 1]} {d[0]}"
+
+
+class _CorpusWriter:
+    """Writes bios, film and town paragraphs; each passage grows sentence by sentence to its token target."""
+
+    def __init__(self, cfg: WorkloadConfig, count_tokens: CountTokens) -> None:
+        self.cfg = cfg
+        self.count = count_tokens
+        self.rng = random.Random(cfg.seed)
+        self.facts: dict[int, object] = {}
+        self.names: set[str] = set()
+
+    # ---- entities -------------------------------------------------------------------------------------------
+    def _unique(self, make: Callable[[], str]) -> str:
+        for _ in range(1000):
+            name = make()
+            if name not in self.names:
+                self.names.add(name)
+                return name
+        raise ValueError("entity vocabulary exhausted: lower the corpus size")
+
+    def _person(self, towns: list[int]) -> _Person:
+        rng = self.rng
+        male = rng.random() < 0.5
+        name = self._unique(lambda: f"{rng.choice(MALE_NAMES if male else FEMALE_NAMES)} {rng.choice(SURNAMES)}")
+        born = (rng.randint(1850, 1960), rng.randint(1, 12), rng.randint(1, 28))
+        died = (born[0] + rng.randint(38, 95), rng.randint(1, 12), rng.randint(1, 28))
+        return _Person(name, male, rng.choice(COUNTRIES)[1], rng.choice(PROFESSIONS), born, died, rng.choice(towns))
+
+    def _town(self) -> _Town:
+        rng = self.rng
+        return _Town(self._unique(lambda: rng.choice(TOWN_HEADS) + rng.choice(TOWN_TAILS)),
+                     rng.choice(COUNTRIES)[0], rng.choice(RIVERS))
+
+    def _film(self, directors: list[int]) -> _Film:
+        rng = self.rng
+        title = self._unique(lambda: rng.choice((
+            lambda: f"The {rng.choice(TITLE_ADJECTIVES)} {rng.choice(TITLE_NOUNS)}",
+            lambda: f"{rng.choice(TITLE_NOUNS)} of the {rng.choice(TITLE_NOUNS)}",
+            lambda: f"Return to {self._somewhere()}",
+        ))())
+        director = rng.choice(directors)
+        born = self.facts[director].born[0]
+        return _Film(title, rng.randint(born + 22, born + 60), director, rng.choice(GENRES), rng.choice(COUNTRIES)[1])
+
+    # ---- sentences ------------------------------------------------------------------------------------------
+    def _someone(self) -> str:
+        """A name for a passing mention (spouse, cast, crew): not an entity with a passage of its own."""
+        return f"{self.rng.choice(MALE_NAMES + FEMALE_NAMES)} {self.rng.choice(SURNAMES)}"
+
+    def _somewhere(self) -> str:
+        return self.rng.choice(TOWN_HEADS) + self.rng.choice(TOWN_TAILS)
+
+    def _person_sentences(self, p: _Person) -> list[str]:
+        rng = self.rng
+        he, his = ("He", "his") if p.male else ("She", "her")
+        town = self.facts[p.town].name
+
+        def year(lo: int, hi: int) -> int:
+            """A year `lo`..`hi` years after birth, no later than the death."""
+            return min(p.born[0] + rng.randint(lo, hi), p.died[0])
+
+        taught_from = year(30, 45)
+
+        more = [
+            f"{he} began {his} career in {year(18, 30)} as an assistant to {self._someone()}.",
+            f"In {year(20, 40)}, {he.lower()} married {self._someone()}; the couple had "
+            f"{rng.choice(('two', 'three', 'four'))} children.",
+            f"{his.capitalize()} work was shown at the {rng.choice(FESTIVALS)}, where it won the "
+            f"{rng.choice(AWARDS)} in {year(25, 45)}.",
+            f"After moving to {self._somewhere()} in {year(25, 50)}, {he.lower()} worked for "
+            f"{rng.choice(STUDIOS)} for {rng.randint(3, 15)} years.",
+            f"{his.capitalize()} father was a {rng.choice(PROFESSIONS)} from {self._somewhere()}, and {his} mother "
+            f"taught music.",
+            f"Critics described {his} style as {rng.choice(('restrained', 'lyrical', 'bold', 'austere'))} and "
+            f"{rng.choice(('precise', 'warm', 'ironic', 'melancholic'))}.",
+            f"From {taught_from} to {min(taught_from + rng.randint(3, 15), p.died[0])}, {he.lower()} taught at "
+            f"{rng.choice(UNIVERSITIES)}.",
+            f"{his.capitalize()} memoirs, published in {year(55, 70)}, describe a childhood in {town} and the "
+            f"years of the war.",
+            f"{he} was elected a member of the Academy of Arts in {year(40, 60)}.",
+        ]
+        return [
+            f"{p.name} ({_date(p.born)} – {_date(p.died)}) was {_article(p.nationality)} {p.nationality} "
+            f"{p.profession}.",
+            f"{he} was born in {town} and studied at {rng.choice(UNIVERSITIES)}.",
+            *rng.sample(more, len(more)),
+            f"{he} died in {self._somewhere()} on {_date(p.died)}.",
+        ]
+
+    def _film_sentences(self, f: _Film) -> list[str]:
+        rng = self.rng
+        more = [
+            f"The screenplay was written by {self._someone()}, based on a novel of the same name.",
+            f"Filming took place in {self._somewhere()} over {rng.randint(5, 20)} weeks in {f.year - 1}.",
+            f"The film premiered at the {rng.choice(FESTIVALS)} in {rng.choice(MONTHS)} {f.year} and was "
+            f"distributed by {rng.choice(STUDIOS)}.",
+            f"The music was composed by {self._someone()}, and the cinematography was by {self._someone()}.",
+            f"It was a {rng.choice(('modest', 'great', 'surprising'))} success and was remade in "
+            f"{f.year + rng.randint(10, 40)}.",
+            f"Critics praised its {rng.choice(('acting', 'photography', 'score', 'pacing'))} but found the ending "
+            f"{rng.choice(('abrupt', 'sentimental', 'confusing'))}.",
+            f"It was made on a budget of about {rng.randint(2, 90) * 10000} dollars and earned "
+            f"{rng.choice(('twice', 'three times', 'half'))} that amount.",
+            f"A restored version was shown at the {rng.choice(FESTIVALS)} in {f.year + rng.randint(30, 60)}.",
+            f"{self._someone()} received the {rng.choice(AWARDS)} for the best supporting role.",
+        ]
+        return [
+            f"{f.title} is {_article(str(f.year))} {f.year} {f.nationality} {f.genre} directed by "
+            f"{self.facts[f.director].name}.",
+            f"It stars {self._someone()} and {self._someone()}.",
+            *rng.sample(more, len(more)),
+        ]
+
+    def _town_sentences(self, t: _Town) -> list[str]:
+        rng = self.rng
+        more = [
+            f"At the census of {rng.randint(1900, 2020)} it had {rng.randint(2, 90) * 1000} inhabitants.",
+            f"The town was first mentioned in a charter of {rng.randint(900, 1500)}.",
+            f"Its economy was long based on {rng.choice(INDUSTRIES)} and later on {rng.choice(INDUSTRIES)}.",
+            f"A railway line to {self._somewhere()} opened in {rng.randint(1840, 1930)}.",
+            f"The old {rng.choice(('church', 'castle', 'market hall', 'bridge'))} was rebuilt after a fire in "
+            f"{rng.randint(1600, 1900)}.",
+            f"During the {rng.choice(WARS)}, the town was occupied and much of its centre was destroyed.",
+            f"A weekly market has been held on the main square since {rng.randint(1300, 1800)}.",
+            f"The town hall, built in {rng.randint(1400, 1900)} in the {rng.choice(STYLES)} style, houses a small "
+            f"museum of local history.",
+            f"{t.name} is twinned with {self._somewhere()} and {self._somewhere()}.",
+            f"The nearest airport is in {self._somewhere()}, about {rng.randint(12, 90)} kilometres to the "
+            f"{rng.choice(('north', 'south', 'east', 'west'))}.",
+        ]
+        return [f"{t.name} is a town in {t.country}, on the river {t.river}.", *rng.sample(more, len(more))]
+
+    # ---- passages -------------------------------------------------------------------------------------------
+    def _paragraph(self, title: str, sentences: list[str]) -> tuple[str, int]:
+        """Title line plus sentences up to a token target drawn from the configured range; trimmed by words."""
+        lo, hi = self.cfg.passage_tokens
+        target = self.rng.randint(lo, hi)
+        words: list[str] = []
+        for sentence in sentences:
+            words.extend(sentence.split())
+            if self.count(f"{title}\n{' '.join(words)}\n") >= target:
+                break
+        while len(words) > 1 and self.count(f"{title}\n{' '.join(words)}\n") > hi:
+            words.pop()
+        text = f"{title}\n{' '.join(words)}\n"
+        return text, self.count(text)
+
+    def corpus(self) -> list[Passage]:
+        n = self.cfg.corpus_size
+        kinds = ["town"] * max(1, n * 15 // 100) + ["person"] * max(1, n // 2)
+        kinds += ["film"] * (n - len(kinds))
+        kinds = kinds[:n]
+        out: list[Passage] = []
+        towns: list[int] = []
+        people: list[int] = []
+        for pid, kind in enumerate(kinds):  # towns, then people born in them, then films they directed
+            if kind == "town":
+                fact = self._town()
+                title, sentences, link = fact.name, self._town_sentences(fact), None
+                towns.append(pid)
+            elif kind == "person":
+                fact = self._person(towns)
+                title, sentences, link = fact.name, self._person_sentences(fact), fact.town
+                people.append(pid)
+            else:
+                fact = self._film(people)
+                title, sentences, link = fact.title, self._film_sentences(fact), fact.director
+            self.facts[pid] = fact
+            text, tokens = self._paragraph(title, sentences)
+            out.append(Passage(pid, kind, title, text, tokens, link))
+        return out
+
+
+class _QuestionWriter:
+    """2Wiki's question types over the sample's gold passages: compositional (two hops) and comparison."""
+
+    def __init__(self, corpus: list[Passage], facts: dict[int, object], rng: random.Random) -> None:
+        self.corpus = corpus
+        self.facts = facts
+        self.rng = rng
+
+    def _candidates(self, gold: int, others: list[int]) -> list[str]:
+        fact = self.facts[gold]
+        same_kind = [p for p in others if type(self.facts[p]) is type(fact)]
+        out = []
+        if isinstance(fact, _Film):
+            out += [f"Where was the director of the film {fact.title} born?",
+                    f"When did the director of the film {fact.title} die?"]
+            if same_kind:
+                other = self.facts[self.rng.choice(same_kind)]
+                out.append(f"Which film came out first, {fact.title} or {other.title}?")
+        elif isinstance(fact, _Person):
+            out.append(f"In which country is the town where {fact.name} was born?")
+            if same_kind:
+                other = self.facts[self.rng.choice(same_kind)]
+                out += [f"Who was born first, {fact.name} or {other.name}?",
+                        f"Are {fact.name} and {other.name} of the same nationality?"]
+        else:
+            out.append(f"Which river flows through the town of {fact.name}, and in which country is it?")
+        return out
+
+    def question(self, gold: int, others: list[int], count: CountTokens, max_tokens: int) -> str:
+        """A question about the gold passage, with an answer instruction added when it fits `max_tokens`."""
+        core = self.rng.choice(self._candidates(gold, others))
+        full = f"{core} Answer with a short phrase, then explain it in one sentence."
+        return full if count(question_block(full)) <= max_tokens else core
+
+
+def _zipf_weights(n: int, s: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** s
+    return w / w.sum()
+
+
+def build_workload(cfg: WorkloadConfig, count_tokens: CountTokens) -> RagWorkload:
+    """The corpus and the samples for `cfg`; `count_tokens` is the model tokenizer's length (no special tokens)."""
+    if cfg.num_passages > cfg.corpus_size:
+        raise ValueError(f"num_passages {cfg.num_passages} exceeds corpus_size {cfg.corpus_size}")
+    writer = _CorpusWriter(cfg, count_tokens)
+    corpus = writer.corpus()
+    np_rng = np.random.default_rng(cfg.seed)
+    by_rank = np_rng.permutation(len(corpus))  # popularity rank -> passage id, unrelated to generation order
+    weights = _zipf_weights(len(corpus), cfg.zipf)
+    questions = _QuestionWriter(corpus, writer.facts, random.Random(cfg.seed + 1))
+    samples = []
+    for sid in range(cfg.num_samples):
+        gold = int(by_rank[np_rng.choice(len(corpus), p=weights)])
+        chosen = [gold]
+        link = corpus[gold].link
+        if link is not None and cfg.num_passages > 1:
+            chosen.append(link)  # the second hop, as 2Wiki's second gold paragraph
+        pool = weights.copy()
+        pool[np.isin(by_rank, chosen)] = 0.0
+        extra = np_rng.choice(len(corpus), size=cfg.num_passages - len(chosen), replace=False, p=pool / pool.sum())
+        chosen += [int(by_rank[r]) for r in extra]
+        question = questions.question(gold, chosen[1:], count_tokens, cfg.max_question_tokens)
+        order = np_rng.permutation(len(chosen))
+        samples.append(Sample(sid, tuple(chosen[i] for i in order), question))
+    return RagWorkload(cfg, corpus, samples)

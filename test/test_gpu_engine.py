@@ -1,0 +1,34 @@
+"""GPU: the engine on CUDA (Triton backend, CUDA graphs) gives the CPU float32 engine's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_pic import Engine
+from sglang_pic.frontend_lang import span
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time there was a little town by the sea where",
+    "Preface." + span("The capital of France is Paris, the capital of Japan is Tokyo.") + "Where is Paris?",
+    span("A serving engine batches requests.") + span("The capital of France is Paris, the capital of Japan is Tokyo.")
+    + "Which one?",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_engine_matches_cpu_float32(tiny_model, page_size):
+    common = dict(model_path=str(tiny_model), dtype="float32", page_size=page_size, max_total_tokens=4096)
+    with Engine(device="cpu", **common) as cpu:
+        expected = [o["output_ids"] for o in cpu.generate(PROMPTS, GREEDY)]
+    with Engine(device="cuda", attention_backend="triton", **common) as gpu:
+        assert gpu.runner.graph_runner is not None
+        got = [o["output_ids"] for o in gpu.generate(PROMPTS, GREEDY)]
+        # again, with every span and prefix cached
+        again = [o["output_ids"] for o in gpu.generate(PROMPTS, GREEDY)]
+    assert got == expected
+    assert again == expected
