@@ -24,7 +24,7 @@ class SegmentKind(str, Enum):
     PDEP = "pdep"
 
 
-@dataclass
+@dataclass(eq=False)
 class ReqSegment:
     kind: str  # "prefix" | "span" | "pdep"
     tokens: list[int]
@@ -57,7 +57,7 @@ class FinishReason:
         return out
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests are compared and looked up in queues by object
 class Req:
     rid: str
     segments: list[ReqSegment]

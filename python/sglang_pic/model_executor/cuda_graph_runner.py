@@ -8,6 +8,7 @@ batch size, so one capture serves every context length.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 
 import torch
@@ -65,6 +66,16 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        # Garbage (e.g. graphs of an engine dropped earlier) must not be freed while a capture is open.
+        gc.collect()
+        torch.cuda.synchronize()
+        gc.disable()
+        try:
+            self._capture_each()
+        finally:
+            gc.enable()
+
+    def _capture_each(self) -> None:
         stream = torch.cuda.Stream()
         for bs in reversed(self.batch_sizes):
             batch = self._batch(bs)
