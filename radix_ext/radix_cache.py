@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +50,7 @@ class TreeNode:
     key: tuple[int, ...] = ()
     value: torch.Tensor = field(default_factory=lambda: _EMPTY)
     parent: TreeNode | None = None
-    children: dict = field(default_factory=dict)
+    children: dict[int | tuple[int, ...], TreeNode] = field(default_factory=dict)  # by first token / first page
     lock_ref: int = 0
     last_access_time: int = 0
     id: int = field(default_factory=itertools.count().__next__)
@@ -90,6 +91,7 @@ class RadixCache:
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.disable = disable
+        self._empty = torch.empty(0, dtype=torch.int64, device=token_to_kv_pool_allocator.device)
         self._clock = itertools.count(1)
         self.reset()
 
@@ -100,7 +102,7 @@ class RadixCache:
         self.protected_size_ = 0
 
     # ---- lookup ---------------------------------------------------------------------------------------------
-    def _child_key(self, tokens: tuple[int, ...], start: int):
+    def _child_key(self, tokens: tuple[int, ...], start: int) -> int | tuple[int, ...]:
         return tokens[start] if self.page_size == 1 else tokens[start : start + self.page_size]
 
     def _aligned(self, n: int) -> int:
@@ -114,7 +116,7 @@ class RadixCache:
         """
         root = self.roots.get(key.extra_key)
         if self.disable or root is None:
-            return MatchResult(_EMPTY.clone(), root if root is not None else TreeNode(namespace=key.extra_key))
+            return MatchResult(self._empty, root if root is not None else TreeNode(namespace=key.extra_key))
         n = self._aligned(len(key.token_ids))
         tokens = key.token_ids[:n]
         now = next(self._clock)
@@ -129,7 +131,7 @@ class RadixCache:
                 child = self._split(child, matched)
             values.append(child.value)
             node, i = child, i + matched
-        device_indices = torch.cat(values) if values else _EMPTY.clone()
+        device_indices = torch.cat(values) if values else self._empty
         return MatchResult(device_indices, node)
 
     # ---- update ---------------------------------------------------------------------------------------------
@@ -252,9 +254,9 @@ class RadixCache:
     def all_slots(self) -> torch.Tensor:
         """Every slot the tree owns."""
         values = [n.value for n in self._nodes()]
-        return torch.cat(values) if values else _EMPTY.clone()
+        return torch.cat(values) if values else self._empty
 
-    def _nodes(self):
+    def _nodes(self) -> Iterator[TreeNode]:
         """Every non-root node of every namespace."""
         stack = [c for root in self.roots.values() for c in root.children.values()]
         while stack:

@@ -1,4 +1,4 @@
-"""RadixCache: unit cases, then a stateful property test that drives it like the scheduler against a brute-force model."""
+"""RadixCache: unit cases, then a stateful property test driving it like the scheduler, against a brute-force model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
-from sglang_pic.radix_ext import RadixCache, RadixKey
+from sglang_pic.radix_ext import MatchResult, RadixCache, RadixKey, TreeNode
 from sglang_pic.radix_ext.radix_cache import common_prefix_len
 
 
@@ -204,7 +204,7 @@ def test_common_prefix_len_matches_brute_force(edge, tokens, start, page_size):
     assert got == expected - expected % page_size
 
 
-# ---- stateful property test against a brute-force model ---------------------------------------------------------------
+# ---- stateful property test against a brute-force model ------------------------------------------------------------
 NAMESPACES = (None, "span", "pdep:a")
 SHARED = ((), (0, 1, 2, 0, 1, 2, 0, 1), (2, 2, 1, 1, 0, 0), (0, 1, 2, 0, 1, 2, 1, 1, 1, 2))
 keys = st.builds(
@@ -222,7 +222,7 @@ class Running:
     key: RadixKey
     slots: torch.Tensor
     cached: int
-    lock_node: object
+    lock_node: TreeNode
 
 
 class RadixMachine(RuleBasedStateMachine):
@@ -232,7 +232,7 @@ class RadixMachine(RuleBasedStateMachine):
     def setup(self, page_size: int, pages: int) -> None:
         self.ps = page_size
         self.allocator, self.tree = make(page_size, pages)
-        self.model: dict[tuple, int] = {}  # (namespace, key prefix ending at token j) -> slot of token j
+        self.model: dict[tuple, list[int]] = {}  # (namespace, key prefix ending on a page end) -> its last page
         self.running: list[Running] = []
 
     # ---- model -----------------------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ class RadixMachine(RuleBasedStateMachine):
             out.extend(page)
         return out
 
-    def match(self, key: RadixKey):
+    def match(self, key: RadixKey) -> MatchResult:
         result = self.tree.match_prefix(key)
         assert result.device_indices.tolist() == self.expected_match(key), "false or missed hit"
         return result
@@ -363,13 +363,16 @@ class RadixMachine(RuleBasedStateMachine):
             while stack:
                 node, path = stack.pop()
                 path = path + node.key
-                holders = sum(
-                    1 for r in self.running if r.key.extra_key == ns and r.key.token_ids[: r.cached][: len(path)] == path
-                )
+                holders = sum(1 for r in self.running if self.holds(r, ns, path))
                 assert node.lock_ref == holders
                 protected += len(node.key) if holders else 0
                 stack.extend((c, path) for c in node.children.values())
         assert protected == self.tree.protected_size()
+
+    @staticmethod
+    def holds(req: Running, ns: str | None, path: tuple[int, ...]) -> bool:
+        """Whether req's locked prefix runs through the node that ends `path` in namespace `ns`."""
+        return req.key.extra_key == ns and req.cached >= len(path) and req.key.token_ids[: len(path)] == path
 
     def teardown(self) -> None:
         if not hasattr(self, "tree"):
@@ -381,5 +384,5 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.allocator.available_size() == self.allocator.size
 
 
-RadixMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=20, deadline=None)
+RadixMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 TestRadixMachine = RadixMachine.TestCase
