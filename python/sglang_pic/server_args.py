@@ -7,60 +7,110 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def _arg(default: Any, help: str) -> Any:
+    """A field whose help text `python -m sglang_pic.launch_server --help` shows."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ServerArgs:
-    model_path: str | None = None
-    tokenizer_path: str | None = None
-    load_format: str = "auto"  # auto | dummy | gguf
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    context_length: int | None = None
-    trust_remote_code: bool = False
-    served_model_name: str | None = None
-    chat_template: str | None = None
+    model_path: str | None = _arg(
+        None,
+        "The model to serve: a HF folder (config.json + safetensors) or a .gguf file; default: the embedded "
+        "Qwen2.5-Coder-0.5B-Instruct.",
+    )
+    tokenizer_path: str | None = _arg(None, "The tokenizer folder, when it is not the model's.")
+    load_format: str = _arg(
+        "auto",
+        "How weights are read: auto (safetensors, or a .gguf converted once), dummy (random) or gguf.",
+    )
+    dtype: str = _arg(
+        "auto",
+        "Weight and activation dtype: auto (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16 "
+        "or float16.",
+    )
+    device: str = _arg("auto", "auto, cpu or cuda.")
+    context_length: int | None = _arg(None, "Override the model's context length (its max_position_embeddings).")
+    trust_remote_code: bool = _arg(
+        False,
+        "Accepted for SGLang compatibility; only the built-in model classes are used.",
+    )
+    served_model_name: str | None = _arg(
+        None,
+        "The model name reported by /v1/models and in OpenAI responses; default: the model path.",
+    )
+    chat_template: str | None = _arg(
+        None,
+        "Chat template for /v1/chat/completions: a built-in name (chatml, llama-3-instruct), a Jinja file, or "
+        "a JSON file with a chat_template key; default: the tokenizer's.",
+    )
 
     # Memory and caching.
-    max_total_tokens: int | None = None
-    mem_fraction_static: float = 0.85
-    page_size: int = 1
-    max_running_requests: int = 256
-    disable_radix_cache: bool = False
+    max_total_tokens: int | None = _arg(
+        None,
+        "KV cache size in tokens; default: from --mem-fraction-static on GPU, 65536 on CPU.",
+    )
+    mem_fraction_static: float = _arg(0.85, "Share of GPU memory for the weights and the KV cache.")
+    page_size: int = _arg(1, "Tokens per KV cache page.")
+    max_running_requests: int = _arg(256, "Most requests running at once.")
+    disable_radix_cache: bool = _arg(False, "Turn off prefix and span caching.")
 
     # Scheduling.
-    chunked_prefill_size: int = 8192
-    max_prefill_tokens: int = 16384
-    schedule_policy: str | None = None  # fcfs | lpm | isps; default isps with PIC, fcfs with --disable-pic
-    step_token_budget: int | None = None  # prefill tokens per ISPS step next to the decodes (default: chunk size)
-    isps_max_wait_steps: int = 32  # ISPS serves any work that has waited this many steps first
-    schedule_conservativeness: float = 1.0
-    enable_mixed_chunk: bool = False
+    chunked_prefill_size: int = _arg(8192, "Most prompt tokens prefilled in one step; -1 turns chunking off.")
+    max_prefill_tokens: int = _arg(16384, "Prefill tokens per step when chunking is off.")
+    schedule_policy: str | None = _arg(
+        None,
+        "fcfs, lpm (longest cached prefix first) or isps; default: isps with PIC, fcfs with --disable-pic.",
+    )
+    step_token_budget: int | None = _arg(
+        None,
+        "Prefill tokens per ISPS step next to the decodes; default: the chunk size.",
+    )
+    isps_max_wait_steps: int = _arg(32, "ISPS serves any work that has waited this many steps first.")
+    schedule_conservativeness: float = _arg(
+        1.0,
+        "Scales the decode tokens reserved when admitting requests; higher admits fewer.",
+    )
+    enable_mixed_chunk: bool = _arg(False, "Run the decodes in the same step as a prefill chunk.")
 
     # Kernels.
-    attention_backend: str | None = None  # torch_native | triton; default picks by device
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 160
+    attention_backend: str | None = _arg(None, "torch_native or triton; default: triton on GPU, torch_native on CPU.")
+    disable_cuda_graph: bool = _arg(False, "Do not capture CUDA graphs for decoding.")
+    cuda_graph_max_bs: int = _arg(160, "Largest decode batch captured in a CUDA graph.")
 
     # Position-independent caching.
-    disable_pic: bool = False
-    ssep_marker: str = "<|ssep|>"
-    pdep_marker: str = "<|pdep|>"
-    ssep_token_id: int = -1
-    pdep_token_id: int = -2
+    disable_pic: bool = _arg(
+        False,
+        "Turn off position-independent caching: span markers are ignored and prompts are plain prefixes.",
+    )
+    ssep_marker: str = _arg("<|ssep|>", "Text marker that starts a reusable span.")
+    pdep_marker: str = _arg("<|pdep|>", "Text marker that starts position-dependent text after spans.")
+    ssep_token_id: int = _arg(-1, "Id that stands for the span marker in input_ids.")
+    pdep_token_id: int = _arg(-2, "Id that stands for the position-dependent marker in input_ids.")
 
     # Lossless compressed-KV speculation (VeriCache).
-    speculative_algorithm: str | None = None  # None | vericache
-    speculative_num_draft_tokens: int | None = None
-    vericache_compressor: str = "streaming"  # streaming | snapkv | h2o | kivi
-    vericache_budget: float = 0.25  # < 1: fraction of the context kept for drafting; >= 1: tokens kept
-    vericache_full_kv: str = "gpu"  # gpu | host
+    speculative_algorithm: str | None = _arg(None, "Speculative decoding algorithm: vericache; default: none.")
+    speculative_num_draft_tokens: int | None = _arg(None, "Draft tokens per speculative step.")
+    vericache_compressor: str = _arg(
+        "streaming",
+        "KV compressor VeriCache drafts with: streaming, snapkv, h2o or kivi.",
+    )
+    vericache_budget: float = _arg(
+        0.25,
+        "KV kept for drafting: below 1 a fraction of the context, else a number of tokens.",
+    )
+    vericache_full_kv: str = _arg("gpu", "Where VeriCache keeps the full KV: gpu or host.")
 
     # Server.
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    log_level: str = "info"
-    random_seed: int = 0
-    skip_tokenizer_init: bool = False
+    host: str = _arg("127.0.0.1", "Address the HTTP server listens on.")
+    port: int = _arg(30000, "Port the HTTP server listens on.")
+    api_key: str | None = _arg(None, "Require `Authorization: Bearer <key>` on every route but /health.")
+    log_level: str = _arg("info", "Logging level: debug, info, warning or error.")
+    random_seed: int = _arg(0, "Seed for dummy weights and for torch's global random state.")
+    skip_tokenizer_init: bool = _arg(
+        False,
+        "Do not load a tokenizer (offline Engine only: input_ids in, output_ids out).",
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -37,6 +37,9 @@ class SpanPrefillPlanner:
         self.kv = kv
         self.max_wait_steps = max_wait_steps
         self.jobs: dict[tuple, Req] = {}  # span id -> its queued or running span job
+        # span id -> rid of the request whose arrival created the job: that request computed the span (it is not
+        # a cache hit for it), every other request that uses the span reused it.
+        self.owner: dict[tuple, str] = {}
         self._next_id = 0
 
     def job_for(self, seg: ReqSegment, arrival_step: int) -> tuple[Req, bool]:
@@ -49,6 +52,23 @@ class SpanPrefillPlanner:
         job = make_span_job(seg.extra_key, seg.tokens, f"span-job-{self._next_id}", arrival_step)
         self.jobs[sid] = job
         return job, True
+
+    def computed_for(self, req: Req) -> int:
+        """Span tokens that jobs computed on `req`'s behalf (forgets them: asked once, at admission)."""
+        total = 0
+        for seg in req.segments:
+            sid = (seg.extra_key, tuple(seg.tokens))
+            if seg.kind == "span" and self.owner.get(sid) == req.rid:
+                del self.owner[sid]
+                total += seg.cached
+        return total
+
+    def forget(self, req: Req) -> None:
+        """Drop `req`'s ownership records (it left without being admitted)."""
+        for seg in req.segments:
+            sid = (seg.extra_key, tuple(seg.tokens))
+            if self.owner.get(sid) == req.rid:
+                del self.owner[sid]
 
     def job_done(self, job: Req) -> None:
         self.jobs.pop((job.segments[0].extra_key, tuple(job.segments[0].tokens)), None)
@@ -66,6 +86,7 @@ class SpanPrefillPlanner:
                 job, created = self.job_for(seg, req.arrival_step)
                 if created:
                     new_jobs.append(job)
+                    self.owner[(seg.extra_key, tuple(seg.tokens))] = req.rid
                 waiters[job.rid] += 1
                 oldest[job.rid] = min(oldest.get(job.rid, req.arrival_step), req.arrival_step)
                 blocked.add(req.rid)

@@ -103,6 +103,9 @@ class Scheduler:
         return None
 
     def _finish_abort(self, req: Req) -> Req:
+        self.planner.forget(req)
+        if self.spec_worker is not None:
+            self.spec_worker.release(req)
         self.kv.release(req)
         req.finished_reason = FinishReason("abort", message="aborted")
         return req
@@ -236,6 +239,7 @@ class Scheduler:
         if req.matched_once or req.warmup:
             return
         req.matched_once = True
+        req.cached_span_tokens -= self.planner.computed_for(req)
         self.stats.prompt_tokens += req.prompt_len
         self.stats.cached_prefix_tokens += req.cached_prefix_tokens
         self.stats.cached_span_tokens += req.cached_span_tokens
@@ -262,6 +266,8 @@ class Scheduler:
 
     def _retract_one(self) -> None:
         req = self.running.pop()
+        if self.spec_worker is not None:
+            self.spec_worker.release(req)
         if not self.running:
             self.kv.cache(req)
             self.kv.release(req)
@@ -404,6 +410,8 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
+        if self.spec_worker is not None:
+            self.spec_worker.release(req)
         # The last sampled token has no KV; everything before it is cached for later requests.
         self.kv.cache(req)
         self.kv.release(req)

@@ -1,0 +1,213 @@
+"""The FastAPI app: SGLang's native HTTP API (/generate and the admin routes), /metrics, and the OpenAI routes.
+
+Bodies are parsed by hand rather than by FastAPI's models so that every bad input (malformed JSON, wrong types,
+unknown fields, out-of-range values) gets SGLang's 400 body naming the problem instead of FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sglang_pic.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from sglang_pic.entrypoints.openai_api import OpenAIServing, error_response
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerTokenizerManager
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+HEALTH_CHECK_TIMEOUT_S = 20.0
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS), status, media_type="application/json")
+
+
+def native_error(message: str, status: int = 400) -> Response:
+    return json_response({"error": {"message": message}}, status)
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON body: {e}") from None
+
+
+class ApiKeyMiddleware:
+    """Every route but /health needs `Authorization: Bearer <api key>`. Plain ASGI (not BaseHTTPMiddleware), so
+    streaming responses and client-disconnect detection pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = json_response({"error": {"message": "Unauthorized: invalid or missing API key"}}, 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastAPI:
+    """`client_model_path` is what /model_info reports: SGLang's frontend picks its chat template from it."""
+    args = manager.server_args
+    openai = OpenAIServing(manager)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await manager.start()
+        try:
+            yield
+        finally:
+            await manager.stop()
+
+    app = FastAPI(lifespan=lifespan)
+    if args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    app.include_router(openai.router())
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path)
+        message = f"internal server error: {type(exc).__name__}: {exc}"
+        if request.url.path.startswith("/v1/"):
+            return error_response(message, 500, "InternalServerError")
+        return native_error(message, 500)
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        try:
+            obj = GenerateReqInput.from_json(await read_json(request))
+            reqs = manager.prepare(obj)
+        except (ValueError, TypeError) as e:
+            return native_error(str(e))
+        multi = obj.is_batch or len(reqs) > 1
+        with_text = obj.return_text_in_logprobs
+        if obj.stream:
+
+            async def chunks() -> AsyncIterator[bytes]:
+                try:
+                    async with aclosing(manager.stream(reqs, with_text, request)) as outputs:
+                        async for i, out in outputs:
+                            if multi:
+                                out = {**out, "index": i}
+                            yield b"data: " + orjson.dumps(out, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
+                except ClientDisconnected:
+                    return
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+        try:
+            outs = await manager.collect(reqs, with_text, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return json_response(outs if multi else outs[0])
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict) or set(body) - {"rid", "abort_all"}:
+                raise ValueError("the body must be an object with rid and/or abort_all")
+            rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+            if not isinstance(rid, str) or not isinstance(abort_all, bool):
+                raise ValueError("rid must be a string and abort_all a boolean")
+        except ValueError as e:
+            return native_error(str(e))
+        manager.abort_request(rid, abort_all)
+        return Response(status_code=200)
+
+    # ---- health and information ---------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        healthy = await manager.health_generate(HEALTH_CHECK_TIMEOUT_S)
+        return Response(status_code=200 if healthy else 503)
+
+    async def model_info() -> Response:
+        hf = manager.model_config.hf_config
+        return json_response(
+            {
+                "model_path": client_model_path,
+                "tokenizer_path": args.tokenizer_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": hf.get("model_type"),
+                "architectures": hf.get("architectures"),
+            }
+        )
+
+    async def server_info() -> Response:
+        snapshot = await manager.get_stats()
+        settings = dataclasses.asdict(args)
+        settings["api_key"] = None if args.api_key is None else "<hidden>"
+        state = {**dataclasses.asdict(snapshot), "used_tokens": snapshot.used_tokens}
+        return json_response(
+            {
+                **settings,
+                "max_total_num_tokens": manager.max_total_num_tokens,
+                "context_len": manager.context_len,
+                "internal_states": [state],
+                "version": VERSION,
+            }
+        )
+
+    async def get_load() -> Response:
+        snap = await manager.get_stats()
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": snap.num_running_reqs + snap.num_waiting_reqs,
+                    "num_waiting_reqs": snap.num_waiting_reqs,
+                    "num_tokens": snap.used_tokens + snap.num_waiting_tokens,
+                    "ts_tic": time.perf_counter(),
+                }
+            ]
+        )
+
+    for path, handler in (
+        ("/get_model_info", model_info),
+        ("/model_info", model_info),
+        ("/get_server_info", server_info),
+        ("/server_info", server_info),
+        ("/get_load", get_load),
+    ):
+        app.add_api_route(path, handler, methods=["GET"])
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if await manager.flush_cache():
+            return PlainTextResponse("Cache flushed.\n")
+        return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snapshot = await manager.get_stats()
+        return Response(manager.metrics.render(snapshot), media_type=METRICS_CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,438 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions and /v1/chat/completions, streaming or not.
+
+Each request is translated into a native `GenerateReqInput` and run through the same ServerTokenizerManager as
+/generate, so validation, caching and abort-on-disconnect behave identically; only the wire format differs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from sglang_pic.entrypoints.openai_protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+    describe_validation_error,
+)
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.req import Req
+from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerTokenizerManager
+
+logger = logging.getLogger(__name__)
+
+# Jinja chat templates selectable by name with --chat-template (otherwise a file path, else the tokenizer's own).
+BUILTIN_CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    "llama-3-instruct": (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
+}
+
+# OpenAI's defaults, used when neither the request nor the model's generation_config.json sets a value.
+CHAT_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def load_chat_template(spec: str | None, tokenizer) -> str | None:
+    """The Jinja template for chat: a built-in name, a file (Jinja text, or JSON with `chat_template`), or the
+    tokenizer's own when `spec` is None. Raise ValueError for a name that is neither."""
+    if spec is None:
+        return getattr(tokenizer, "chat_template", None)
+    if spec in BUILTIN_CHAT_TEMPLATES:
+        return BUILTIN_CHAT_TEMPLATES[spec]
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"--chat-template {spec!r} is neither a file nor a built-in template ({', '.join(BUILTIN_CHAT_TEMPLATES)})"
+        )
+    text = path.read_text()
+    if path.suffix == ".json":
+        return json.loads(text)["chat_template"]
+    return text
+
+
+def generation_defaults(model_dir: str) -> dict[str, Any]:
+    """Sampling defaults from the model's generation_config.json (as SGLang's `--sampling-defaults model`)."""
+    path = Path(model_dir) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return {k: config[k] for k in CHAT_SAMPLING_DEFAULTS if k in config}
+
+
+def error_response(message: str, status: int = 400, err_type: str = "BadRequestError") -> Response:
+    body = ErrorResponse(message=message, type=err_type, code=status)
+    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _sse(model: BaseModel, exclude_none: bool = False) -> str:
+    return f"data: {model.model_dump_json(exclude_none=exclude_none)}\n\n"
+
+
+def _finish(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
+    reason = out["meta_info"]["finish_reason"]
+    return (reason["type"], reason.get("matched")) if reason else (None, None)
+
+
+def _usage(outs: list[dict[str, Any]], n: int) -> UsageInfo:
+    """Prompt tokens (and their cache hits) count once per prompt, not once per sampled choice."""
+    firsts = [out["meta_info"] for out in outs[::n]]
+    prompt = sum(m["prompt_tokens"] for m in firsts)
+    completion = sum(out["meta_info"]["completion_tokens"] for out in outs)
+    cached = sum(m["cached_tokens"] for m in firsts)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _completion_logprobs(triples: list, tops: list, offset: int) -> tuple[CompletionLogProbs, int]:
+    """OpenAI's legacy logprobs object from (logprob, id, text) triples; returns the next text offset too."""
+    lp = CompletionLogProbs()
+    for (value, _, text), top in zip(triples, tops or [None] * len(triples)):
+        lp.tokens.append(text)
+        lp.token_logprobs.append(value)
+        lp.text_offset.append(offset)
+        offset += len(text)
+        lp.top_logprobs.append({t[2]: t[0] for t in top} if top else None)
+    return lp, offset
+
+
+def _chat_logprobs(triples: list, tops: list) -> ChatChoiceLogprobs:
+    content = []
+    for (value, _, text), top in zip(triples, tops or [None] * len(triples)):
+        content.append(
+            ChatTokenLogprob(
+                token=text,
+                bytes=list(text.encode()),
+                logprob=value,
+                top_logprobs=[TopLogprob(token=t[2], bytes=list(t[2].encode()), logprob=t[0]) for t in top or []],
+            )
+        )
+    return ChatChoiceLogprobs(content=content)
+
+
+@dataclass
+class _Cursor:
+    """How much of one choice's cumulative output a stream has sent: outputs repeat everything so far."""
+
+    text: str = ""
+    logprobs: int = 0
+    offset: int = 0  # characters before the next token, for completions' text_offset
+    started: bool = False
+
+    def advance(self, out: dict[str, Any]) -> tuple[str, list, list]:
+        """The new text and the new (logprob triples, top rows) since the last call."""
+        meta = out["meta_info"]
+        delta = out["text"][len(self.text) :]
+        triples = meta.get("output_token_logprobs", [])[self.logprobs :]
+        tops = meta.get("output_top_logprobs", [])[self.logprobs :]
+        self.text = out["text"]
+        self.logprobs += len(triples)
+        return delta, triples, tops
+
+
+class OpenAIServing:
+    def __init__(self, manager: ServerTokenizerManager) -> None:
+        self.manager = manager
+        self.tokenizer = manager.tokenizer
+        self.chat_template = load_chat_template(manager.server_args.chat_template, self.tokenizer)
+        self.defaults = {**CHAT_SAMPLING_DEFAULTS, **generation_defaults(manager.files.model_dir)}
+        bos = self.tokenizer.bos_token_id
+        self.strip_bos = bos is not None and self.tokenizer.encode("a")[:1] == [bos]
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.add_api_route("/v1/models", self.models, methods=["GET"])
+        router.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return router
+
+    async def models(self) -> Response:
+        card = ModelCard(
+            id=self.manager.served_model_name,
+            root=self.manager.served_model_name,
+            max_model_len=self.manager.context_len,
+        )
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    # ---- completions --------------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = CompletionRequest.model_validate_json(await request.body())
+            rid = body.rid or f"cmpl-{uuid.uuid4().hex}"
+            reqs = self.manager.prepare(self._completion_input(body, rid))
+        except ValidationError as e:
+            return error_response(describe_validation_error(e))
+        except ValueError as e:
+            return error_response(str(e))
+        model = body.model or self.manager.served_model_name
+        echoes = self._echo_texts(body) if body.echo else None
+        if body.stream:
+            stream = self._completion_stream(body, reqs, rid, model, echoes, request)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            outs = await self.manager.collect(reqs, True, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            logprobs = None
+            if body.logprobs is not None:
+                triples = (meta["input_token_logprobs"] if echoes else []) + meta["output_token_logprobs"]
+                tops = (meta["input_top_logprobs"] if echoes else []) + meta["output_top_logprobs"]
+                logprobs, _ = _completion_logprobs(triples, tops, 0)
+            reason, matched = _finish(out)
+            text = (echoes[i // body.n] if echoes else "") + out["text"]
+            choices.append(
+                CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
+            )
+        response = CompletionResponse(id=rid, model=model, choices=choices, usage=_usage(outs, body.n))
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    def _completion_input(self, body: CompletionRequest, rid: str) -> GenerateReqInput:
+        if body.best_of is not None and body.best_of != body.n:
+            raise ValueError("best_of is not supported (it may only equal n)")
+        if body.suffix:
+            raise ValueError("suffix is not supported")
+        prompt = body.prompt
+        single = isinstance(prompt, str) or isinstance(prompt[0], int)
+        is_text = isinstance(prompt, str) or isinstance(prompt[0], str)
+        with_logprobs = body.logprobs is not None
+        return GenerateReqInput(
+            text=prompt if is_text else None,
+            input_ids=None if is_text else prompt,
+            sampling_params=self._sampling(body, body.max_tokens),
+            rid=rid if single else [f"{rid}-{i}" for i in range(len(prompt))],
+            return_logprob=with_logprobs,
+            logprob_start_len=0 if body.echo and with_logprobs else -1,
+            top_logprobs_num=body.logprobs or 0,
+            return_text_in_logprobs=True,
+            stream=body.stream,
+        )
+
+    def _echo_texts(self, body: CompletionRequest) -> list[str]:
+        """The prompt text of each prompt, which `echo` puts before its choices' text."""
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [self.tokenizer.decode(prompt, skip_special_tokens=True)]
+        if isinstance(prompt[0], str):
+            return list(prompt)
+        return [self.tokenizer.decode(p, skip_special_tokens=True) for p in prompt]
+
+    async def _completion_stream(
+        self,
+        body: CompletionRequest,
+        reqs: list[Req],
+        rid: str,
+        model: str,
+        echoes: list[str] | None,
+        request: Request,
+    ) -> AsyncIterator[str]:
+        cursors = [_Cursor() for _ in reqs]
+        finals: dict[int, dict] = {}
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+        try:
+            async with aclosing(self.manager.stream(reqs, True, request)) as outputs:
+                async for i, out in outputs:
+                    cursor = cursors[i]
+                    delta, triples, tops = cursor.advance(out)
+                    if echoes and not cursor.started:
+                        delta = echoes[i // body.n] + delta
+                        triples = out["meta_info"].get("input_token_logprobs", []) + triples
+                        tops = out["meta_info"].get("input_top_logprobs", []) + tops
+                    cursor.started = True
+                    logprobs = None
+                    if body.logprobs is not None and triples:
+                        logprobs, cursor.offset = _completion_logprobs(triples, tops, cursor.offset)
+                    reason, matched = _finish(out)
+                    if reason is not None:
+                        finals[i] = out
+                    if delta or logprobs or reason:
+                        choice = CompletionChoice(
+                            index=i, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
+                        )
+                        usage = _usage([out], 1) if continuous else None
+                        yield _sse(CompletionResponse(id=rid, model=model, choices=[choice], usage=usage))
+            if body.stream_options and body.stream_options.include_usage:
+                usage = _usage([finals[i] for i in sorted(finals)], body.n)
+                yield _sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage), exclude_none=True)
+        except ClientDisconnected:
+            return
+        yield "data: [DONE]\n\n"
+
+    # ---- chat ---------------------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            body = ChatCompletionRequest.model_validate_json(await request.body())
+            rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+            reqs = self.manager.prepare(self._chat_input(body, rid))
+        except ValidationError as e:
+            return error_response(describe_validation_error(e))
+        except ValueError as e:
+            return error_response(str(e))
+        if body.max_completion_tokens is None and body.max_tokens is None:
+            for req in reqs:  # OpenAI's default: as many tokens as the context has room for
+                req.sampling_params.max_new_tokens = max(self.manager.context_len - req.prompt_len, 1)
+        model = body.model or self.manager.served_model_name
+        if body.stream:
+            stream = self._chat_stream(body, reqs, rid, model, request)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            outs = await self.manager.collect(reqs, True, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            logprobs = None
+            if body.logprobs:
+                logprobs = _chat_logprobs(meta["output_token_logprobs"], meta["output_top_logprobs"])
+            reason, matched = _finish(out)
+            message = ChatResponseMessage(role="assistant", content=out["text"] or None)
+            choices.append(
+                ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
+            )
+        response = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(outs, body.n))
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    def _chat_input(self, body: ChatCompletionRequest, rid: str) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=self.render_chat(body),
+            sampling_params=self._sampling(body, body.max_completion_tokens or body.max_tokens),
+            rid=rid,
+            return_logprob=body.logprobs,
+            top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,
+            return_text_in_logprobs=True,
+            stream=body.stream,
+        )
+
+    def render_chat(self, body: ChatCompletionRequest) -> str:
+        """The prompt text, kept as text (not ids) so PIC markers inside messages still split it into segments."""
+        if self.chat_template is None:
+            raise ValueError("the model has no chat template; start the server with --chat-template")
+        messages = []
+        for m in body.messages:
+            entry = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                entry["name"] = m.name
+            messages.append(entry)
+        continue_final = body.continue_final_message and body.messages[-1].role == "assistant"
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=not continue_final,
+                continue_final_message=continue_final,
+                **(body.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # a Jinja error raised by the template for these messages
+            raise ValueError(f"the chat template rejected the messages: {e}") from None
+        bos = self.tokenizer.bos_token
+        if self.strip_bos and bos and text.startswith(bos):
+            text = text[len(bos) :]  # the tokenizer adds it again
+        return text
+
+    async def _chat_stream(
+        self, body: ChatCompletionRequest, reqs: list[Req], rid: str, model: str, request: Request
+    ) -> AsyncIterator[str]:
+        cursors = [_Cursor() for _ in reqs]
+        finals: dict[int, dict] = {}
+        continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+        def chunk(choice: ChatStreamChoice, out: dict) -> str:
+            usage = _usage([out], 1) if continuous else None
+            return _sse(ChatCompletionChunk(id=rid, model=model, choices=[choice], usage=usage))
+
+        try:
+            async with aclosing(self.manager.stream(reqs, True, request)) as outputs:
+                async for i, out in outputs:
+                    cursor = cursors[i]
+                    if not cursor.started:
+                        cursor.started = True
+                        opening = ChatStreamChoice(index=i, delta=ChatResponseMessage(role="assistant", content=""))
+                        yield chunk(opening, out)
+                    delta, triples, tops = cursor.advance(out)
+                    logprobs = _chat_logprobs(triples, tops) if body.logprobs and triples else None
+                    if delta or logprobs:
+                        content = ChatStreamChoice(index=i, delta=ChatResponseMessage(content=delta), logprobs=logprobs)
+                        yield chunk(content, out)
+                    reason, matched = _finish(out)
+                    if reason is not None:
+                        finals[i] = out
+                        closing = ChatStreamChoice(
+                            index=i, delta=ChatResponseMessage(), finish_reason=reason, matched_stop=matched
+                        )
+                        yield chunk(closing, out)
+            if body.stream_options and body.stream_options.include_usage:
+                usage = _usage([finals[i] for i in sorted(finals)], body.n)
+                yield _sse(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage), exclude_none=True)
+        except ClientDisconnected:
+            return
+        yield "data: [DONE]\n\n"
+
+    # ---- shared -------------------------------------------------------------------------------------------
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> dict:
+        """Native sampling params; chat fields left unset fall back to the model's generation config."""
+
+        def pick(name: str) -> Any:
+            value = getattr(body, name)
+            return self.defaults[name] if value is None else value
+
+        return {
+            "max_new_tokens": max_tokens,
+            "min_new_tokens": body.min_tokens,
+            "temperature": pick("temperature"),
+            "top_p": pick("top_p"),
+            "top_k": pick("top_k"),
+            "min_p": pick("min_p"),
+            "repetition_penalty": pick("repetition_penalty"),
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "stop": body.stop,
+            "stop_token_ids": body.stop_token_ids,
+            "no_stop_trim": body.no_stop_trim,
+            "ignore_eos": body.ignore_eos,
+            "skip_special_tokens": body.skip_special_tokens,
+            "n": body.n,
+            "seed": body.seed,
+            "logit_bias": body.logit_bias,
+            "regex": body.regex,
+            "ebnf": body.ebnf,
+            "json_schema": body.json_schema,
+            "stop_regex": body.stop_regex,
+        }

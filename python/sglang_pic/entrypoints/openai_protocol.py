@@ -1,0 +1,302 @@
+"""OpenAI-compatible request and response models (field names and defaults as in SGLang's /v1 adapters).
+
+Requests are strict: unknown fields and wrong JSON types are rejected (with the field's name), never coerced, so a
+client's typo surfaces as a 400 instead of a silently ignored setting. Range checks on sampling fields are left to
+`SamplingParams`, which names the field too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_TOP_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """Sampling fields shared by completions and chat, including SGLang's extensions."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang extensions.
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    rid: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    stop_regex: str | list[str] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n_positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("n must be at least 1")
+        return v
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("max_tokens must be positive")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    # None: the model's generation_config.json, else OpenAI's default.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_not_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _limit_positive(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("must be positive")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[dict] | None) -> list[dict] | None:
+        if v:
+            raise ValueError("tool calling is not supported")
+        return v
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line naming each offending field once, e.g. `temperature: Input should be a valid number`."""
+    parts: dict[str, str] = {}
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"] if not _is_union_branch(x)) or "body"
+        if e["type"] == "extra_forbidden":
+            parts.setdefault(loc, f"unknown field {loc!r}")
+        elif e["type"] == "json_invalid":
+            parts.setdefault("body", f"malformed JSON: {e['msg'].removeprefix('Invalid JSON: ')}")
+        else:
+            parts.setdefault(loc, f"{loc}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts.values())
+
+
+def _is_union_branch(loc_part: object) -> bool:
+    """Pydantic names the union member it tried (`str`, `list[int]`, `TextPart`...) in error locations; drop it."""
+    if not isinstance(loc_part, str):
+        return False
+    return "[" in loc_part or loc_part[:1].isupper() or loc_part in ("str", "int", "float", "bool", "dict", "list")
+
+
+# ---- responses ------------------------------------------------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sglang"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorResponse(BaseModel):
+    object: str = "error"
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+FinishReasonType = Literal["stop", "length", "abort"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: FinishReasonType | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReasonType | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReasonType | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,198 @@
+"""`python -m sglang_pic.launch_server`: the HTTP server, with SGLang's process layout and flag names.
+
+The main process runs the HTTP server and the tokenizer manager; the scheduler (with the model) and the
+detokenizer run as spawned children. The main process watches them: if one dies, the server logs it, stops and
+exits non-zero. SIGTERM or Ctrl-C stops the HTTP server gracefully (bounded) and then the children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing as mp
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from sglang_pic.server_args import ServerArgs
+from sglang_pic.utils_process import ModelFiles, configure_logging
+
+logger = logging.getLogger("sglang_pic.launch_server")
+
+# What /model_info reports when no --model-path is given, so clients (SGLang's frontend) recognise the model.
+DEFAULT_MODEL_NAME = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+# SGLang's spellings that differ from the field name.
+FLAG_ALIASES = {"model_path": ["--model"]}
+GRACEFUL_SHUTDOWN_S = 2
+CHILD_STOP_S = 3.0
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per ServerArgs field (`--field-name`), typed from its annotation, documented by its metadata."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_pic.launch_server",
+        description="Serve a model over SGLang's native HTTP API and the OpenAI API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(ServerArgs):
+        flags = [f"--{f.name.replace('_', '-')}", *FLAG_ALIASES.get(f.name, [])]
+        help_text = f.metadata.get("help", "")
+        kind = str(f.type)
+        if kind == "bool":
+            parser.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
+            continue
+        value_type = int if kind.startswith("int") else float if kind.startswith("float") else str
+        parser.add_argument(*flags, dest=f.name, type=value_type, default=f.default, help=help_text)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    try:
+        return ServerArgs(**vars(namespace))
+    except ValueError as e:
+        parser.error(str(e))
+
+
+# ---- child processes ------------------------------------------------------------------------------------------
+class ChildWatcher:
+    """Stops the HTTP server, with exit code 1, as soon as any child process dies on its own."""
+
+    def __init__(self, children: list[BaseProcess], server) -> None:
+        self.children = children
+        self.server = server
+        self.exit_code = 0
+        self.stopping = False
+        self._thread = threading.Thread(target=self._watch, name="child-watcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _watch(self) -> None:
+        ended = wait([p.sentinel for p in self.children])
+        if self.stopping:
+            return
+        for p in self.children:
+            if p.sentinel in ended:
+                p.join(5)  # the sentinel closes a moment before the exit code can be collected
+                logger.error(
+                    "the %s process (pid %s) exited unexpectedly with code %s; shutting down the server",
+                    p.name, p.pid, p.exitcode,
+                )
+        self.exit_code = 1
+        self.server.should_exit = True
+
+
+def wait_ready(conn: Connection, children: list[BaseProcess]):
+    """Block until the scheduler reports it is loaded; raise RuntimeError if it failed or a child died."""
+    while not conn.poll(0.5):
+        for p in children:
+            if not p.is_alive():
+                raise RuntimeError(f"the {p.name} process exited with code {p.exitcode} during start-up")
+    ready = conn.recv()
+    if ready.error is not None:
+        raise RuntimeError(f"the scheduler failed to start: {ready.error}")
+    return ready
+
+
+def stop_children(children: list[BaseProcess]) -> None:
+    for p in children:
+        if p.is_alive():
+            p.terminate()
+    for p in children:
+        p.join(CHILD_STOP_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+def _exit_on(code: int):
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(code)
+
+    return handler
+
+
+def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
+    """Run the server; return 1 if a child died. SIGTERM and Ctrl-C leave through SystemExit(0) and (130)."""
+    import uvicorn
+
+    from sglang_pic.entrypoints.http_server import create_app
+    from sglang_pic.managers.detokenizer_manager import run_detokenizer_process
+    from sglang_pic.managers.ipc import IpcNames
+    from sglang_pic.managers.scheduler_process import run_scheduler_process
+    from sglang_pic.managers.server_tokenizer_manager import ServerTokenizerManager
+
+    # Uvicorn re-raises the signal that stopped it; these turn it into an orderly exit through `finally`.
+    signal.signal(signal.SIGTERM, _exit_on(0))
+    signal.signal(signal.SIGINT, _exit_on(130))
+    names = IpcNames.in_new_tempdir()
+    ctx = mp.get_context("spawn")
+    ready_reader, ready_writer = ctx.Pipe(duplex=False)
+    children = [
+        ctx.Process(target=run_scheduler_process, args=(args, files, names, ready_writer), name="scheduler"),
+        ctx.Process(target=run_detokenizer_process, args=(args, files, names), name="detokenizer"),
+    ]
+    watcher: ChildWatcher | None = None
+    try:
+        for p in children:
+            p.start()
+        ready_writer.close()
+        manager = ServerTokenizerManager(args, files, names)
+        manager.scheduler_ready(wait_ready(ready_reader, children))
+        app = create_app(manager, client_model_path)
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            access_log=args.log_level.lower() == "debug",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_keep_alive=5,
+        )
+        server = uvicorn.Server(config)
+        watcher = ChildWatcher(children, server)
+        watcher.start()
+        logger.info("serving %s on http://%s:%d", client_model_path, args.host, args.port)
+        server.run()
+        return watcher.exit_code
+    finally:
+        if watcher is not None:
+            watcher.stopping = True
+        stop_children(children)
+        names.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    client_model_path = args.model_path
+    try:
+        if args.skip_tokenizer_init:
+            raise ValueError("--skip-tokenizer-init is supported by the offline Engine only, not by the server")
+        if args.chat_template is not None:
+            from sglang_pic.entrypoints.openai_api import load_chat_template
+
+            load_chat_template(args.chat_template, None)
+        if args.model_path is None:
+            from sglang_pic.model_loader.default_model import default_model_path
+
+            args.model_path = args.tokenizer_path = default_model_path()
+            client_model_path = DEFAULT_MODEL_NAME
+            args.served_model_name = args.served_model_name or DEFAULT_MODEL_NAME
+        files = ModelFiles.resolve(args)
+        return serve(args, files, client_model_path)
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Typed messages between the server's processes, and the ZMQ sockets that carry them.
+
+Three processes talk over ipc:// sockets in one temp dir, each pipe one-way (PUSH -> PULL), as in SGLang:
+
+    main (HTTP + ServerTokenizerManager) --requests/control--> scheduler
+    scheduler --per-step token deltas--> detokenizer --formatted outputs--> main
+    scheduler --control replies--> main
+
+The scheduler never sends whole Req objects after admission: each step it sends a `TokenDelta` per updated
+request (new token ids, new logprobs, finish state), plus a `ReqHeader` once, the first time a request is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from sglang_pic.managers.req import FinishReason, Req
+from sglang_pic.sampling.sampling_params import SamplingParams
+
+
+# ---- main -> scheduler ----------------------------------------------------------------------------------------
+@dataclass
+class GenerateRequest:
+    """One tokenized request; `return_text_in_logprobs` travels along because only formatting needs it."""
+
+    req: Req
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class AbortRequest:
+    rid: str = ""
+    abort_all: bool = False
+
+
+@dataclass
+class FlushCacheRequest:
+    request_id: str
+
+
+@dataclass
+class StatsRequest:
+    request_id: str
+
+
+# ---- scheduler -> main ----------------------------------------------------------------------------------------
+@dataclass
+class FlushCacheResult:
+    request_id: str
+    success: bool
+
+
+@dataclass
+class SchedulerSnapshot:
+    """Cumulative counters and current load of the scheduler, for /metrics, /get_server_info and /get_load."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_waiting_tokens: int
+    max_total_num_tokens: int
+    available_tokens: int  # free KV slots
+    evictable_tokens: int  # slots held only by the radix cache
+    token_usage: float  # share of the pool held by requests (neither free nor evictable)
+    prompt_tokens: int
+    generation_tokens: int
+    cached_prefix_tokens: int
+    cached_span_tokens: int
+    computed_prefill_tokens: int
+    num_retractions: int
+    num_steps: int
+
+    @property
+    def used_tokens(self) -> int:
+        return self.max_total_num_tokens - self.available_tokens - self.evictable_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        if self.prompt_tokens == 0:
+            return 0.0
+        return (self.cached_prefix_tokens + self.cached_span_tokens) / self.prompt_tokens
+
+
+@dataclass
+class StatsResult:
+    request_id: str
+    snapshot: SchedulerSnapshot
+
+
+@dataclass
+class SchedulerReady:
+    """Sent over the start-up pipe once the model is loaded (or `error` if it could not be)."""
+
+    max_total_num_tokens: int = 0
+    context_len: int = 0
+    error: str | None = None
+
+
+# ---- scheduler -> detokenizer ---------------------------------------------------------------------------------
+@dataclass
+class ReqHeader:
+    """What the detokenizer needs to know about a request, sent with its first delta only."""
+
+    prompt_len: int
+    sampling_params: SamplingParams
+    created_time: float
+    return_logprob: bool
+    return_text_in_logprobs: bool
+    input_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class TokenDelta:
+    rid: str
+    new_ids: list[int]
+    finished_reason: FinishReason | None
+    cached_prefix_tokens: int
+    cached_span_tokens: int
+    first_token_time: float | None
+    new_output_token_logprobs: list = field(default_factory=list)
+    new_output_top_logprobs: list = field(default_factory=list)
+    header: ReqHeader | None = None
+
+
+@dataclass
+class BatchTokenOutput:
+    deltas: list[TokenDelta]
+
+
+# ---- detokenizer -> main --------------------------------------------------------------------------------------
+@dataclass
+class GenerateOutput:
+    """One request's output so far, already in the `/generate` wire format (cumulative text and ids)."""
+
+    rid: str
+    out: dict[str, Any]
+    finished: bool
+
+
+@dataclass
+class BatchGenerateOutput:
+    outputs: list[GenerateOutput]
+
+
+# ---- sockets --------------------------------------------------------------------------------------------------
+@dataclass
+class IpcNames:
+    """The ipc:// endpoints of one server; each is bound by its reader."""
+
+    scheduler_input: str
+    detokenizer_input: str
+    tokenizer_input: str
+
+    @classmethod
+    def in_new_tempdir(cls) -> "IpcNames":
+        root = tempfile.mkdtemp(prefix="sglang_pic_ipc_")
+        return cls(*(f"ipc://{os.path.join(root, name)}" for name in ("scheduler", "detokenizer", "tokenizer")))
+
+    def cleanup(self) -> None:
+        for name in (self.scheduler_input, self.detokenizer_input, self.tokenizer_input):
+            path = name.removeprefix("ipc://")
+            if os.path.exists(path):
+                os.unlink(path)
+        root = os.path.dirname(self.scheduler_input.removeprefix("ipc://"))
+        if os.path.isdir(root) and not os.listdir(root):
+            os.rmdir(root)
+
+
+def pull_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    return sock
+
+
+def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def recv_all_nowait(sock: zmq.Socket) -> list[Any]:
+    """Every message already queued on `sock`, without blocking."""
+    msgs = []
+    while True:
+        try:
+            msgs.append(sock.recv_pyobj(zmq.NOBLOCK))
+        except zmq.Again:
+            return msgs

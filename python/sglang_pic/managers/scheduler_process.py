@@ -1,0 +1,176 @@
+"""The scheduler process: owns the model and the Scheduler, turns incoming requests into per-step token deltas.
+
+Loop: take every queued message (requests, aborts, control), run one scheduler step if there is work, and send a
+`TokenDelta` for each request that got output. Streaming requests are reported every step, others only when they
+finish (their delta then carries everything). When idle it blocks on its socket, waking each second to check that
+the main process still exists.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from sglang_pic.managers.ipc import (
+    AbortRequest,
+    BatchTokenOutput,
+    FlushCacheRequest,
+    FlushCacheResult,
+    GenerateRequest,
+    IpcNames,
+    ReqHeader,
+    SchedulerReady,
+    SchedulerSnapshot,
+    StatsRequest,
+    StatsResult,
+    TokenDelta,
+    pull_socket,
+    push_socket,
+    recv_all_nowait,
+)
+from sglang_pic.managers.req import Req
+from sglang_pic.server_args import ServerArgs
+from sglang_pic.utils_process import ModelFiles, parent_alive, prepare_child
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+PARENT_CHECK_S = 1.0
+
+
+class SchedulerLoop:
+    def __init__(self, server_args: ServerArgs, files: ModelFiles, names: IpcNames) -> None:
+        from sglang_pic.managers.scheduler import Scheduler
+        from sglang_pic.model_config import ModelConfig
+        from sglang_pic.model_executor.model_runner import ModelRunner
+        from sglang_pic.tokenizer import load_tokenizer
+
+        args = server_args
+        model_config = ModelConfig.from_path(
+            files.model_dir, context_length=args.context_length, dtype=args.dtype, device=args.resolved_device()
+        )
+        tokenizer = load_tokenizer(files.tokenizer_dir)
+        self.runner = ModelRunner(args, model_config)
+        self.scheduler = Scheduler(args, self.runner, tokenizer)
+        self.context_len = model_config.context_len
+        ctx = zmq.Context()
+        self.inbox = pull_socket(ctx, names.scheduler_input)
+        self.to_detokenizer = push_socket(ctx, names.detokenizer_input)
+        self.to_main = push_socket(ctx, names.tokenizer_input)
+        self.unreported: dict[str, bool] = {}  # rid -> return_text_in_logprobs, until its header is sent
+
+    def ready_message(self) -> SchedulerReady:
+        return SchedulerReady(max_total_num_tokens=self.runner.max_total_num_tokens, context_len=self.context_len)
+
+    # ---- loop ---------------------------------------------------------------------------------------------
+    def run(self, parent_pid: int) -> None:
+        last_check = time.monotonic()
+        while True:
+            if self.scheduler.is_idle() and not self.inbox.poll(IDLE_POLL_MS):
+                if not parent_alive(parent_pid):
+                    return
+                continue
+            for msg in recv_all_nowait(self.inbox):
+                self.handle(msg)
+            if not self.scheduler.is_idle():
+                self.report(self.scheduler.step())
+            if time.monotonic() - last_check > PARENT_CHECK_S:
+                last_check = time.monotonic()
+                if not parent_alive(parent_pid):
+                    return
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, GenerateRequest):
+            self.unreported[msg.req.rid] = msg.return_text_in_logprobs
+            self.scheduler.add_request(msg.req)
+        elif isinstance(msg, AbortRequest):
+            self.abort(msg)
+        elif isinstance(msg, FlushCacheRequest):
+            self.to_main.send_pyobj(FlushCacheResult(msg.request_id, self.scheduler.flush_cache()))
+        elif isinstance(msg, StatsRequest):
+            self.to_main.send_pyobj(StatsResult(msg.request_id, self.snapshot()))
+        else:
+            logger.error("scheduler got an unknown message %r", type(msg).__name__)
+
+    def abort(self, msg: AbortRequest) -> None:
+        sched = self.scheduler
+        if msg.abort_all:
+            rids = [r.rid for r in sched.waiting + sched.running] + ([sched.chunked.rid] if sched.chunked else [])
+        else:
+            rids = [msg.rid]
+        aborted = [req for req in (sched.abort_request(rid) for rid in rids) if req is not None]
+        self.report(aborted)
+
+    # ---- output -------------------------------------------------------------------------------------------
+    def report(self, updated: list[Req]) -> None:
+        deltas = [self.delta(req) for req in updated if req.stream or req.finished()]
+        if deltas:
+            self.to_detokenizer.send_pyobj(BatchTokenOutput(deltas))
+
+    def delta(self, req: Req) -> TokenDelta:
+        start = req.sent_offset
+        req.sent_offset = len(req.output_ids)
+        header = None
+        if req.rid in self.unreported:
+            header = ReqHeader(
+                prompt_len=req.prompt_len,
+                sampling_params=req.sampling_params,
+                created_time=req.created_time,
+                return_logprob=req.return_logprob,
+                return_text_in_logprobs=self.unreported.pop(req.rid),
+                input_token_logprobs=req.input_token_logprobs,
+                input_top_logprobs=req.input_top_logprobs,
+            )
+        return TokenDelta(
+            rid=req.rid,
+            new_ids=req.output_ids[start:],
+            finished_reason=req.finished_reason,
+            cached_prefix_tokens=req.cached_prefix_tokens,
+            cached_span_tokens=req.cached_span_tokens,
+            first_token_time=req.first_token_time,
+            new_output_token_logprobs=req.output_token_logprobs[start:],
+            new_output_top_logprobs=req.output_top_logprobs[start:],
+            header=header,
+        )
+
+    def snapshot(self) -> SchedulerSnapshot:
+        sched, stats = self.scheduler, self.scheduler.stats
+        return SchedulerSnapshot(
+            num_running_reqs=sched.num_running(),
+            num_waiting_reqs=len(sched.waiting),
+            num_waiting_tokens=sum(r.seq_len() for r in sched.waiting),
+            max_total_num_tokens=self.runner.allocator.size,
+            available_tokens=self.runner.allocator.available_size(),
+            evictable_tokens=sched.tree.evictable_size(),
+            token_usage=sched.token_usage(),
+            prompt_tokens=stats.prompt_tokens,
+            generation_tokens=stats.generation_tokens,
+            cached_prefix_tokens=stats.cached_prefix_tokens,
+            cached_span_tokens=stats.cached_span_tokens,
+            computed_prefill_tokens=stats.computed_prefill_tokens,
+            num_retractions=stats.num_retractions,
+            num_steps=stats.num_steps,
+        )
+
+
+def run_scheduler_process(server_args: ServerArgs, files: ModelFiles, names: IpcNames, ready: Connection) -> None:
+    """Process entry point: load, report readiness (or the load error) on `ready`, then serve until orphaned."""
+    parent_pid = prepare_child(server_args.log_level)
+    try:
+        loop = SchedulerLoop(server_args, files, names)
+    except Exception as e:
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        ready.send(SchedulerReady(error=f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    ready.send(loop.ready_message())
+    ready.close()
+    try:
+        loop.run(parent_pid)
+    except Exception:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        sys.exit(1)

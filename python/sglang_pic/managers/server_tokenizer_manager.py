@@ -1,0 +1,286 @@
+"""The main process's side of the engine: validate and tokenize requests, send them to the scheduler process, and
+hand each caller its outputs as the detokenizer produces them.
+
+Everything here runs on the HTTP server's event loop. A background task reads the one inbound socket (outputs
+from the detokenizer, control replies from the scheduler) and wakes the waiting callers. Outputs are cumulative, so
+a slow streaming client simply skips to the newest one. A caller that goes away aborts its requests, which frees
+their KV in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from sglang_pic.entrypoints.metrics import ServerMetrics
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.ipc import (
+    AbortRequest,
+    BatchGenerateOutput,
+    FlushCacheRequest,
+    FlushCacheResult,
+    GenerateOutput,
+    GenerateRequest,
+    IpcNames,
+    SchedulerReady,
+    SchedulerSnapshot,
+    StatsRequest,
+    StatsResult,
+    pull_socket,
+    push_socket,
+)
+from sglang_pic.managers.req import Req
+from sglang_pic.server_args import ServerArgs
+from sglang_pic.utils_process import ModelFiles
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_CHECK_S = 1.0
+CONTROL_TIMEOUT_S = 60.0
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its requests were aborted."""
+
+
+class DisconnectProbe(Protocol):
+    """Anything with Starlette's `is_disconnected()` (a fastapi.Request); None when no HTTP client is watched."""
+
+    async def is_disconnected(self) -> bool: ...
+
+
+@dataclass
+class ReqState:
+    rid: str
+    stream: bool
+    wake: asyncio.Event
+    outs: list[dict[str, Any]] = field(default_factory=list)
+    finished: bool = False
+    seen_tokens: int = 0
+    last_time: float = 0.0
+
+
+class ServerTokenizerManager:
+    def __init__(self, server_args: ServerArgs, files: ModelFiles, names: IpcNames) -> None:
+        from sglang_pic.managers.tokenizer_manager import TokenizerManager
+        from sglang_pic.model_config import ModelConfig
+        from sglang_pic.tokenizer import load_tokenizer
+
+        self.server_args = server_args
+        self.files = files
+        self.model_config = ModelConfig.from_path(
+            files.model_dir, context_length=server_args.context_length, dtype=server_args.dtype, device="cpu"
+        )
+        self.tokenizer = load_tokenizer(files.tokenizer_dir)
+        self.tokenizer_manager = TokenizerManager(server_args, self.tokenizer, self.model_config)
+        self.context_len = self.model_config.context_len
+        self.max_total_num_tokens = 0  # known once the scheduler has sized its pool; see scheduler_ready()
+        self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.metrics = ServerMetrics(self.served_model_name)
+        self.names = names
+        self.states: dict[str, ReqState] = {}
+        self.pending: dict[str, asyncio.Future] = {}
+        self.last_receive_time = 0.0
+        self._sync_ctx: zmq.Context | None = None
+        self._async_ctx: zmq.asyncio.Context | None = None
+        self._to_scheduler: zmq.Socket | None = None
+        self._inbox: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def scheduler_ready(self, ready: SchedulerReady) -> None:
+        """Take the scheduler's sizes; built before it is ready so the two processes load in parallel."""
+        self.context_len = ready.context_len
+        self.max_total_num_tokens = ready.max_total_num_tokens
+
+    async def start(self) -> None:
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self._to_scheduler = push_socket(self._sync_ctx, self.names.scheduler_input)
+        self._inbox = pull_socket(self._async_ctx, self.names.tokenizer_input)
+        self._receiver = asyncio.create_task(self._receive_loop())
+
+    async def stop(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        for sock in (self._inbox, self._to_scheduler):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._async_ctx, self._sync_ctx):
+            if ctx is not None:
+                ctx.term()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            msg = await self._inbox.recv_pyobj()
+            self.last_receive_time = time.time()
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad message must not stop every other request's output
+                logger.exception("failed to handle a %s message", type(msg).__name__)
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, BatchGenerateOutput):
+            for out in msg.outputs:
+                self._on_output(out)
+        elif isinstance(msg, (FlushCacheResult, StatsResult)):
+            future = self.pending.pop(msg.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+        else:
+            logger.error("tokenizer manager got an unknown message %r", type(msg).__name__)
+
+    def _on_output(self, output: GenerateOutput) -> None:
+        state = self.states.get(output.rid)
+        if state is None:
+            return  # its caller left and aborted it
+        now = time.time()
+        meta = output.out["meta_info"]
+        self.metrics.on_output(meta, now, state.last_time, state.seen_tokens, state.stream, output.finished)
+        state.seen_tokens = meta["completion_tokens"]
+        state.last_time = now
+        state.outs.append(output.out)
+        if output.finished:
+            state.finished = True
+            del self.states[output.rid]
+        state.wake.set()
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def prepare(self, obj: GenerateReqInput) -> list[Req]:
+        """Validate and tokenize; raise ValueError naming the problem. Nothing is sent yet."""
+        for name in ("stream", "return_text_in_logprobs"):
+            if not isinstance(getattr(obj, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(obj, name)!r}")
+        _check_rids(obj.rid)
+        reqs = self.tokenizer_manager.build_requests(obj)
+        if not reqs:
+            raise ValueError("the batch is empty")
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            raise ValueError("rid values must be unique within a request")
+        busy = [rid for rid in rids if rid in self.states]
+        if busy:
+            raise ValueError(f"rid {busy[0]!r} is already in use by a running request")
+        for req in reqs:
+            if req.prompt_len >= self.max_total_num_tokens:
+                raise ValueError(
+                    f"the prompt has {req.prompt_len} tokens, more than the KV cache holds "
+                    f"({self.max_total_num_tokens} tokens including at least one generated token)"
+                )
+            req.stream = obj.stream
+        return reqs
+
+    def _submit(self, reqs: list[Req], with_text: bool) -> list[ReqState]:
+        wake = asyncio.Event()
+        states = []
+        for req in reqs:
+            state = ReqState(req.rid, req.stream, wake, last_time=req.created_time)
+            self.states[req.rid] = state
+            states.append(state)
+            self._send(GenerateRequest(req, with_text))
+        return states
+
+    async def collect(
+        self, reqs: list[Req], with_text: bool = False, client: DisconnectProbe | None = None
+    ) -> list[dict[str, Any]]:
+        """Run the requests to completion; the final output of each, in order."""
+        states = self._submit(reqs, with_text)
+        try:
+            while not all(s.finished for s in states):
+                await self._wait(states[0].wake, client)
+        finally:
+            self._abort_unfinished(states)
+        return [s.outs[-1] for s in states]
+
+    async def stream(
+        self, reqs: list[Req], with_text: bool = False, client: DisconnectProbe | None = None
+    ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Yield (index, newest cumulative output) whenever one of the requests has new output."""
+        states = self._submit(reqs, with_text)
+        try:
+            live = set(range(len(states)))
+            while live:
+                await self._wait(states[0].wake, client)
+                for i in sorted(live):
+                    state = states[i]
+                    if state.outs:
+                        out, state.outs = state.outs[-1], []
+                        if state.finished:
+                            live.discard(i)
+                        yield i, out
+        finally:
+            self._abort_unfinished(states)
+
+    async def _wait(self, wake: asyncio.Event, client: DisconnectProbe | None) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(wake.wait(), DISCONNECT_CHECK_S)
+                wake.clear()
+                return
+            except asyncio.TimeoutError:
+                if client is not None and await client.is_disconnected():
+                    raise ClientDisconnected() from None
+
+    def _abort_unfinished(self, states: list[ReqState]) -> None:
+        for state in states:
+            if not state.finished and self.states.pop(state.rid, None) is not None:
+                self._send(AbortRequest(rid=state.rid))
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort on a user's behalf: the callers still get the aborted output (finish_reason abort)."""
+        self._send(AbortRequest(rid=rid, abort_all=abort_all))
+
+    async def health_generate(self, timeout: float) -> bool:
+        """True once the scheduler answers a one-token request (or anything at all) within `timeout`."""
+        tic = time.time()
+        obj = GenerateReqInput(
+            input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=f"HEALTH_{uuid.uuid4().hex}"
+        )
+        task = asyncio.create_task(self.collect(self.prepare(obj)))
+        try:
+            while time.time() < tic + timeout:
+                if task.done() or self.last_receive_time > tic:
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    # ---- control ------------------------------------------------------------------------------------------
+    async def flush_cache(self) -> bool:
+        result = await self._control(lambda rid: FlushCacheRequest(rid))
+        return result.success
+
+    async def get_stats(self) -> SchedulerSnapshot:
+        result = await self._control(lambda rid: StatsRequest(rid))
+        return result.snapshot
+
+    async def _control(self, make: Callable[[str], object]) -> Any:
+        request_id = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self.pending[request_id] = future
+        self._send(make(request_id))
+        try:
+            return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+        finally:
+            self.pending.pop(request_id, None)
+
+    def _send(self, msg: object) -> None:
+        self._to_scheduler.send_pyobj(msg)
+
+
+def _check_rids(rid: Any) -> None:
+    if rid is None or isinstance(rid, str):
+        return
+    if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+        raise ValueError(f"rid must be a string or a list of strings, got {rid!r}")

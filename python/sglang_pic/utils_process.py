@@ -1,0 +1,46 @@
+"""What every server process shares: where the model files are, logging, and leaving when the parent is gone."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+from sglang_pic.server_args import ServerArgs
+
+LOG_FORMAT = "[%(asctime)s %(processName)s] %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass
+class ModelFiles:
+    """The HF folders resolved once in the main process (a GGUF is converted there), so children never race."""
+
+    model_dir: str
+    tokenizer_dir: str
+
+    @classmethod
+    def resolve(cls, args: ServerArgs) -> "ModelFiles":
+        from sglang_pic.model_loader.loader import resolve_model_path
+
+        model_dir = resolve_model_path(args.model_path, args.load_format)
+        tokenizer_dir = args.tokenizer_path if args.tokenizer_path not in (None, args.model_path) else model_dir
+        return cls(model_dir, tokenizer_dir)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
+
+
+def prepare_child(level: str) -> int:
+    """Set up a child process; return its parent's pid so the child can notice becoming an orphan.
+
+    Ctrl-C reaches the whole process group; children ignore it and let the main process stop them in order.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging(level)
+    return os.getppid()
+
+
+def parent_alive(parent_pid: int) -> bool:
+    return os.getppid() == parent_pid

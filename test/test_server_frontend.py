@@ -1,0 +1,101 @@
+"""SGLang's frontend language against the server through `sgl.RuntimeEndpoint`: roles, gen with stop and
+max_tokens, select, fork, streaming and run_batch. Greedy text must equal the offline Engine's for the same prompt."""
+
+from __future__ import annotations
+
+import pytest
+import sglang as sgl
+from server_utils import start_server, stop_server
+
+from sglang_pic import Engine
+
+SYSTEM = "You are a helpful assistant."
+ASSISTANT_END = "<|im_end|>\n"  # the chatml template's assistant suffix, appended after the gen
+BASE = "Once upon a time there was"
+
+
+@sgl.function
+def chat(s, question):
+    s += sgl.system(SYSTEM)
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=16, stop="\n", temperature=0))
+
+
+@sgl.function
+def pick(s):
+    s += "The quick brown fox" + sgl.select("choice", choices=[" jumps", " sleeps", " runs"])
+
+
+@sgl.function
+def branches(s):
+    s += BASE
+    forks = s.fork(2)
+    for i, f in enumerate(forks):
+        f += f" a town number {i} where" + sgl.gen("tail", max_tokens=6, temperature=0, ignore_eos=True)
+    forks.join()
+    s += " and" + sgl.gen("end", max_tokens=4, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_qwen2):
+    srv = start_server(tiny_qwen2)
+    runtime = sgl.RuntimeEndpoint(srv.url, chat_template_name="chatml")
+    sgl.set_default_backend(runtime)
+    yield runtime
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen2):
+    with Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096) as eng:
+        yield eng
+
+
+def engine_text(engine: Engine, prompt: str, **params) -> str:
+    return engine.generate(prompt, {"temperature": 0, **params})["text"]
+
+
+def split_chat(state) -> tuple[str, str]:
+    """(the prompt the answer was generated from, the answer), read back from the program's text."""
+    answer, full = state["answer"], state.text()
+    assert full.endswith(answer + ASSISTANT_END)
+    return full[: len(full) - len(answer) - len(ASSISTANT_END)], answer
+
+
+def test_roles_and_gen_match_engine(backend, engine):
+    prompt, answer = split_chat(chat.run(question="What is the capital of France?"))
+    assert prompt.startswith("<|im_start|>system\n" + SYSTEM)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert "\n" not in answer
+    assert answer == engine_text(engine, prompt, max_new_tokens=16, stop="\n")
+
+
+def test_streaming_gives_same_text(backend):
+    whole = chat.run(question="Name a color.")
+    streamed = chat.run(question="Name a color.", stream=True)
+    assert "".join(streamed.text_iter()) == whole.text()
+
+
+def test_run_batch(backend, engine):
+    questions = ["Name a fruit.", "Count to three.", "Say hi."]
+    states = chat.run_batch([{"question": q} for q in questions], num_threads=3)
+    for q, state in zip(questions, states):
+        prompt, answer = split_chat(state)
+        assert q in prompt
+        assert answer == engine_text(engine, prompt, max_new_tokens=16, stop="\n")
+
+
+def test_select(backend):
+    state = pick.run()
+    assert state["choice"] in (" jumps", " sleeps", " runs")
+    assert pick.run()["choice"] == state["choice"]
+
+
+def test_fork_matches_engine(backend, engine):
+    state = branches.run()
+    tails = state["tail"]  # join() gathers each fork's variable into a list
+    assert len(tails) == 2
+    for i, tail in enumerate(tails):
+        assert tail == engine_text(engine, f"{BASE} a town number {i} where", max_new_tokens=6, ignore_eos=True)
+    assert state.text() == BASE + " and" + state["end"]
+    assert state["end"] == engine_text(engine, BASE + " and", max_new_tokens=4, ignore_eos=True)

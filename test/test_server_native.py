@@ -1,0 +1,196 @@
+"""SGLang's native HTTP API against a tiny-model server: /generate (single, batch, ids, streaming, logprobs,
+prefill-only), abort, and the information and admin routes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+from server_utils import start_server, stop_server
+
+from sglang_pic import Engine
+
+PROMPTS = ["The quick brown fox", "Once upon a time there was a little town"]
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = start_server(tiny_llama)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096) as eng:
+        yield eng
+
+
+def sse_events(resp: requests.Response) -> list:
+    """The JSON payloads of a `data: ...` stream, with the final `[DONE]` kept as the string itself."""
+    events = []
+    for line in resp.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_generate_matches_engine(server, engine):
+    expected = engine.generate(PROMPTS, GREEDY)
+    single = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY}).json()
+    assert single["text"] == expected[0]["text"]
+    assert single["output_ids"] == expected[0]["output_ids"]
+    assert set(single["meta_info"]) == set(expected[0]["meta_info"])
+    assert single["meta_info"]["finish_reason"] == {"type": "length", "matched": None}
+    assert single["meta_info"]["completion_tokens"] == 8
+
+    batch = server.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY}).json()
+    assert [o["output_ids"] for o in batch] == [o["output_ids"] for o in expected]
+
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    by_ids = server.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY}).json()
+    assert by_ids["output_ids"] == expected[1]["output_ids"]
+    assert by_ids["meta_info"]["prompt_tokens"] == len(ids)
+
+
+def test_stream_is_cumulative_and_ends_with_done(server):
+    full = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY}).json()
+    resp = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY, "stream": True}, stream=True)
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 2
+    for a, b in zip(chunks, chunks[1:]):
+        assert b["text"].startswith(a["text"])
+        assert b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
+    assert chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_batch_stream_and_n_carry_index(server):
+    body = {"text": PROMPTS, "sampling_params": GREEDY, "stream": True}
+    chunks = sse_events(server.post("/generate", json=body, stream=True))[:-1]
+    assert {c["index"] for c in chunks} == {0, 1}
+    finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"]}
+    assert len(finals) == 2
+
+    sampled = {"temperature": 1.0, "max_new_tokens": 4, "n": 3, "seed": 7}
+    outs = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": sampled}).json()
+    assert isinstance(outs, list) and len(outs) == 3
+
+
+def test_logprobs_match_engine(server, engine):
+    kwargs = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": True}
+    expected = engine.generate(PROMPTS[0], GREEDY, **kwargs)["meta_info"]
+    got = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY, **kwargs}).json()["meta_info"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        assert [t[1:] for t in got[key]] == [t[1:] for t in expected[key]]
+        for (a, *_), (b, *_) in zip(got[key], expected[key]):
+            assert (a is None and b is None) or a == pytest.approx(b, abs=1e-4)
+    assert got["input_token_logprobs"][0][0] is None
+    assert len(got["input_token_logprobs"]) == got["prompt_tokens"]
+    assert all(len(row) == 2 for row in got["output_top_logprobs"])
+
+
+def test_prefill_only_request(server):
+    out = server.post("/generate", json={"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 0}}).json()
+    assert out["meta_info"]["prompt_tokens"] > 0
+    assert out["meta_info"]["completion_tokens"] == 0
+    assert out["text"] == "" and out["output_ids"] == []
+
+
+def test_abort_request_ends_stream(server):
+    body = {
+        "text": PROMPTS[0],
+        "rid": "abort-me",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True},
+        "stream": True,
+    }
+    resp = server.post("/generate", json=body, stream=True)
+    lines = resp.iter_lines(decode_unicode=True)
+    first = next(line for line in lines if line.startswith("data: "))
+    assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
+    assert server.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
+    rest = [line[6:] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    final = json.loads(rest[-2])
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert final["meta_info"]["completion_tokens"] < 200
+
+
+def test_abort_all(server):
+    results = []
+
+    def call() -> None:
+        body = {"text": PROMPTS[1], "sampling_params": {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}}
+        results.append(server.post("/generate", json=body).json())
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.get("/get_load").json()[0]["num_reqs"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.post("/abort_request", json={"abort_all": True}).status_code == 200
+    for t in threads:
+        t.join(30)
+    assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["abort", "abort"]
+
+
+def test_information_routes(server):
+    for path in ("/get_model_info", "/model_info"):
+        info = server.get(path).json()
+        assert info["is_generation"] is True
+        assert info["model_path"]
+    for path in ("/get_server_info", "/server_info"):
+        info = server.get(path).json()
+        assert info["port"] == int(server.url.rsplit(":", 1)[1])
+        state = info["internal_states"][0]
+        assert state["max_total_num_tokens"] == 4096
+        assert {"available_tokens", "evictable_tokens", "token_usage", "num_running_reqs"} <= set(state)
+    load = server.get("/get_load").json()
+    assert load[0]["num_reqs"] == 0
+    assert server.get("/health").status_code == 200
+    assert server.get("/health_generate").status_code == 200
+    assert server.post("/flush_cache").status_code == 200
+
+
+def test_metrics(server):
+    server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY})
+    text = server.get("/metrics").text
+    for name in (
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:cache_hit_rate",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:time_to_first_token_seconds_bucket",
+        "sglang:inter_token_latency_seconds_bucket",
+    ):
+        assert name in text, name
+    generated = [l for l in text.splitlines() if l.startswith("sglang:generation_tokens_total")]
+    assert float(generated[0].rsplit(" ", 1)[1]) >= 8
+
+
+def test_concurrent_non_streaming_requests(server):
+    results: list = [None] * 6
+
+    def call(i: int) -> None:
+        body = {"text": PROMPTS[i % 2], "sampling_params": GREEDY}
+        results[i] = server.post("/generate", json=body).json()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r["meta_info"]["completion_tokens"] == 8 for r in results)
+    assert results[0]["output_ids"] == results[2]["output_ids"] == results[4]["output_ids"]

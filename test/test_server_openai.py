@@ -1,0 +1,173 @@
+"""The OpenAI API through the official `openai` client: models, completions and chat, streaming or not."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from server_utils import start_server, stop_server
+
+MODEL = "tiny-chat"
+PROMPT = "Once upon a time there was a little town by the sea where"
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2):
+    srv = start_server(tiny_qwen2, "--served-model-name", MODEL)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def test_models(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == 256
+
+
+def test_completion_matches_native_greedy(client, server):
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    native = server.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
+    comp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body=IGNORE_EOS)
+    assert comp.object == "text_completion"
+    assert comp.choices[0].text == native["text"]
+    assert comp.choices[0].finish_reason == "length"
+    assert comp.usage.completion_tokens == 6
+    assert comp.usage.prompt_tokens == native["meta_info"]["prompt_tokens"]
+    assert comp.usage.total_tokens == comp.usage.prompt_tokens + 6
+
+
+def test_completion_cached_tokens_reported(client):
+    prompt = PROMPT + " fishermen told stories every night"
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completion_batch_n_logprobs_echo(client):
+    comp = client.completions.create(
+        model=MODEL, prompt=["The quick brown fox", "The weather today"], max_tokens=3, n=2, temperature=1.0,
+        seed=3, logprobs=2,
+    )
+    assert [c.index for c in comp.choices] == [0, 1, 2, 3]
+    for choice in comp.choices:
+        assert len(choice.logprobs.tokens) == 3
+        assert len(choice.logprobs.token_logprobs) == 3
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    echoed = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=2, echo=True, logprobs=0)
+    assert echoed.choices[0].text.startswith("The quick brown fox")
+    assert echoed.choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_seed_makes_sampling_repeatable(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11)
+    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+
+
+def test_completion_stream(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, extra_body=IGNORE_EOS)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat(client, server):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    choice = chat.choices[0]
+    assert chat.object == "chat.completion"
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("length", "stop")
+    assert len(choice.logprobs.content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    # Same prompt through the native API, rendered with the model's template.
+    prompt = (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hello.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 5}}
+    native = server.post("/generate", json=body).json()
+    assert (choice.message.content or "") == native["text"]
+    assert chat.usage.prompt_tokens == native["meta_info"]["prompt_tokens"]
+
+
+def test_chat_stream_and_stop(client):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=IGNORE_EOS
+    )
+    text = full.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True, extra_body=IGNORE_EOS
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if stop.strip():
+        stopped = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stop=[stop], extra_body=IGNORE_EOS
+        )
+        content = stopped.choices[0].message.content or ""  # None when the stop string came first
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].matched_stop == stop
+        assert stop not in content
+        assert text.startswith(content)
+
+
+def test_chat_n_choices(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, n=3, temperature=1.0, seed=5)
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert 3 <= chat.usage.completion_tokens <= 9
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, n=2, temperature=0, stream=True, logprobs=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(roles) == sorted(finished) == [0, 1]
+    logprob_tokens = sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs)
+    assert logprob_tokens == chunks[-1].usage.completion_tokens
+
+
+def test_openai_errors_are_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=-1)
+    assert "temperature" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    assert "messages" in str(err.value)
+
+
+def test_chat_template_sources(tmp_path):
+    from sglang_pic.entrypoints.openai_api import BUILTIN_CHAT_TEMPLATES, load_chat_template
+
+    class Tok:
+        chat_template = "{{ messages[0]['content'] }}"
+
+    assert load_chat_template(None, Tok()) == Tok.chat_template
+    assert load_chat_template("chatml", Tok()) == BUILTIN_CHAT_TEMPLATES["chatml"]
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text("{{ 'x' }}")
+    assert load_chat_template(str(jinja), Tok()) == "{{ 'x' }}"
+    as_json = tmp_path / "t.json"
+    as_json.write_text('{"chat_template": "{{ \'y\' }}"}')
+    assert load_chat_template(str(as_json), Tok()) == "{{ 'y' }}"
+    with pytest.raises(ValueError, match="neither a file nor a built-in"):
+        load_chat_template("no-such-template", Tok())
