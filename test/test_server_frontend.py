@@ -8,6 +8,7 @@ import sglang as sgl
 from server_utils import start_server, stop_server
 
 from sglang_pic import Engine
+from sglang_pic.frontend_lang import span, warm_spans
 
 SYSTEM = "You are a helpful assistant."
 ASSISTANT_END = "<|im_end|>\n"  # the chatml template's assistant suffix, appended after the gen
@@ -99,3 +100,27 @@ def test_fork_matches_engine(backend, engine):
         assert tail == engine_text(engine, f"{BASE} a town number {i} where", max_new_tokens=6, ignore_eos=True)
     assert state.text() == BASE + " and" + state["end"]
     assert state["end"] == engine_text(engine, BASE + " and", max_new_tokens=4, ignore_eos=True)
+
+
+DOCS = [
+    "The capital of France is Paris, the capital of Japan is Tokyo.",
+    "A serving engine batches requests and streams tokens back to each client.",
+]
+
+
+@sgl.function
+def rag(s, docs, question):
+    s += sgl.system(SYSTEM)
+    s += sgl.user("".join(span(d) for d in docs) + question)
+    s += sgl.assistant(sgl.gen("answer", max_tokens=8, temperature=0, ignore_eos=True))
+
+
+def test_span_program_reuses_warmed_spans(backend, engine):
+    info = warm_spans(backend, DOCS)
+    assert info["num_spans"] == 2 and info["computed_tokens"] == info["span_tokens"]
+    state = rag.run(docs=DOCS[::-1], question="Where is Paris?")
+    meta = state.get_meta_info("answer")
+    assert meta["cached_span_tokens"] == info["span_tokens"]  # both spans reused behind a new prefix
+    prompt, answer = split_chat(state)
+    assert prompt.count("<|ssep|>") == 2
+    assert engine_text(engine, prompt, max_new_tokens=8, ignore_eos=True) == answer

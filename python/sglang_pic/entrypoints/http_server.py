@@ -205,6 +205,17 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
 
+    @app.post("/warm_spans")
+    async def warm_spans(request: Request) -> Response:
+        """Prefill spans into the cache without generating: {"spans": [text, ...]}."""
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict) or set(body) != {"spans"} or not isinstance(body["spans"], list):
+                raise ValueError('the body must be {"spans": [text, ...]}')
+            return json_response(await manager.warm_spans(body["spans"]))
+        except ValueError as e:
+            return native_error(str(e))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         snapshot = await manager.get_stats()

@@ -48,11 +48,27 @@ class StatsRequest:
     request_id: str
 
 
+@dataclass
+class WarmSpansRequest:
+    """Prefill spans (radix namespace, tokens) into the cache; answered once every one is cached."""
+
+    request_id: str
+    spans: list[tuple[str | None, list[int]]]
+
+
 # ---- scheduler -> main ----------------------------------------------------------------------------------------
 @dataclass
 class FlushCacheResult:
     request_id: str
     success: bool
+
+
+@dataclass
+class WarmSpansResult:
+    request_id: str
+    num_spans: int
+    span_tokens: int
+    computed_tokens: int
 
 
 @dataclass

@@ -29,6 +29,8 @@ from sglang_pic.managers.ipc import (
     StatsRequest,
     StatsResult,
     TokenDelta,
+    WarmSpansRequest,
+    WarmSpansResult,
     pull_socket,
     push_socket,
     recv_all_nowait,
@@ -63,6 +65,7 @@ class SchedulerLoop:
         self.to_detokenizer = push_socket(ctx, names.detokenizer_input)
         self.to_main = push_socket(ctx, names.tokenizer_input)
         self.unreported: dict[str, bool] = {}  # rid -> return_text_in_logprobs, until its header is sent
+        self.warming: dict[str, tuple[WarmSpansRequest, list[Req], int]] = {}  # request_id -> (msg, jobs, start)
 
     def ready_message(self) -> SchedulerReady:
         return SchedulerReady(max_total_num_tokens=self.runner.max_total_num_tokens, context_len=self.context_len)
@@ -79,6 +82,8 @@ class SchedulerLoop:
                 self.handle(msg)
             if not self.scheduler.is_idle():
                 self.report(self.scheduler.step())
+            if self.warming:
+                self.answer_warm_requests()
             if time.monotonic() - last_check > PARENT_CHECK_S:
                 last_check = time.monotonic()
                 if not parent_alive(parent_pid):
@@ -94,8 +99,19 @@ class SchedulerLoop:
             self.to_main.send_pyobj(FlushCacheResult(msg.request_id, self.scheduler.flush_cache()))
         elif isinstance(msg, StatsRequest):
             self.to_main.send_pyobj(StatsResult(msg.request_id, self.snapshot()))
+        elif isinstance(msg, WarmSpansRequest):
+            jobs = self.scheduler.add_span_jobs(msg.spans)
+            self.warming[msg.request_id] = (msg, jobs, self.scheduler.stats.computed_prefill_tokens)
         else:
             logger.error("scheduler got an unknown message %r", type(msg).__name__)
+
+    def answer_warm_requests(self) -> None:
+        for request_id, (msg, jobs, start) in list(self.warming.items()):
+            if all(job.finished() for job in jobs):
+                del self.warming[request_id]
+                computed = self.scheduler.stats.computed_prefill_tokens - start
+                span_tokens = sum(len(tokens) for _, tokens in msg.spans)
+                self.to_main.send_pyobj(WarmSpansResult(request_id, len(msg.spans), span_tokens, computed))
 
     def abort(self, msg: AbortRequest) -> None:
         sched = self.scheduler
@@ -108,7 +124,7 @@ class SchedulerLoop:
 
     # ---- output -------------------------------------------------------------------------------------------
     def report(self, updated: list[Req]) -> None:
-        deltas = [self.delta(req) for req in updated if req.stream or req.finished()]
+        deltas = [self.delta(req) for req in updated if not req.warmup and (req.stream or req.finished())]
         if deltas:
             self.to_detokenizer.send_pyobj(BatchTokenOutput(deltas))
 

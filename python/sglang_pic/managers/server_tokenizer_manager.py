@@ -34,6 +34,8 @@ from sglang_pic.managers.ipc import (
     SchedulerSnapshot,
     StatsRequest,
     StatsResult,
+    WarmSpansRequest,
+    WarmSpansResult,
     pull_socket,
     push_socket,
 )
@@ -132,7 +134,7 @@ class ServerTokenizerManager:
         if isinstance(msg, BatchGenerateOutput):
             for out in msg.outputs:
                 self._on_output(out)
-        elif isinstance(msg, (FlushCacheResult, StatsResult)):
+        elif isinstance(msg, (FlushCacheResult, StatsResult, WarmSpansResult)):
             future = self.pending.pop(msg.request_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -261,17 +263,23 @@ class ServerTokenizerManager:
         result = await self._control(lambda rid: FlushCacheRequest(rid))
         return result.success
 
+    async def warm_spans(self, spans: list[str]) -> dict[str, int]:
+        """Prefill spans without generating; raises ValueError for bad span text."""
+        keyed = self.tokenizer_manager.span_keys(spans)
+        result = await self._control(lambda rid: WarmSpansRequest(rid, keyed), timeout=None)
+        return {"num_spans": result.num_spans, "span_tokens": result.span_tokens, "computed_tokens": result.computed_tokens}
+
     async def get_stats(self) -> SchedulerSnapshot:
         result = await self._control(lambda rid: StatsRequest(rid))
         return result.snapshot
 
-    async def _control(self, make: Callable[[str], object]) -> Any:
+    async def _control(self, make: Callable[[str], object], timeout: float | None = CONTROL_TIMEOUT_S) -> Any:
         request_id = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self.pending[request_id] = future
         self._send(make(request_id))
         try:
-            return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+            return await asyncio.wait_for(future, timeout)
         finally:
             self.pending.pop(request_id, None)
 
