@@ -232,6 +232,9 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
     def delta(key: str) -> int:
         return int(after[key] - before[key])
 
+    failed = [o["meta_info"]["finish_reason"] for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
+    if failed:
+        raise RuntimeError(f"{mode}: {len(failed)} requests were aborted, e.g. {failed[0]}")
     ttft = np.array([o["meta_info"]["ttft"] for o in outs]) + warm_s
     e2e = np.array([o["meta_info"]["e2e_latency"] for o in outs]) + warm_s
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)

@@ -97,3 +97,20 @@ def test_warm_spans_then_prompts_reuse_them(tiny_llama):
         assert out["meta_info"]["cached_span_tokens"] == info["span_tokens"]
         with pytest.raises(ValueError, match="marker"):
             engine.warm_spans(["bad <|ssep|> span"])
+
+
+def test_isps_under_memory_pressure_finishes_everything(tiny_llama):
+    """A small pool forces retractions while span jobs and chunked prefills hold memory: nothing is aborted and
+    the tokens equal a roomy FCFS run."""
+    texts = workload() * 2
+    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="fcfs") as big:
+        expected = [o["output_ids"] for o in big.generate(texts, params)]
+    with Engine(
+        model_path=str(tiny_llama), dtype="float32", max_total_tokens=512, page_size=4, schedule_policy="isps",
+        step_token_budget=48, chunked_prefill_size=48,
+    ) as small:
+        outs = small.generate(texts, params)
+        assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * len(texts)
+        assert [o["output_ids"] for o in outs] == expected
+        assert small.scheduler.stats.num_retractions > 0

@@ -152,15 +152,17 @@ class Scheduler:
 
     def _schedule_extend(self) -> list[BatchEntry] | None:
         budget = self.prefill_budget
+        # In mixed batches the running decodes get their slots first, so a new prefill never starves them.
+        decodes = self._schedule_decode() if self.mix_decodes and self.running else []
         entries: list[BatchEntry] = []
         if self.chunked is not None:
             entry = self._take(self.chunked, budget)
             if entry is None:
-                return None
+                return decodes or None
             entries.append(entry)
             budget -= entry.num_tokens
             if not entry.completes:
-                return entries
+                return entries + decodes
             self.chunked = None
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) + len(entries) >= self.server_args.max_running_requests:
@@ -203,11 +205,7 @@ class Scheduler:
             if not entry.completes:
                 self.chunked = req
                 break
-        if not entries:
-            return None
-        if self.mix_decodes and self.running:
-            entries.extend(self._schedule_decode())
-        return entries
+        return (entries + decodes) or None
 
     def _reject_oversized(self, req: Req) -> None:
         self.waiting.remove(req)
@@ -265,10 +263,14 @@ class Scheduler:
         return entries
 
     def _retract_one(self) -> None:
-        req = self.running.pop()
+        """Give back the KV of the newest running request; a half-prefilled request goes before the last decode."""
+        if len(self.running) == 1 and self.chunked is not None:
+            req, self.chunked = self.chunked, None
+        else:
+            req = self.running.pop()
         if self.spec_worker is not None:
             self.spec_worker.release(req)
-        if not self.running:
+        if not self.running and req.output_ids and self.chunked is None:
             self.kv.cache(req)
             self.kv.release(req)
             req.finished_reason = FinishReason("abort", message="KV cache pool is full")
