@@ -40,6 +40,10 @@ class SpanPrefillPlanner:
         # span id -> rid of the request whose arrival created the job: that request computed the span (it is not
         # a cache hit for it), every other request that uses the span reused it.
         self.owner: dict[tuple, str] = {}
+        # rid -> the span jobs a queued request waits for ([] = all its spans were cached when last looked up).
+        # Looked up again only when one of those jobs finishes or admission finds a span missing (evicted), so a
+        # long queue costs no tree lookups per step.
+        self.blocked_on: dict[str, list[Req]] = {}
         self._next_id = 0
 
     def job_for(self, seg: ReqSegment, arrival_step: int) -> tuple[Req, bool]:
@@ -53,8 +57,13 @@ class SpanPrefillPlanner:
         self.jobs[sid] = job
         return job, True
 
+    def recheck(self, req: Req) -> None:
+        """Admission found one of `req`'s spans uncached after all: look its spans up again next step."""
+        self.blocked_on.pop(req.rid, None)
+
     def computed_for(self, req: Req) -> int:
         """Span tokens that jobs computed on `req`'s behalf (forgets them: asked once, at admission)."""
+        self.blocked_on.pop(req.rid, None)
         total = 0
         for seg in req.segments:
             sid = (seg.extra_key, tuple(seg.tokens))
@@ -64,7 +73,8 @@ class SpanPrefillPlanner:
         return total
 
     def forget(self, req: Req) -> None:
-        """Drop `req`'s ownership records (it left without being admitted)."""
+        """Drop `req`'s records (it left without being admitted)."""
+        self.blocked_on.pop(req.rid, None)
         for seg in req.segments:
             sid = (seg.extra_key, tuple(seg.tokens))
             if self.owner.get(sid) == req.rid:
@@ -82,11 +92,17 @@ class SpanPrefillPlanner:
         for req in waiting:
             if req.warmup:
                 continue
-            for seg in self.kv.uncached_span_segments(req):
-                job, created = self.job_for(seg, req.arrival_step)
-                if created:
-                    new_jobs.append(job)
-                    self.owner[(seg.extra_key, tuple(seg.tokens))] = req.rid
+            jobs = self.blocked_on.get(req.rid)
+            if jobs is None or any(job.finished() for job in jobs):
+                jobs = []
+                for seg in self.kv.uncached_span_segments(req):
+                    job, created = self.job_for(seg, req.arrival_step)
+                    if created:
+                        new_jobs.append(job)
+                        self.owner[(seg.extra_key, tuple(seg.tokens))] = req.rid
+                    jobs.append(job)
+                self.blocked_on[req.rid] = jobs
+            for job in jobs:
                 waiters[job.rid] += 1
                 oldest[job.rid] = min(oldest.get(job.rid, req.arrival_step), req.arrival_step)
                 blocked.add(req.rid)

@@ -181,6 +181,7 @@ class Scheduler:
                 self.isps and not req.warmup and self.kv.has_shareable_uncached_span(req)
             ):
                 self.kv.release(req)  # its span is being computed elsewhere: match again next step
+                self.planner.recheck(req)
                 continue
             reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
             need = self.kv.slots_needed(req, [len(s.tokens) - s.done for s in req.segments])

@@ -1,4 +1,8 @@
-"""Owns the model, the KV pools and the attention backend; runs one ForwardBatch and returns logits."""
+"""Owns the model, the KV pools and the attention backend; runs one ForwardBatch and returns logits.
+
+Under tensor parallelism every rank has a runner holding its shard of the model and a KV pool of its own KV heads;
+rank 0's runner sends each batch to the others before running it (see batch_broadcast).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,13 @@ import logging
 
 import torch
 
+from sglang_pic.distributed.parallel_state import get_tp_group, min_over_ranks
+from sglang_pic.distributed.sharding import kv_head_shard
 from sglang_pic.layers.attention_backend import create_attention_backend
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang_pic.model_config import ModelConfig
+from sglang_pic.model_executor.batch_broadcast import BatchBroadcaster
 from sglang_pic.model_executor.forward_batch import ForwardBatch
 from sglang_pic.model_loader.loader import load_model
 from sglang_pic.server_args import ServerArgs
@@ -25,6 +32,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(server_args.resolved_device())
         self.dtype = model_config.dtype
+        self.tp = get_tp_group()
         torch.manual_seed(server_args.random_seed)
         self.model = load_model(
             model_config, server_args.load_format, self.device, self.dtype, server_args.random_seed
@@ -38,22 +46,29 @@ class ModelRunner:
             from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self)
+        self.broadcaster = BatchBroadcaster(self) if self.tp.size > 1 and self.tp.rank == 0 else None
 
     def _init_memory_pools(self) -> None:
         cfg = self.model_config
         page = self.server_args.page_size
-        kv_heads = cfg.num_key_value_heads
+        kv_heads = kv_head_shard(cfg.num_key_value_heads, self.tp.rank, self.tp.size).size
         probe = MHATokenToKVPool(0, page, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, "meta")
         per_token = probe.bytes_per_token()
         size = self.server_args.max_total_tokens
         if size is None:
             if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # memory cached by the allocator (an earlier engine's, say) is free to us
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = free - total * (1 - self.server_args.mem_fraction_static)
                 size = int(max(budget, 0) // per_token)
+                if size < cfg.context_len // 4:
+                    raise RuntimeError(
+                        f"only {size} KV tokens fit in GPU memory ({free / 2**30:.1f} GiB free); raise "
+                        "--mem-fraction-static, set --max-total-tokens, or free the GPU"
+                    )
             else:
                 size = CPU_DEFAULT_MAX_TOTAL_TOKENS
-        size = max(size // page * page, page)
+        size = max(min_over_ranks(size) // page * page, page)  # every rank must hold rank 0's slot indices
         self.max_total_num_tokens = size
         self.token_to_kv_pool = MHATokenToKVPool(
             size, page, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.device
@@ -63,9 +78,21 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(rows, cfg.context_len + page, self.device)
         logger.info("KV pool: %d tokens (%.2f GiB), %d request rows", size, size * per_token / 2**30, rows)
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in float32."""
+        """Logits [len(batch.logits_indices), vocab] in float32; rank 0 first sends the batch to its followers."""
+        if self.broadcaster is not None:
+            self.broadcaster.send(batch)
+        return self.forward_local(batch)
+
+    def shutdown(self) -> None:
+        """Release the tensor-parallel followers (they leave their receive loop)."""
+        if self.broadcaster is not None:
+            self.broadcaster.stop()
+            self.broadcaster = None
+
+    @torch.inference_mode()
+    def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
+        """This rank's forward (its collectives included), without sending the batch anywhere."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             hidden = self.graph_runner.replay(batch)
         else:

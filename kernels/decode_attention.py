@@ -1,0 +1,341 @@
+"""Triton decode attention, flash-decoding style, with in-kernel key RoPE.
+
+Request b has one query (row b of q) at position seq_lens[b] - 1 that sees keys 0 .. seq_lens[b] - 1. Its context
+is cut into at most `max_splits` chunks; stage 1 runs one program per (request, kv head, chunk) and keeps the
+GQA group's query heads together, so each key is loaded and rotated once per group; stage 2 merges the chunks by
+their log-sum-exp. The chunk count of a request is derived in both kernels from its length alone, so the grid
+depends only on the batch size and `max_splits`: replayable in a CUDA graph with any lengths.
+
+Decode is memory-bound, and a cos/sin row per key would double the bytes each key costs (fp32 table rows are
+twice a bf16 key head). Since a score depends only on j - p, stage 1 instead rotates key start + t by t (the same
+BLOCK_N table rows for every block, loaded once) and the query by p - start (one row per block).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_pic.kernels.rope import (
+    HeadSplit,
+    check_dense_heads,
+    dot_operand_dtype,
+    dot_precision,
+    head_split,
+    load_cos_sin,
+    rotate_halves,
+)
+
+LOG2E = 1.0 / math.log(2.0)
+MAX_SPLITS_CAP = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per inner iteration
+    min_split_len: int  # shortest chunk worth its own program (a multiple of block_n)
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+    """Hopper tiles free of register spills for head_dim 64..256 (sm_90 builds, Triton 3.6 and 3.9); tiny tiles
+    for the CPU interpreter."""
+    if device.type != "cuda":
+        return DecodeConfig(block_n=16, min_split_len=16, num_warps=4, num_stages=1)
+    if head_dim <= 128 and dtype != torch.float32:  # best of the H200 sweep (benchmark/results/kernels_sweep_h200)
+        return DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
+    return DecodeConfig(block_n=32, min_split_len=256, num_warps=8, num_stages=2)
+
+
+def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """Chunks per request so that about 4 programs per SM are in flight when contexts are long."""
+    return max(1, min(MAX_SPLITS_CAP, triton.cdiv(4 * num_sms, batch_size * num_kv_heads)))
+
+
+@triton.jit
+def _split_range(seq_len, MAX_SPLITS, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(chunk length, number of non-empty chunks) of a context; both stages must agree on it."""
+    wanted = tl.minimum(tl.cdiv(seq_len, MIN_SPLIT_LEN), MAX_SPLITS)
+    chunk = tl.cdiv(tl.cdiv(seq_len, wanted), BLOCK_N) * BLOCK_N
+    return chunk, tl.cdiv(seq_len, chunk)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_buf_ptr,
+    v_buf_ptr,
+    cos_sin_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    seq_lens_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    qk_scale,
+    MAX_SPLITS,
+    num_positions,
+    stride_qt,
+    stride_kbs,
+    stride_vbs,
+    stride_r2t,
+    stride_cs,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ROTATE_KEYS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    chunk, n_splits = _split_range(seq_len, MAX_SPLITS, MIN_SPLIT_LEN, BLOCK_N)
+    if split >= n_splits:
+        return
+    kv_start = split * chunk
+    kv_end = tl.minimum(kv_start + chunk, seq_len)
+    req_row = tl.load(req_pool_indices_ptr + b)
+    dtype = k_buf_ptr.dtype.element_ty
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP
+    head = kvh * GROUP + offs_h
+    pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
+    offs_r = tl.arange(0, BLOCK_HALF)
+    q_rows = q_ptr + b * stride_qt + head[:, None] * HEAD_DIM
+    q_mask = h_mask[:, None] & (offs_r[None, :] < HALF)
+    q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(q_rows + HALF + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    offs_b = tl.arange(0, BLOCK_N)
+    if ROTATE_KEYS:
+        # A score depends on j - p only, so key j = start + t is rotated by its offset t in the block and the
+        # query by p - start: the key-side cos/sin rows are the same for every block (loaded once), and each
+        # block reads a single table row instead of one per key.
+        t_cos, t_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_b, offs_r, offs_b < num_positions, HALF)
+    else:
+        cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, h_mask, HALF)
+        q1_rot, q2_rot = rotate_halves(q1, q2, cos, sin)
+        q1_dot = q1_rot.to(dtype).to(DOT_DTYPE)
+        q2_dot = q2_rot.to(dtype).to(DOT_DTYPE)
+    offs_t = tl.arange(0, BLOCK_TAIL)
+    if TAIL > 0:
+        tail_mask = h_mask[:, None] & (offs_t[None, :] < TAIL)
+        q_tail = tl.load(q_rows + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0)
+        q_tail = (q_tail.to(tl.float32) * qk_scale).to(dtype).to(DOT_DTYPE)
+
+    offs_v = tl.arange(0, BLOCK_V)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    k_head = k_buf_ptr + kvh * HEAD_DIM
+    v_head = v_buf_ptr + kvh * V_DIM
+    r2t_row = req_to_token_ptr + req_row * stride_r2t
+
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start_n + offs_b
+        n_mask = offs_n < kv_end
+        slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
+        k_rows = k_head + slots[:, None] * stride_kbs
+        k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
+        k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
+        k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
+        if ROTATE_KEYS:
+            k1, k2 = rotate_halves(k1, k2, t_cos, t_sin)
+            q_cos, q_sin = load_cos_sin(cos_sin_ptr, stride_cs, pos - start_n, offs_r, h_mask, HALF)
+            q1_rot, q2_rot = rotate_halves(q1, q2, q_cos, q_sin)
+            q1_dot = q1_rot.to(dtype).to(DOT_DTYPE)
+            q2_dot = q2_rot.to(dtype).to(DOT_DTYPE)
+        qk = tl.dot(q1_dot, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        qk = tl.dot(q2_dot, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+        if TAIL > 0:
+            k_tail_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
+            k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=k_tail_mask, other=0.0)
+            qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
+        v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
+        acc = tl.dot(p.to(dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    mid_o = mid_o_ptr + b * stride_mob + head[:, None] * stride_moh + split * stride_mos + offs_v[None, :]
+    tl.store(mid_o, acc / l_i[:, None], mask=h_mask[:, None] & (offs_v[None, :] < V_DIM))
+    mid_lse = mid_lse_ptr + b * stride_mlb + head * stride_mlh + split
+    tl.store(mid_lse, m_i + tl.math.log2(l_i), mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    seq_lens_ptr,
+    MAX_SPLITS,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ot,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One program per (request, query head): softmax-weighted sum of the chunk outputs."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    _, n_splits = _split_range(seq_len, MAX_SPLITS, MIN_SPLIT_LEN, BLOCK_N)
+    offs_v = tl.arange(0, BLOCK_V)
+    v_mask = offs_v < V_DIM
+    m = float("-inf")
+    denom = 0.0
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for s in range(0, n_splits):
+        lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s)
+        o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s * stride_mos + offs_v, mask=v_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        scale_old = tl.math.exp2(m - m_new)
+        weight = tl.math.exp2(lse - m_new)
+        acc = acc * scale_old + o * weight
+        denom = denom * scale_old + weight
+        m = m_new
+    tl.store(out_ptr + b * stride_ot + h * V_DIM + offs_v, (acc / denom).to(out_ptr.dtype.element_ty), mask=v_mask)
+
+
+def alloc_decode_buffers(
+    batch_size: int, num_heads: int, v_head_dim: int, max_splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-chunk partial outputs [B, Hq, S, Dv] and their base-2 log-sum-exps [B, Hq, S], float32."""
+    mid_o = torch.empty((batch_size, num_heads, max_splits, v_head_dim), dtype=torch.float32, device=device)
+    mid_lse = torch.empty((batch_size, num_heads, max_splits), dtype=torch.float32, device=device)
+    return mid_o, mid_lse
+
+
+def decode_kernel_params(
+    num_heads: int,
+    num_kv_heads: int,
+    split: HeadSplit,
+    dtype: torch.dtype,
+    device: torch.device,
+    keys_rotated: bool,
+    config: DecodeConfig | None = None,
+) -> tuple[dict, dict]:
+    """Constexprs and launch options of the split and merge kernels (the sm_90 build test compiles these)."""
+    group = num_heads // num_kv_heads
+    cfg = config or default_decode_config(split.head_dim, dtype, device)
+    tiles = split.constexprs()
+    split_params = {
+        "GROUP": group,
+        "BLOCK_H": max(16, triton.next_power_of_2(group)),
+        "BLOCK_N": cfg.block_n,
+        "MIN_SPLIT_LEN": cfg.min_split_len,
+        "ROTATE_KEYS": not keys_rotated,
+        "DOT_DTYPE": dot_operand_dtype(dtype, device),
+        "DOT_PRECISION": dot_precision(dtype),
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **tiles,
+    }
+    merge_params = {
+        "BLOCK_N": cfg.block_n,
+        "MIN_SPLIT_LEN": cfg.min_split_len,
+        "V_DIM": tiles["V_DIM"],
+        "BLOCK_V": tiles["BLOCK_V"],
+        "num_warps": 1,
+    }
+    return split_params, merge_params
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    sm_scale: float,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    keys_rotated: bool = False,
+    config: DecodeConfig | None = None,
+) -> None:
+    """out [B, Hq, Dv] for q [B, Hq, D] (unrotated, row b at position seq_lens[b] - 1; every seq_len >= 1).
+
+    The split count is mid_o.shape[2]. keys_rotated=True is the baseline that reads pre-rotated keys.
+    """
+    batch_size, num_heads, head_dim = q.shape
+    if batch_size == 0:
+        return
+    check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
+    num_kv_heads = k_buffer.shape[1]
+    max_splits = mid_o.shape[2]
+    split = head_split(head_dim, cos_sin_cache, v_buffer.shape[-1])
+    split_params, merge_params = decode_kernel_params(
+        num_heads, num_kv_heads, split, k_buffer.dtype, q.device, keys_rotated, config
+    )
+    _decode_split_kernel[(batch_size, num_kv_heads, max_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        cos_sin_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        sm_scale * LOG2E,
+        max_splits,
+        cos_sin_cache.shape[0],
+        q.stride(0),
+        k_buffer.stride(0),
+        v_buffer.stride(0),
+        req_to_token.stride(0),
+        cos_sin_cache.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        **split_params,
+    )
+    _decode_merge_kernel[(batch_size, num_heads)](
+        mid_o,
+        mid_lse,
+        out,
+        seq_lens,
+        max_splits,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        **merge_params,
+    )

@@ -1,0 +1,242 @@
+"""Triton extend (prefill) attention over the paged KV pool with in-kernel RoPE.
+
+Each request's new tokens are rows extend_start_loc[b] .. + extend_seq_lens[b] of q, with explicit positions and
+attn_lo: the query at position p sees keys j in [attn_lo, p], read through req_to_token and rotated by j.
+
+One program owns one kv head and a block of BLOCK_M rows made of BLOCK_M // GROUP tokens times the GROUP query
+heads that share the kv head, so every key tile is loaded and rotated once per GQA group rather than once per
+query head. Key blocks wholly outside [min attn_lo, max position] of the query block are never visited.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_pic.kernels.rope import (
+    HeadSplit,
+    check_dense_heads,
+    dot_operand_dtype,
+    dot_precision,
+    head_split,
+    load_cos_sin,
+    rotate_halves,
+)
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True)
+class ExtendConfig:
+    block_m: int  # query rows (tokens x group heads) per program
+    block_n: int  # keys per inner iteration
+    num_warps: int
+    num_stages: int
+
+
+def default_extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> ExtendConfig:
+    """Tiles for Hopper-class GPUs, free of register spills for head_dim 64..256 in sm_90 builds by Triton 3.6
+    and 3.9; small tiles on CPU so the interpreter walks several blocks on small tests."""
+    if device.type != "cuda":
+        return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:  # exact fp32 products run on CUDA cores and need small tiles
+        return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+    if head_dim <= 128:  # best of the H200 sweep (benchmark/results/kernels_sweep_h200)
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _extend_attention_kernel(
+    q_ptr,
+    k_buf_ptr,
+    v_buf_ptr,
+    out_ptr,
+    cos_sin_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    extend_start_loc_ptr,
+    extend_seq_lens_ptr,
+    positions_ptr,
+    attn_lo_ptr,
+    qk_scale,
+    stride_qt,
+    stride_ot,
+    stride_kbs,
+    stride_vbs,
+    stride_r2t,
+    stride_cs,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ROTATE_KEYS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+    ext_len = tl.load(extend_seq_lens_ptr + b)
+    if tl.program_id(2) * TOKENS >= ext_len:
+        return
+    ext_start = tl.load(extend_start_loc_ptr + b)
+    req_row = tl.load(req_pool_indices_ptr + b)
+    dtype = k_buf_ptr.dtype.element_ty
+
+    # Row r of the block is token r // GROUP of this program, query head kvh * GROUP + r % GROUP.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tl.program_id(2) * TOKENS + offs_m // GROUP
+    row_mask = (offs_m < TOKENS * GROUP) & (tok < ext_len)
+    row = ext_start + tok
+    head = kvh * GROUP + offs_m % GROUP
+    pos = tl.load(positions_ptr + row, mask=row_mask, other=-1).to(tl.int32)
+    lo = tl.load(attn_lo_ptr + row, mask=row_mask, other=0).to(tl.int32)
+    kv_hi = tl.max(pos, 0) + 1
+    kv_lo = tl.min(tl.where(row_mask, lo, kv_hi), 0)
+
+    # Queries: rotate by their own positions and fold in the softmax scale (base-2 exponent).
+    offs_r = tl.arange(0, BLOCK_HALF)
+    q_rows = q_ptr + row[:, None] * stride_qt + head[:, None] * HEAD_DIM
+    q_mask = row_mask[:, None] & (offs_r[None, :] < HALF)
+    q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0)
+    q2 = tl.load(q_rows + HALF + offs_r[None, :], mask=q_mask, other=0.0)
+    cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, row_mask, HALF)
+    q1, q2 = rotate_halves(q1, q2, cos, sin)
+    q1 = (q1 * qk_scale).to(dtype).to(DOT_DTYPE)
+    q2 = (q2 * qk_scale).to(dtype).to(DOT_DTYPE)
+    offs_t = tl.arange(0, BLOCK_TAIL)
+    if TAIL > 0:
+        tail_mask = row_mask[:, None] & (offs_t[None, :] < TAIL)
+        q_tail = tl.load(q_rows + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0)
+        q_tail = (q_tail.to(tl.float32) * qk_scale).to(dtype).to(DOT_DTYPE)
+
+    offs_v = tl.arange(0, BLOCK_V)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite, so fully masked rows never produce inf - inf
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+    k_head = k_buf_ptr + kvh * HEAD_DIM
+    v_head = v_buf_ptr + kvh * V_DIM
+    r2t_row = req_to_token_ptr + req_row * stride_r2t
+
+    for start_n in range(kv_lo // BLOCK_N * BLOCK_N, kv_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_hi
+        slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
+        k_rows = k_head + slots[:, None] * stride_kbs
+        k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
+        k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
+        k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
+        if ROTATE_KEYS:
+            k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_n, offs_r, n_mask, HALF)
+            k1, k2 = rotate_halves(k1, k2, k_cos, k_sin)
+        qk = tl.dot(q1, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        qk = tl.dot(q2, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+        if TAIL > 0:
+            k_tail_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
+            k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=k_tail_mask, other=0.0)
+            qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+
+        visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
+        v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
+        acc = tl.dot(p.to(dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + row[:, None] * stride_ot + head[:, None] * V_DIM + offs_v[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_v[None, :] < V_DIM))
+
+
+def extend_kernel_params(
+    num_heads: int,
+    num_kv_heads: int,
+    split: HeadSplit,
+    dtype: torch.dtype,
+    device: torch.device,
+    keys_rotated: bool,
+    config: ExtendConfig | None = None,
+) -> dict:
+    """Constexprs and launch options of the extend kernel (the sm_90 build test compiles exactly these)."""
+    group = num_heads // num_kv_heads
+    cfg = config or default_extend_config(split.head_dim, dtype, device)
+    return {
+        "GROUP": group,
+        "BLOCK_M": max(cfg.block_m, triton.next_power_of_2(group)),
+        "BLOCK_N": cfg.block_n,
+        "ROTATE_KEYS": not keys_rotated,
+        "DOT_DTYPE": dot_operand_dtype(dtype, device),
+        "DOT_PRECISION": dot_precision(dtype),
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **split.constexprs(),
+    }
+
+
+def extend_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    attn_lo: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int,
+    keys_rotated: bool = False,
+    config: ExtendConfig | None = None,
+) -> None:
+    """out [T, Hq, Dv] = attention of q [T, Hq, D] (unrotated) over the pool.
+
+    keys_rotated=True is the baseline: the pool holds keys already rotated by their position, so only queries
+    are rotated. `max_extend_len` (a host int) sizes the grid; it may exceed the true maximum.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0 or max_extend_len == 0:
+        return
+    check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
+    num_kv_heads = k_buffer.shape[1]
+    split = head_split(head_dim, cos_sin_cache, v_buffer.shape[-1])
+    params = extend_kernel_params(num_heads, num_kv_heads, split, k_buffer.dtype, q.device, keys_rotated, config)
+    tokens_per_block = params["BLOCK_M"] // params["GROUP"]
+    grid = (req_pool_indices.shape[0], num_kv_heads, triton.cdiv(max_extend_len, tokens_per_block))
+    _extend_attention_kernel[grid](
+        q,
+        k_buffer,
+        v_buffer,
+        out,
+        cos_sin_cache,
+        req_to_token,
+        req_pool_indices,
+        extend_start_loc,
+        extend_seq_lens,
+        positions,
+        attn_lo,
+        sm_scale * LOG2E,
+        q.stride(0),
+        out.stride(0),
+        k_buffer.stride(0),
+        v_buffer.stride(0),
+        req_to_token.stride(0),
+        cos_sin_cache.stride(0),
+        **params,
+    )
