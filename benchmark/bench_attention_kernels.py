@@ -1,0 +1,329 @@
+"""What position-free keys cost: Triton attention with in-kernel key RoPE vs the same kernels on pre-rotated keys.
+
+Every case times both variants on one pool and one set of inputs: `position_free` (keys stored unrotated and
+rotated inside attention from their index) and `prerotated` (the standard engine layout: keys rotated once at
+store time, only queries rotated in attention). Both are the same kernel body compiled with ROTATE_KEYS on and
+off. Kernel cost does not depend on the key values, so the baseline reads the same buffer.
+
+Cases: decode (flash-decoding, batch x context grid), extend (prefill, prefix extends, span prefills), and the
+KV store. Each call is captured in a CUDA graph and timed by triton.testing.do_bench on its replays (L2 flushed
+before each replay, median): launch overhead stays out and data comes from HBM as it would per layer.
+Reports time, achieved TFLOP/s (extend; visible query-key pairs only), GB/s (decode: KV bytes read; store:
+bytes moved) and the overhead of position-free keys in percent; writes everything to a JSON file.
+
+  python benchmark/bench_attention_kernels.py --out benchmark/results/attention_kernels_h200.json [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DEVICE = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FULL = {
+    "batches": [1, 8, 32, 64, 128, 256],
+    "contexts": [1024, 4096, 8192, 16384, 32768],
+    "prefill": [1024, 2048, 4096, 8192],
+}
+QUICK = {"batches": [1, 32, 256], "contexts": [1024, 8192, 32768], "prefill": [1024, 8192]}
+SWEEP_DECODE_SHAPES = [(1, 32768), (64, 8192), (256, 2048)]  # (batch, context)
+SWEEP_PREFILL_LEN = 8192
+STORE_TOKENS = 8192
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("benchmark/results/attention_kernels.json"))
+    p.add_argument("--quick", action="store_true", help="a 3x3 decode grid and two prefill lengths (about a minute)")
+    p.add_argument("--sweep", action="store_true", help="also time alternative tile configs on a few shapes")
+    p.add_argument("--batches", type=_ints, help="decode batch sizes, comma-separated")
+    p.add_argument("--contexts", type=_ints, help="decode context lengths, comma-separated")
+    p.add_argument("--prefill", type=_ints, help="prefill lengths, comma-separated (requests = 8192 // length)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--max-kv-tokens", type=int, default=8 * 2**20, help="skip decode cases with batch x context above")
+    p.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
+    args = p.parse_args(argv)
+    grid = QUICK if args.quick else FULL
+    args.batches = args.batches or grid["batches"]
+    args.contexts = args.contexts or grid["contexts"]
+    args.prefill = args.prefill or grid["prefill"]
+    return args
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def graph_time_ms(fn: Callable[[], object], rep_ms: int) -> float:
+    """Median time of one replay of `fn` captured in a CUDA graph, cold L2 (do_bench flushes it)."""
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def pair(fn: Callable[[bool], Callable[[], object]], rep_ms: int) -> dict:
+    """Times of the position-free and pre-rotated variants and the overhead of the first over the second."""
+    free = graph_time_ms(fn(False), rep_ms)
+    base = graph_time_ms(fn(True), rep_ms)
+    return {"position_free_ms": free, "prerotated_ms": base, "overhead_pct": 100.0 * (free / base - 1.0)}
+
+
+def ceilings(rep_ms: int) -> dict:
+    """Measured device-to-device copy bandwidth and bf16 matmul rate, the roofs for GB/s and TFLOP/s below."""
+    import triton.testing
+
+    src = torch.empty(2**31, dtype=torch.uint8, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=rep_ms, return_mode="median")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEVICE)
+    mm_ms = triton.testing.do_bench(lambda: a @ b, rep=rep_ms, return_mode="median")
+    return {"copy_gbps": 2 * src.numel() / copy_ms / 1e6, "bf16_matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def _make_batch(args: argparse.Namespace, specs: list, seed: int):
+    from sglang_pic.kernels.paged_batch import make_paged_batch
+
+    dims = (args.heads, args.kv_heads, args.head_dim)
+    return make_paged_batch(specs, *dims, DTYPES[args.dtype], DEVICE, page_size=args.page_size, seed=seed)
+
+
+def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config=None) -> dict:
+    from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
+    from sglang_pic.kernels.paged_batch import decode
+
+    dtype = DTYPES[args.dtype]
+    specs = [decode(context)] * batch_size
+    batch = _make_batch(args, specs, seed=batch_size + context)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    splits = num_kv_splits(batch_size, args.kv_heads, sms)
+    buffers = alloc_decode_buffers(batch_size, args.heads, args.head_dim, splits, batch.q.device)
+    out = batch.poisoned_output()
+
+    def variant(keys_rotated: bool) -> Callable[[], object]:
+        return lambda: batch.run_decode(splits, keys_rotated, out=out, buffers=buffers, config=config)
+
+    result = pair(variant, args.rep_ms)
+    kv_bytes = batch_size * context * args.kv_heads * 2 * args.head_dim * dtype.itemsize
+    result.update(
+        batch=batch_size,
+        context=context,
+        kv_splits=splits,
+        kv_gb=kv_bytes / 1e9,
+        position_free_gbps=kv_bytes / result["position_free_ms"] / 1e6,
+        prerotated_gbps=kv_bytes / result["prerotated_ms"] / 1e6,
+    )
+    assert not out.isnan().any(), "decode left NaN in its output"
+    return result
+
+
+def extend_cases(prefill_lens: list[int]) -> dict[str, list]:
+    from sglang_pic.kernels.paged_batch import extend, prefill, spans
+
+    cases = {}
+    for n in prefill_lens:
+        requests = max(1, 8192 // n)
+        cases[f"prefill_{requests}x{n}"] = [prefill(n)] * requests
+    cases["extend_1k_on_8k_prefix"] = [extend(9216, 1024)] * 4
+    cases["extend_1k_on_31k_prefix"] = [extend(32768, 1024)]
+    span_list = [(i * 1024, i * 1024 + 1000) for i in range(8)]
+    cases["spans_8x1000_plus_512_pdep"] = [spans(8192 + 512, span_list, 512)] * 2
+    return cases
+
+
+def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) -> dict:
+    batch = _make_batch(args, specs, seed=len(name))
+    out = batch.poisoned_output()
+
+    def variant(keys_rotated: bool) -> Callable[[], object]:
+        return lambda: batch.run_extend(keys_rotated, out=out, config=config)
+
+    result = pair(variant, args.rep_ms)
+    pairs = sum(p - lo + 1 for s in specs for p, lo in zip(s.positions, s.attn_lo))
+    flops = 4 * args.heads * args.head_dim * pairs  # q.k and p.v over visible pairs
+    result.update(
+        case=name,
+        requests=len(specs),
+        new_tokens=sum(batch.extend_seq_lens_cpu),
+        visible_pairs=pairs,
+        position_free_tflops=flops / result["position_free_ms"] / 1e9,
+        prerotated_tflops=flops / result["prerotated_ms"] / 1e9,
+    )
+    assert not out.isnan().any(), "extend left NaN in its output"
+    return result
+
+
+def bench_store(args: argparse.Namespace, tokens: int) -> dict:
+    from sglang_pic.kernels.paged_batch import prefill
+    from sglang_pic.kernels.store_kv import store_kv, store_kv_rotated
+
+    batch = _make_batch(args, [prefill(tokens)], seed=tokens)
+    k, v, loc = batch.k_new, batch.v_new, batch.out_cache_loc
+
+    def variant(rotated: bool) -> Callable[[], object]:
+        k_buf, v_buf, table = batch.k_buffer, batch.v_buffer, batch.cos_sin_cache
+        if rotated:  # the baseline pays rotation at store time
+            return lambda: store_kv_rotated(k_buf, v_buf, loc, k, v, batch.positions, table)
+        return lambda: store_kv(k_buf, v_buf, loc, k, v, table)
+
+    result = pair(variant, args.rep_ms)
+    moved = 2 * (k.numel() + v.numel()) * k.element_size()
+    result.update(
+        tokens=tokens,
+        position_free_gbps=moved / result["position_free_ms"] / 1e6,
+        prerotated_gbps=moved / result["prerotated_ms"] / 1e6,
+    )
+    return result
+
+
+def sweep(args: argparse.Namespace) -> list[dict]:
+    """Alternative tiles on a few shapes, to check the defaults (the first config of each list)."""
+    from sglang_pic.kernels.decode_attention import DecodeConfig, default_decode_config
+    from sglang_pic.kernels.extend_attention import ExtendConfig, default_extend_config
+
+    dtype, cuda = DTYPES[args.dtype], torch.device(DEVICE)
+    decode_cfgs = [default_decode_config(args.head_dim, dtype, cuda)] + [
+        DecodeConfig(block_n=32, min_split_len=256, num_warps=4, num_stages=2),
+        DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2),
+        DecodeConfig(block_n=32, min_split_len=128, num_warps=4, num_stages=3),
+        DecodeConfig(block_n=64, min_split_len=512, num_warps=8, num_stages=3),
+        DecodeConfig(block_n=128, min_split_len=256, num_warps=8, num_stages=2),
+    ]
+    extend_cfgs = [default_extend_config(args.head_dim, dtype, cuda)] + [
+        ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
+        ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+        ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
+        ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    ]
+    rows = []
+    for batch_size, context in SWEEP_DECODE_SHAPES:
+        for cfg in decode_cfgs:
+            rows.append({"kind": "decode", "config": asdict(cfg), **bench_decode(args, batch_size, context, cfg)})
+            _log_row(rows[-1])
+    for name, specs in list(extend_cases([SWEEP_PREFILL_LEN]).items())[:1]:
+        for cfg in extend_cfgs:
+            rows.append({"kind": "extend", "config": asdict(cfg), **bench_extend(args, name, specs, cfg)})
+            _log_row(rows[-1])
+    return rows
+
+
+def _log_row(row: dict) -> None:
+    shapes = {"decode": lambda: f"b{row['batch']} x {row['context']}", "store": lambda: f"{row['tokens']} tokens"}
+    shape = shapes.get(row["kind"], lambda: row["case"])()
+    cfg = row.get("config", "")
+    print(
+        f"  {row['kind']:7s} {shape:32s} free {row['position_free_ms']:8.4f} ms  "
+        f"pre {row['prerotated_ms']:8.4f} ms  overhead {row['overhead_pct']:+6.1f}%  {cfg}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    decode_grid = [(b, c) for b in args.batches for c in args.contexts if b * c <= args.max_kv_tokens]
+    if not torch.cuda.is_available():
+        extra = " and a config sweep" if args.sweep else ""
+        print(
+            f"no CUDA device; would run {len(decode_grid)} decode cases, {len(extend_cases(args.prefill))} extend "
+            f"cases, the store{extra}; results to {args.out}"
+        )
+        return 0
+    import triton
+
+    started = time.time()
+    report = {
+        "meta": {
+            "device": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "dtype": args.dtype,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "page_size": args.page_size,
+            "timing": "CUDA-graph replay, triton.testing.do_bench median, L2 flushed before each replay",
+        },
+        "ceilings": ceilings(args.rep_ms),
+    }
+    print(f"ceilings: {report['ceilings']}", flush=True)
+
+    report["decode"] = []
+    for batch_size, context in decode_grid:
+        row = {"kind": "decode", **bench_decode(args, batch_size, context)}
+        report["decode"].append(row)
+        _log_row(row)
+        torch.cuda.empty_cache()
+    report["extend"] = []
+    for name, specs in extend_cases(args.prefill).items():
+        row = {"kind": "extend", **bench_extend(args, name, specs)}
+        report["extend"].append(row)
+        _log_row(row)
+    report["store"] = [{"kind": "store", **bench_store(args, STORE_TOKENS)}]
+    _log_row(report["store"][0])
+    if args.sweep:
+        report["sweep"] = sweep(args)
+    report["meta"]["wall_s"] = time.time() - started
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print_summary(report)
+    print(f"wrote {args.out} in {report['meta']['wall_s']:.0f} s")
+    return 0
+
+
+def print_summary(report: dict) -> None:
+    roof = report["ceilings"]
+    roofs = f"copy {roof['copy_gbps']:.0f} GB/s, bf16 matmul {roof['bf16_matmul_tflops']:.0f} TFLOP/s"
+    print(f"\n{report['meta']['device']}: {roofs}")
+    print(f"{'decode':>14s} {'free ms':>9s} {'pre ms':>9s} {'free GB/s':>10s} {'pre GB/s':>9s} {'overhead':>9s}")
+    for r in report["decode"]:
+        shape = f"b{r['batch']} x {r['context']}"
+        times = f"{r['position_free_ms']:9.4f} {r['prerotated_ms']:9.4f}"
+        rates = f"{r['position_free_gbps']:10.0f} {r['prerotated_gbps']:9.0f}"
+        print(f"{shape:>14s} {times} {rates} {r['overhead_pct']:+8.1f}%")
+    print(f"{'extend':>34s} {'free ms':>9s} {'pre ms':>9s} {'free TF/s':>10s} {'pre TF/s':>9s} {'overhead':>9s}")
+    for r in report["extend"]:
+        times = f"{r['position_free_ms']:9.3f} {r['prerotated_ms']:9.3f}"
+        rates = f"{r['position_free_tflops']:10.0f} {r['prerotated_tflops']:9.0f}"
+        print(f"{r['case']:>34s} {times} {rates} {r['overhead_pct']:+8.1f}%")
+    if report["decode"]:
+        geo = math.exp(sum(math.log1p(r["overhead_pct"] / 100) for r in report["decode"]) / len(report["decode"]))
+        print(f"decode overhead, geometric mean: {100 * (geo - 1):+.1f}%")
+    best: dict[str, dict] = {}
+    for r in report.get("sweep", []):
+        shape = r.get("case") or f"decode b{r['batch']} x {r['context']}"
+        for variant in ("position_free", "prerotated"):
+            key = f"{shape} {variant}"
+            if key not in best:
+                best[key] = {"default_ms": r[f"{variant}_ms"], "best_ms": r[f"{variant}_ms"], "config": r["config"]}
+            elif r[f"{variant}_ms"] < best[key]["best_ms"]:
+                best[key].update(best_ms=r[f"{variant}_ms"], config=r["config"])
+    for key, b in best.items():  # the first config swept per shape is the default
+        print(f"sweep {key}: default {b['default_ms']:.4f} ms, best {b['best_ms']:.4f} ms with {b['config']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Float64 dense attention over the paged pool, written independently of torch_native.py, for kernel tests.
+
+It walks requests one by one and queries in chunks (bounded memory at 32K contexts), builds each request's
+visible-key mask from positions and attn_lo, and applies RoPE in float64 from the same cos/sin table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUERY_CHUNK = 512
+
+
+def rope_f64(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated by positions [N] in float64 (neox form; dims past the table's width stay put)."""
+    rot = cos_sin_cache.shape[-1]
+    half = rot // 2
+    table = cos_sin_cache.to(torch.float64)[positions]
+    cos = table[:, None, :half]
+    sin = table[:, None, half:]
+    x = x.to(torch.float64)
+    first, second, tail = x[..., :half], x[..., half:rot], x[..., rot:]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin, tail], dim=-1)
+
+
+def attention_reference(
+    q: torch.Tensor,  # [T, Hq, D] unrotated
+    k_buffer: torch.Tensor,  # [S, Hkv, D]
+    v_buffer: torch.Tensor,  # [S, Hkv, Dv]
+    req_to_token: torch.Tensor,  # [R, L]
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B]
+    extend_start_loc: torch.Tensor,  # [B]
+    extend_seq_lens: torch.Tensor,  # [B]
+    positions: torch.Tensor,  # [T]
+    attn_lo: torch.Tensor,  # [T]
+    cos_sin_cache: torch.Tensor,  # [P, rotary_dim]
+    sm_scale: float,
+    keys_rotated: bool = False,
+) -> torch.Tensor:
+    """[T, Hq, Dv] float64. Query t sees keys j of its request with attn_lo[t] <= j <= positions[t]."""
+    num_heads = q.shape[1]
+    group = num_heads // k_buffer.shape[1]
+    out = torch.zeros((q.shape[0], num_heads, v_buffer.shape[-1]), dtype=torch.float64, device=q.device)
+    for b in range(req_pool_indices.shape[0]):
+        seq_len = int(seq_lens[b])
+        start, count = int(extend_start_loc[b]), int(extend_seq_lens[b])
+        key_idx = torch.arange(seq_len, device=q.device)
+        slots = req_to_token[req_pool_indices[b], :seq_len]
+        keys = k_buffer[slots].to(torch.float64)
+        if not keys_rotated:
+            keys = rope_f64(keys, key_idx, cos_sin_cache)
+        keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = v_buffer[slots].to(torch.float64).repeat_interleave(group, dim=1)
+        for c in range(start, start + count, QUERY_CHUNK):
+            rows = torch.arange(c, min(c + QUERY_CHUNK, start + count), device=q.device)
+            pos = positions[rows]
+            q_rot = rope_f64(q[rows], pos, cos_sin_cache)  # [n, Hq, D]
+            scores = torch.einsum("nhd,lhd->hnl", q_rot, keys) * sm_scale
+            visible = (key_idx[None, :] >= attn_lo[rows][:, None]) & (key_idx[None, :] <= pos[:, None])
+            scores = scores.masked_fill(~visible[None], float("-inf"))
+            out[rows] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), values)
+    return out
+
+
+def store_reference(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
+) -> None:
+    """Writes k (rotated by positions when given) and v into their slots, rounding once to the pool dtype."""
+    if positions is not None:
+        k = rope_f64(k, positions, cos_sin_cache)
+    k_buffer[loc] = k.to(k_buffer.dtype)
+    v_buffer[loc] = v.to(v_buffer.dtype)
+
+
+def relative_errors(out: torch.Tensor, expect: torch.Tensor) -> tuple[float, float]:
+    """(||out - expect|| / ||expect|| over everything, the worst of the same ratio per last-dim row)."""
+    diff = (out.double() - expect.double()).flatten(0, -2)
+    base = expect.double().flatten(0, -2)
+    whole = (diff.norm() / base.norm()).item()
+    worst_row = (diff.norm(dim=-1) / base.norm(dim=-1).clamp_min(1e-6)).max().item()
+    return whole, worst_row

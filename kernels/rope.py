@@ -1,0 +1,89 @@
+"""Pieces shared by the Triton attention kernels: head tiling, in-register RoPE, dot operand types.
+
+A head of `head_dim` elements is handled as three tiles so that rotation needs no shuffles: the first rotary half
+[0, R/2), the second rotary half [R/2, R) and the unrotated tail [R, D) (empty for full-rotary models). Every
+tile is padded to a power of two of at least 16 so it can feed `tl.dot`; masks cover the padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_DOT_DIM = 16
+
+
+def _tile(n: int) -> int:
+    return max(MIN_DOT_DIM, triton.next_power_of_2(max(n, 1)))
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Sizes of the three head tiles, passed to kernels as constexprs."""
+
+    head_dim: int
+    rotary_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim={self.head_dim}]")
+
+    def constexprs(self) -> dict[str, int]:
+        half = self.rotary_dim // 2
+        tail = self.head_dim - self.rotary_dim
+        return {
+            "HEAD_DIM": self.head_dim,
+            "HALF": half,
+            "BLOCK_HALF": _tile(half),
+            "TAIL": tail,
+            "BLOCK_TAIL": _tile(tail),
+            "V_DIM": self.v_head_dim,
+            "BLOCK_V": _tile(self.v_head_dim),
+        }
+
+
+def head_split(head_dim: int, cos_sin_cache: torch.Tensor, v_head_dim: int | None = None) -> HeadSplit:
+    return HeadSplit(head_dim, cos_sin_cache.shape[-1], v_head_dim or head_dim)
+
+
+def check_dense_heads(**tensors: torch.Tensor) -> None:
+    """Kernels address head h of a token row at h * dim: heads must be packed densely inside each row (true for
+    the pool and for views of a fused qkv projection); only the row stride is free."""
+    for name, x in tensors.items():
+        if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+            raise ValueError(f"{name} must have dense [heads, dim] rows, got strides {tuple(x.stride())}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact products (tests, debugging); half types ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dot_operand_dtype(dtype: torch.dtype, device: torch.device) -> tl.dtype:
+    """Type fed to tl.dot. The CPU interpreter multiplies bf16 tiles wrongly, so there operands are rounded to
+    bf16 (same values as on the GPU) and then widened to fp32, whose products of bf16 values are exact."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+@triton.jit
+def load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_half, row_mask, HALF: tl.constexpr):
+    """cos and sin tiles [len(pos), len(offs_half)] for positions `pos`; padding gets the identity (1, 0)."""
+    mask = row_mask[:, None] & (offs_half[None, :] < HALF)
+    ptrs = cos_sin_ptr + pos[:, None] * stride_cs + offs_half[None, :]
+    cos = tl.load(ptrs, mask=mask, other=1.0)
+    sin = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def rotate_halves(x1, x2, cos, sin):
+    """neox rotate_half on the two rotary halves, in float32: (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin

@@ -1,0 +1,138 @@
+"""Fused write of new keys and values into their KV-pool slots.
+
+The position-free engine stores keys unrotated (`store_kv`). `store_kv_rotated` rotates keys by their positions
+first, as standard engines do; it exists only so benchmarks can price what position-free keys cost.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_pic.kernels.rope import HeadSplit, check_dense_heads, load_cos_sin, rotate_halves
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_buf_ptr,
+    v_buf_ptr,
+    loc_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    stride_kt,
+    stride_vt,
+    stride_kbs,
+    stride_vbs,
+    stride_cs,
+    NUM_KV_HEADS: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ROTATE_KEYS: tl.constexpr,
+):
+    """One program per token: copies its [heads, dims] key and value tiles to slot loc[t]."""
+    t = tl.program_id(0)
+    slot = tl.load(loc_ptr + t)
+    offs_h = tl.arange(0, BLOCK_HEADS)
+    head_mask = offs_h < NUM_KV_HEADS
+    offs_r = tl.arange(0, BLOCK_HALF)
+    rot_mask = head_mask[:, None] & (offs_r[None, :] < HALF)
+    dtype = k_buf_ptr.dtype.element_ty
+
+    k_row = k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM
+    kb_row = k_buf_ptr + slot * stride_kbs + offs_h[:, None] * HEAD_DIM
+    k1 = tl.load(k_row + offs_r[None, :], mask=rot_mask, other=0.0)
+    k2 = tl.load(k_row + HALF + offs_r[None, :], mask=rot_mask, other=0.0)
+    if ROTATE_KEYS:
+        pos = tl.zeros([BLOCK_HEADS], tl.int64) + tl.load(positions_ptr + t)
+        cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, head_mask, HALF)
+        k1, k2 = rotate_halves(k1, k2, cos, sin)
+    tl.store(kb_row + offs_r[None, :], k1.to(dtype), mask=rot_mask)
+    tl.store(kb_row + HALF + offs_r[None, :], k2.to(dtype), mask=rot_mask)
+    if TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_mask = head_mask[:, None] & (offs_t[None, :] < TAIL)
+        tail = tl.load(k_row + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0)
+        tl.store(kb_row + 2 * HALF + offs_t[None, :], tail.to(dtype), mask=tail_mask)
+
+    offs_v = tl.arange(0, BLOCK_V)
+    v_mask = head_mask[:, None] & (offs_v[None, :] < V_DIM)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * V_DIM + offs_v[None, :], mask=v_mask, other=0.0)
+    vb_ptrs = v_buf_ptr + slot * stride_vbs + offs_h[:, None] * V_DIM + offs_v[None, :]
+    tl.store(vb_ptrs, v.to(v_buf_ptr.dtype.element_ty), mask=v_mask)
+
+
+def store_kernel_params(num_kv_heads: int, split: HeadSplit, rotate: bool) -> dict:
+    """Constexprs and launch options of the store kernel (the sm_90 build test compiles these)."""
+    return {
+        "NUM_KV_HEADS": num_kv_heads,
+        "BLOCK_HEADS": triton.next_power_of_2(num_kv_heads),
+        "ROTATE_KEYS": rotate,
+        "num_warps": 1 if num_kv_heads * split.head_dim <= 512 else 4,
+        **split.constexprs(),
+    }
+
+
+def _launch(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotate: bool,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    check_dense_heads(k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer)
+    if num_tokens == 0:
+        return
+    split = HeadSplit(head_dim, cos_sin_cache.shape[-1], v.shape[-1])
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_buffer,
+        v_buffer,
+        loc,
+        positions,
+        cos_sin_cache,
+        k.stride(0),
+        v.stride(0),
+        k_buffer.stride(0),
+        v_buffer.stride(0),
+        cos_sin_cache.stride(0),
+        **store_kernel_params(num_kv_heads, split, rotate),
+    )
+
+
+def store_kv(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """k_buffer[loc] = k, v_buffer[loc] = v, k/v [T, Hkv, D] unrotated. cos_sin_cache only sizes the rotary tiles."""
+    _launch(k_buffer, v_buffer, loc, k, v, loc, cos_sin_cache, rotate=False)
+
+
+def store_kv_rotated(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Baseline store: keys rotated by `positions` before they are written (what standard engines keep)."""
+    _launch(k_buffer, v_buffer, loc, k, v, positions, cos_sin_cache, rotate=True)

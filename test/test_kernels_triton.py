@@ -1,0 +1,298 @@
+"""Triton attention kernels on CPU, under the Triton interpreter, against a float64 reference and torch_native.
+
+TRITON_INTERPRET must be set before triton is first imported, which this pytest process cannot promise (another
+module may have imported it). So every check runs once in a child process started with the variable set; the
+child prints one JSON report and each test below asserts on its own entry.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+CHILD_TIMEOUT_S = 300
+# bf16 is loose because the interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest).
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
+ROW_SLACK = 4.0  # the worst (token, head) row may be this much further off than the whole
+
+
+def _child_main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the kernel checks must run under the Triton interpreter"
+    import torch
+
+    from sglang_pic.kernels import paged_batch as pb
+    from sglang_pic.kernels.reference import attention_reference, relative_errors, store_reference
+    from sglang_pic.kernels.torch_native import paged_attention_torch
+
+    torch.set_num_threads(1)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+    def attention_case(specs, hq, hkv, dim, dtype, *, page=1, decode=False, keys_rotated=False, splits=4, **kw):
+        batch = pb.make_paged_batch(specs, hq, hkv, dim, dtypes[dtype], "cpu", page_size=page, **kw)
+        if keys_rotated:
+            batch.k_buffer = batch.rotated_pool()
+        if decode:
+            out = batch.run_decode(splits, keys_rotated=keys_rotated)
+        else:
+            out = batch.run_extend(keys_rotated=keys_rotated)
+        args = batch.attention_args()
+        return {
+            "dtype": dtype,
+            "nan": bool(out.isnan().any()),
+            "vs_reference": relative_errors(out, attention_reference(*args, keys_rotated=keys_rotated)),
+            "vs_torch_native": relative_errors(out, paged_attention_torch(*args, keys_rotated=keys_rotated)),
+        }
+
+    def store_case(dtype: str, rotate: bool, page: int):
+        specs = [pb.prefill(19), pb.extend(40, 7), pb.spans(30, [(4, 9)], 2)]
+        batch = pb.make_paged_batch(specs, 4, 2, 32, dtypes[dtype], "cpu", page_size=page)
+        k_buf, v_buf = batch.run_store(rotate)
+        k_exp = torch.full_like(k_buf, float("nan"))
+        v_exp = torch.full_like(v_buf, float("nan"))
+        loc = batch.out_cache_loc
+        rotation = (batch.positions, batch.cos_sin_cache) if rotate else ()
+        store_reference(k_exp, v_exp, loc, batch.k_new, batch.v_new, *rotation)
+        untouched = torch.ones(k_buf.shape[0], dtype=torch.bool)
+        untouched[loc] = False
+        return {
+            "dtype": dtype,
+            "nan": bool(k_buf[loc].isnan().any() or v_buf[loc].isnan().any()),
+            "others_untouched": bool(k_buf[untouched].isnan().all() and v_buf[untouched].isnan().all()),
+            "v_exact": bool(torch.equal(v_buf[loc], v_exp[loc])),
+            "k_exact": bool(torch.equal(k_buf[loc], k_exp[loc])),
+            "vs_reference": relative_errors(k_buf[loc], k_exp[loc]),
+        }
+
+    def backend_case(decode: bool, page: int):
+        from sglang_pic.layers.attention_backend import create_attention_backend
+        from sglang_pic.layers.radix_attention import RadixAttention
+        from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+
+        hq, hkv, dim = 4, 2, 32
+        specs = [pb.decode(n) for n in (3, 40, 77)] if decode else [pb.extend(30, 9), pb.spans(50, [(8, 20)], 4)]
+        batch = pb.make_paged_batch(specs, hq, hkv, dim, torch.float32, "cpu", page_size=page)
+        rotary = RotaryEmbedding(dim, batch.cos_sin_cache.shape[0])
+        layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=rotary)
+        q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
+        outs = []
+        for name in ("triton", "torch_native"):
+            backend = create_attention_backend(name)
+            fb = pb.forward_batch_for(batch, backend, decode)
+            backend.init_forward_metadata(fb)
+            outs.append(layer(q, k, v, fb))
+        return {"dtype": "float32", "nan": bool(outs[0].isnan().any()), "vs_torch_native": relative_errors(*outs)}
+
+    P, E, D, S = pb.prefill, pb.extend, pb.decode, pb.spans
+    span_specs = [S(60, [(5, 15), (30, 36)], 10), S(45, [(0, 20)], 1), P(9), S(80, [(40, 70)], 3)]
+    cases: dict[str, Callable[[], dict]] = {
+        "prefill_ragged_gqa_page1_fp32": lambda: attention_case([P(37), P(5), P(64), P(1)], 4, 2, 32, "float32"),
+        "extend_prefix_mqa_dim16_page16_fp32": lambda: attention_case(
+            [E(50, 10), E(33, 1), E(70, 70)], 4, 1, 16, "float32", page=16
+        ),
+        "spans_gqa_page16_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16),
+        "spans_gqa_page1_bf16": lambda: attention_case(span_specs, 4, 2, 32, "bfloat16"),
+        "spans_group3_page16_fp16": lambda: attention_case(span_specs, 6, 2, 32, "float16", page=16),
+        "spans_partial_rotary_vdim16_fp32": lambda: attention_case(
+            span_specs, 4, 2, 32, "float32", page=16, rotary_dim=16, v_head_dim=16
+        ),
+        "spans_baseline_rotated_keys_fp32": lambda: attention_case(
+            span_specs, 4, 2, 32, "float32", page=16, keys_rotated=True
+        ),
+        "decode_splits_gqa_page16_fp32": lambda: attention_case(
+            [D(n) for n in (1, 17, 100, 250, 64)], 4, 2, 32, "float32", page=16, decode=True, splits=4
+        ),
+        "decode_splits_mqa_dim16_page1_bf16": lambda: attention_case(
+            [D(n) for n in (130, 2, 48)], 4, 1, 16, "bfloat16", decode=True, splits=8
+        ),
+        "decode_group3_partial_rotary_fp16": lambda: attention_case(
+            [D(n) for n in (90, 33)], 6, 2, 32, "float16", page=16, decode=True, splits=3, rotary_dim=16
+        ),
+        "decode_one_split_fp32": lambda: attention_case(
+            [D(n) for n in (70, 5)], 4, 2, 32, "float32", decode=True, splits=1
+        ),
+        "decode_baseline_rotated_keys_fp32": lambda: attention_case(
+            [D(n) for n in (1, 80, 200)], 4, 2, 32, "float32", page=16, decode=True, keys_rotated=True
+        ),
+        "store_kv_fp32": lambda: store_case("float32", rotate=False, page=16),
+        "store_kv_bf16": lambda: store_case("bfloat16", rotate=False, page=1),
+        "store_kv_rotated_fp32": lambda: store_case("float32", rotate=True, page=16),
+        "store_kv_rotated_bf16": lambda: store_case("bfloat16", rotate=True, page=1),
+        "backend_extend_page16": lambda: backend_case(decode=False, page=16),
+        "backend_decode_page1": lambda: backend_case(decode=True, page=1),
+    }
+    report = {}
+    for name, run in cases.items():
+        try:
+            report[name] = run()
+        except Exception:  # reported per case so one failure does not hide the others
+            report[name] = {"exception": traceback.format_exc()}
+    print(json.dumps(report))
+
+
+def _compile_main() -> None:
+    """Builds the GPU configurations for sm_90 without a GPU: catches what the interpreter cannot (layouts,
+    tl.dot shape rules, loop-carried types). Prints {variant: null or the error}."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang_pic.kernels import decode_attention as da
+    from sglang_pic.kernels import extend_attention as ea
+    from sglang_pic.kernels import store_kv as sk
+    from sglang_pic.kernels.rope import HeadSplit
+
+    cuda = torch.device("cuda")
+    float_ptrs = {"q_ptr", "k_ptr", "v_ptr", "k_buf_ptr", "v_buf_ptr", "out_ptr"}
+    fp32_ptrs = {"cos_sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
+
+    def build(kernel, params: dict, dtype: str) -> None:
+        consts = dict(params)
+        options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages", 1)}
+
+        def arg_type(name: str) -> str:
+            if name in consts:
+                return "constexpr"
+            if name in float_ptrs:
+                return "*" + dtype
+            if name in fp32_ptrs:
+                return "*fp32"
+            return "*i64" if name.endswith("_ptr") else ("fp32" if name == "qk_scale" else "i32")
+
+        names = kernel.arg_names
+        signature = {n: arg_type(n) for n in names}
+        # Torch tensors and these strides are 16-aligned; the JIT would specialize on that the same way.
+        aligned = [i for i, n in enumerate(names) if signature[n][0] == "*" or n.startswith("stride")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+        src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+    report = {}
+    split = HeadSplit(128, 128, 128)
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for rotated in (False, True):
+            ext = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, rotated)
+            dec, merge = da.decode_kernel_params(32, 8, split, torch_dtype, cuda, rotated)
+            variants = {
+                "extend": (ea._extend_attention_kernel, ext),
+                "decode": (da._decode_split_kernel, dec),
+                "decode_merge": (da._decode_merge_kernel, merge),
+                "store_kv": (sk._store_kv_kernel, sk.store_kernel_params(8, split, rotate=rotated)),
+            }
+            for name, (kernel, params) in variants.items():
+                key = f"{name}_{dtype}_{'prerotated' if rotated else 'position_free'}"
+                try:
+                    build(kernel, params, dtype)
+                    report[key] = None
+                except Exception:
+                    report[key] = traceback.format_exc()[-3000:]
+    print(json.dumps(report))
+
+
+def _run_child(flag: str, interpret: bool) -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), flag],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    if importlib.util.find_spec("triton") is None:  # find_spec, not import: triton must stay out of this process
+        pytest.skip("triton is not installed")
+    return _run_child("--child", interpret=True)
+
+
+ATTENTION_CASES = [
+    "prefill_ragged_gqa_page1_fp32",
+    "extend_prefix_mqa_dim16_page16_fp32",
+    "spans_gqa_page16_fp32",
+    "spans_gqa_page1_bf16",
+    "spans_group3_page16_fp16",
+    "spans_partial_rotary_vdim16_fp32",
+    "spans_baseline_rotated_keys_fp32",
+    "decode_splits_gqa_page16_fp32",
+    "decode_splits_mqa_dim16_page1_bf16",
+    "decode_group3_partial_rotary_fp16",
+    "decode_one_split_fp32",
+    "decode_baseline_rotated_keys_fp32",
+]
+
+
+def _entry(report: dict, name: str) -> dict:
+    entry = report[name]
+    assert "exception" not in entry, entry.get("exception")
+    assert not entry["nan"], f"{name}: output has NaN (unwritten rows or a read of a poisoned slot)"
+    return entry
+
+
+def _assert_close(name: str, what: str, errs: list[float], tol: float) -> None:
+    whole, worst_row = errs
+    assert whole < tol and worst_row < ROW_SLACK * tol, f"{name} {what}: rel err {whole:.2e}, worst row {worst_row:.2e}"
+
+
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_attention_kernel(report: dict, name: str) -> None:
+    entry = _entry(report, name)
+    tol = TOLERANCE[entry["dtype"]]
+    _assert_close(name, "vs float64 reference", entry["vs_reference"], tol)
+    _assert_close(name, "vs torch_native", entry["vs_torch_native"], tol)
+
+
+STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
+STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
+BACKEND_CASES = ["backend_extend_page16", "backend_decode_page1"]
+
+
+def test_every_case_is_checked(report: dict) -> None:
+    assert set(report) == set(ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES)
+
+
+@pytest.mark.parametrize("name", STORE_CASES)
+def test_store_kv_exact(report: dict, name: str) -> None:
+    entry = _entry(report, name)
+    assert entry["others_untouched"] and entry["k_exact"] and entry["v_exact"]
+
+
+@pytest.mark.parametrize("name", STORE_ROTATED_CASES)
+def test_store_kv_rotated(report: dict, name: str) -> None:
+    entry = _entry(report, name)
+    assert entry["others_untouched"] and entry["v_exact"]
+    # fp32 rotation vs float64: one rounding step of the pool dtype apart (the interpreter truncates to bf16).
+    _assert_close(name, "keys vs reference", entry["vs_reference"], {"float32": 1e-6, "bfloat16": 8e-3}[entry["dtype"]])
+
+
+@pytest.mark.parametrize("name", BACKEND_CASES)
+def test_backend_matches_torch_native(report: dict, name: str) -> None:
+    entry = _entry(report, name)
+    _assert_close(name, "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
+
+
+def test_kernels_compile_for_sm90() -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    failures = {k: v for k, v in _run_child("--compile-child", interpret=False).items() if v is not None}
+    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child_main()
+if __name__ == "__main__" and "--compile-child" in sys.argv:
+    _compile_main()
