@@ -128,3 +128,23 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny_llama, kwargs, needle):
             engine.generate(**kwargs)
         assert engine.generate("hello", greedy(3))["meta_info"]["completion_tokens"] == 3
         assert_idle_accounting(engine)
+
+
+def test_lpm_policy_serves_longest_match_first_with_same_tokens(tiny_llama):
+    base = "Once upon a time there was a little town by the sea where fishermen told stories"
+    prompts = ["The weather today is sunny", base + " every night", "A serving engine", base + " to the children"]
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, schedule_policy="fcfs") as fcfs:
+        expected = [o["output_ids"] for o in fcfs.generate(prompts, greedy())]
+    with Engine(
+        model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, schedule_policy="lpm",
+        max_prefill_tokens=24, chunked_prefill_size=None,
+    ) as lpm:
+        lpm.generate(base, {"max_new_tokens": 1})
+        order = []
+        original = lpm.scheduler._count_admission
+        lpm.scheduler._count_admission = lambda req: order.append(req.prompt_len) or original(req)
+        outs = lpm.generate(prompts, greedy())
+        assert [o["output_ids"] for o in outs] == expected
+        # the two prompts sharing the cached prefix are admitted before the others
+        assert sorted(order[:2]) == sorted(o["meta_info"]["prompt_tokens"] for o in (outs[1], outs[3]))
+        assert_idle_accounting(lpm)
