@@ -52,6 +52,11 @@ class ServerProcess:
 
 def start_server(model_path: str | Path, *extra_args: str, api_key: str | None = None) -> ServerProcess:
     """Launch a server and wait for /health; raise with the server's log if it dies or never gets healthy."""
+    return wait_healthy(spawn_server(model_path, *extra_args, api_key=api_key))
+
+
+def spawn_server(model_path: str | Path, *extra_args: str, api_key: str | None = None) -> ServerProcess:
+    """Launch a server without waiting (so several can load at once); then `wait_healthy` it."""
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_pic.launch_server", "--model-path", str(model_path), "--port", str(port)]
     cmd += [*DEFAULT_ARGS, *extra_args]
@@ -62,6 +67,12 @@ def start_server(model_path: str | Path, *extra_args: str, api_key: str | None =
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", Path(log.name), api_key)
     if api_key:
         server.headers = {"Authorization": f"Bearer {api_key}"}
+    return server
+
+
+def wait_healthy(server: ServerProcess) -> ServerProcess:
+    """Wait for /health; raise with the server's log (after stopping it) if it dies or never gets healthy."""
+    proc = server.proc
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

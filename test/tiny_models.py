@@ -78,7 +78,7 @@ def _train_tokenizer():
     return fast
 
 
-def _hf_config(arch: str, tokenizer):
+def _hf_config(arch: str, tokenizer, overrides: dict | None = None):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
@@ -97,6 +97,7 @@ def _hf_config(arch: str, tokenizer):
         pad_token_id=tokenizer.pad_token_id,
     )
     settings.update(_ARCH_SETTINGS[arch])
+    settings.update(overrides or {})
     return cls(**settings)
 
 
@@ -114,15 +115,16 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.15 * noise)
 
 
-def build_tiny_model(root: Path, arch: str) -> Path:
-    """Write a tiny `arch` checkpoint with tokenizer and generation config to root/<arch>; return that folder."""
+def build_tiny_model(root: Path, arch: str, name: str | None = None, **overrides) -> Path:
+    """Write a tiny `arch` checkpoint with tokenizer and generation config to root/<name or arch>; return that
+    folder. `overrides` change config fields (e.g. num_key_value_heads=1)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
-    out = Path(root) / arch
+    out = Path(root) / (name or arch)
     tokenizer = _train_tokenizer()
-    config = _hf_config(arch, tokenizer)
+    config = _hf_config(arch, tokenizer, overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed=ARCHS.index(arch))
     model.generation_config = GenerationConfig(

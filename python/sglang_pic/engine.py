@@ -7,6 +7,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from sglang_pic.distributed.launch import FOLLOWER_STOP_S, start_local_replica, stop_followers
+from sglang_pic.distributed.parallel_state import destroy_tensor_parallel
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req
 from sglang_pic.managers.scheduler import Scheduler
@@ -25,11 +27,16 @@ class Engine:
 
     Thread-safe: concurrent callers (e.g. SGLang programs running forks in threads) share one scheduler; whoever
     waits drives it one step at a time under a lock, so their requests are batched together.
+
+    With tp_size > 1 this process is tensor-parallel rank 0 and spawns ranks 1..tp_size-1 (torch.multiprocessing,
+    so the calling script needs the usual `if __name__ == "__main__":` guard); `shutdown()` stops them.
     """
 
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
         self.server_args = server_args or ServerArgs.from_kwargs(**kwargs)
         args = self.server_args
+        if args.dp_size > 1:
+            raise ValueError("dp_size > 1 is served by launch_server; the offline Engine runs one model replica")
         if args.model_path is None:
             from sglang_pic.model_loader.default_model import default_model_path
 
@@ -43,7 +50,12 @@ class Engine:
             self.tokenizer = load_tokenizer(
                 args.tokenizer_path if args.tokenizer_path != args.model_path else model_dir
             )
-        self.runner = ModelRunner(args, self.model_config)
+        self._tp_followers = start_local_replica(args, model_dir) if args.tp_size > 1 else []
+        try:
+            self.runner = ModelRunner(args, self.model_config)
+        except BaseException:
+            self._stop_tensor_parallel(timeout=0)
+            raise
         self.scheduler = Scheduler(args, self.runner, self.tokenizer)
         self.tokenizer_manager = TokenizerManager(args, self.tokenizer, self.model_config)
         self._lock = threading.Lock()
@@ -121,6 +133,8 @@ class Engine:
     def generate_request(self, body: dict[str, Any]) -> dict | list[dict] | Iterator[dict]:
         """Serve a `/generate` JSON body (SGLang's field names) in-process."""
         obj = GenerateReqInput.from_json(body)
+        if obj.data_parallel_rank not in (None, 0):
+            raise ValueError(f"the offline Engine has one replica; data_parallel_rank {obj.data_parallel_rank!r}")
         return self.generate(
             prompt=obj.text,
             sampling_params=obj.sampling_params,
@@ -175,6 +189,15 @@ class Engine:
 
     def shutdown(self) -> None:
         self._abort_unfinished(list(self.scheduler.waiting) + list(self.scheduler.running))
+        if self._tp_followers:
+            with self._lock:
+                self.runner.shutdown()
+            self._stop_tensor_parallel()
+
+    def _stop_tensor_parallel(self, timeout: float = FOLLOWER_STOP_S) -> None:
+        stop_followers(self._tp_followers, timeout)
+        self._tp_followers = []
+        destroy_tensor_parallel()
 
     def __enter__(self) -> "Engine":
         return self

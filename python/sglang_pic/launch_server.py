@@ -1,8 +1,10 @@
 """`python -m sglang_pic.launch_server`: the HTTP server, with SGLang's process layout and flag names.
 
 The main process runs the HTTP server and the tokenizer manager; the scheduler (with the model) and the
-detokenizer run as spawned children. The main process watches them: if one dies, the server logs it, stops and
-exits non-zero. SIGTERM or Ctrl-C stops the HTTP server gracefully (bounded) and then the children.
+detokenizer run as spawned children. With --dp-size N there are N schedulers (model replicas); with --tp-size N
+each scheduler is rank 0 of its replica and N-1 tensor-parallel followers run beside it. The main process watches
+every child: if one dies, the server logs it, stops and exits non-zero. SIGTERM or Ctrl-C stops the HTTP server
+gracefully (bounded) and then the children.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
+from sglang_pic.distributed.launch import ReplicaPlacement, free_init_method, tp_follower_processes
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.utils_process import ModelFiles, configure_logging
 
@@ -135,18 +138,26 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
     signal.signal(signal.SIGINT, _exit_on(130))
     names = IpcNames.in_new_tempdir()
     ctx = mp.get_context("spawn")
-    ready_reader, ready_writer = ctx.Pipe(duplex=False)
-    children = [
-        ctx.Process(target=run_scheduler_process, args=(args, files, names, ready_writer), name="scheduler"),
-        ctx.Process(target=run_detokenizer_process, args=(args, files, names), name="detokenizer"),
-    ]
+    children, ready_readers, ready_writers = [], [], []
+    for dp_rank in range(args.dp_size):
+        placement = ReplicaPlacement(dp_rank, free_init_method() if args.tp_size > 1 else "")
+        reader, writer = ctx.Pipe(duplex=False)
+        ready_readers.append(reader)
+        ready_writers.append(writer)
+        name = "scheduler" if args.dp_size == 1 else f"scheduler-dp{dp_rank}"
+        scheduler_args = (args, files, names.for_dp_rank(dp_rank), writer, placement)
+        children.append(ctx.Process(target=run_scheduler_process, args=scheduler_args, name=name))
+        children.extend(tp_follower_processes(ctx, args, files.model_dir, placement))
+    children.append(ctx.Process(target=run_detokenizer_process, args=(args, files, names), name="detokenizer"))
     watcher: ChildWatcher | None = None
     try:
         for p in children:
             p.start()
-        ready_writer.close()
+        for writer in ready_writers:
+            writer.close()
         manager = ServerTokenizerManager(args, files, names)
-        manager.scheduler_ready(wait_ready(ready_reader, children))
+        readies = [wait_ready(reader, children) for reader in ready_readers]
+        manager.scheduler_ready(min(readies, key=lambda r: r.max_total_num_tokens))  # the smallest replica's pool
         app = create_app(manager, client_model_path)
         config = uvicorn.Config(
             app,

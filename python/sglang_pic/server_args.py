@@ -78,6 +78,21 @@ class ServerArgs:
     disable_cuda_graph: bool = _arg(False, "Do not capture CUDA graphs for decoding.")
     cuda_graph_max_bs: int = _arg(160, "Largest decode batch captured in a CUDA graph.")
 
+    # Parallelism.
+    tp_size: int = _arg(
+        1,
+        "Tensor parallelism: ranks (processes, one GPU each) that split every layer of one model replica.",
+    )
+    dp_size: int = _arg(
+        1,
+        "Data parallelism (server only): model replicas, each a scheduler process with its own KV cache.",
+    )
+    load_balance_method: str = _arg(
+        "round_robin",
+        "How the server picks a data-parallel replica per request: round_robin or shortest_queue (fewest "
+        "unfinished requests).",
+    )
+
     # Position-independent caching.
     disable_pic: bool = _arg(
         False,
@@ -131,6 +146,14 @@ class ServerArgs:
             raise ValueError(f"attention_backend must be torch_native or triton, got {self.attention_backend!r}")
         if self.speculative_algorithm not in (None, "vericache"):
             raise ValueError(f"speculative_algorithm must be vericache, got {self.speculative_algorithm!r}")
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError(f"tp_size and dp_size must be >= 1, got {self.tp_size} and {self.dp_size}")
+        if self.tp_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError("speculative decoding does not support tp_size > 1")
+        if self.load_balance_method not in ("round_robin", "shortest_queue"):
+            raise ValueError(
+                f"load_balance_method must be round_robin or shortest_queue, got {self.load_balance_method!r}"
+            )
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
 

@@ -162,31 +162,32 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
         )
 
     async def server_info() -> Response:
-        snapshot = await manager.get_stats()
+        snapshots = await manager.get_stats_per_replica()
         settings = dataclasses.asdict(args)
         settings["api_key"] = None if args.api_key is None else "<hidden>"
-        state = {**dataclasses.asdict(snapshot), "used_tokens": snapshot.used_tokens}
+        states = [{**dataclasses.asdict(s), "used_tokens": s.used_tokens} for s in snapshots]  # one per dp rank
         return json_response(
             {
                 **settings,
                 "max_total_num_tokens": manager.max_total_num_tokens,
                 "context_len": manager.context_len,
-                "internal_states": [state],
+                "internal_states": states,
                 "version": VERSION,
             }
         )
 
     async def get_load() -> Response:
-        snap = await manager.get_stats()
+        snapshots = await manager.get_stats_per_replica()
         return json_response(
             [
                 {
-                    "dp_rank": 0,
+                    "dp_rank": rank,
                     "num_reqs": snap.num_running_reqs + snap.num_waiting_reqs,
                     "num_waiting_reqs": snap.num_waiting_reqs,
                     "num_tokens": snap.used_tokens + snap.num_waiting_tokens,
                     "ts_tic": time.perf_counter(),
                 }
+                for rank, snap in enumerate(snapshots)
             ]
         )
 

@@ -1,13 +1,20 @@
 """Linear layers whose weights always come from a checkpoint or a seeded dummy init, never from nn.Linear's init.
 
 Skipping the kaiming init matters: it costs seconds for a 0.5B model on CPU, only to be overwritten.
-`MergedLinear` stacks several HF projections (q|k|v, gate|up) into one matmul.
+Under tensor parallelism (tp_size > 1) each rank holds a slice: `MergedColumnParallelLinear` splits output rows
+(several HF projections, q|k|v or gate|up, stay packed in one matmul: each packed part is split on its own), and
+`RowParallelLinear` splits input columns and sums the ranks' partial outputs. At tp_size 1 both are plain linears.
+Each layer's `weight_loader` copies its slice out of a full checkpoint tensor.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from sglang_pic.distributed.parallel_state import all_reduce, get_tp_group
+from sglang_pic.distributed.sharding import Shard, even_shard, kv_head_shard
 
 
 class Linear(nn.Linear):
@@ -15,19 +22,76 @@ class Linear(nn.Linear):
         """Leave the parameters uninitialized; the loader fills every one of them."""
 
 
-class MergedLinear(Linear):
-    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes.values()), bias=bias)
-        self.offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for shard, size in output_sizes.items():
-            self.offsets[shard] = (start, size)
-            start += size
+class MergedColumnParallelLinear(Linear):
+    """Packed projections; `parts` maps each HF projection to the rows of its full tensor this rank holds."""
 
-    def load_shard(self, param: torch.Tensor, shard: str, loaded: torch.Tensor) -> None:
-        """Copy the HF tensor of projection `shard` (weight or bias) into its rows of `param`."""
-        start, size = self.offsets[shard]
-        if loaded.shape[0] != size or loaded.shape[1:] != param.shape[1:]:
-            raise ValueError(f"shard {shard!r} has shape {tuple(loaded.shape)}, expected ({size}, ...)")
+    def __init__(self, in_features: int, parts: dict[str, Shard], bias: bool = False) -> None:
+        super().__init__(in_features, sum(p.size for p in parts.values()), bias=bias)
+        self.parts = parts
+        self.offsets: dict[str, int] = {}  # where each part starts in this rank's packed rows
+        start = 0
+        for name, part in parts.items():
+            self.offsets[name] = start
+            start += part.size
+
+    @classmethod
+    def split_evenly(cls, in_features: int, output_sizes: dict[str, int], bias: bool = False):
+        tp = get_tp_group()
+        parts = {name: even_shard(n, tp.rank, tp.size, f"{name} size") for name, n in output_sizes.items()}
+        return cls(in_features, parts, bias)
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return tuple(self.parts)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None) -> None:
+        """Copy this rank's rows of the HF tensor of projection `shard` (weight or bias) into its packed rows."""
+        part = self.parts[shard]
+        if loaded.shape[0] != part.full or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shard {shard!r} has shape {tuple(loaded.shape)}, expected ({part.full}, ...)")
+        start = self.offsets[shard]
         with torch.no_grad():
-            param[start : start + size].copy_(loaded)
+            param[start : start + part.size].copy_(loaded[part.start : part.start + part.size])
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q|k|v split by heads: each rank holds num_heads / tp query heads and the KV heads they attend to."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp = get_tp_group()
+        q = even_shard(num_heads, tp.rank, tp.size, "num_attention_heads")
+        kv = kv_head_shard(num_kv_heads, tp.rank, tp.size)
+
+        def rows(heads: Shard) -> Shard:
+            return Shard(heads.full * head_dim, heads.start * head_dim, heads.size * head_dim)
+
+        super().__init__(hidden_size, {"q": rows(q), "k": rows(kv), "v": rows(kv)}, bias)
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks; the partial outputs are summed over the ranks, then the bias added."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp_group()
+        self.tp_size = tp.size
+        self.in_shard = even_shard(in_features, tp.rank, tp.size, "input size of a row-parallel layer")
+        super().__init__(self.in_shard.size, out_features, bias=bias)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
+        if param is self.bias:
+            expected = tuple(param.shape)
+            piece = loaded
+        else:
+            expected = (self.out_features, self.in_shard.full)
+            piece = loaded[:, self.in_shard.start : self.in_shard.start + self.in_shard.size]
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != {expected}")
+        with torch.no_grad():
+            param.copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+

@@ -6,6 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+# SGLang /generate fields that sglang-router forwards on every request: accepted, and ignored since they only
+# concern logging or routing; the flags are accepted while false, as this engine has no such outputs.
+IGNORED_FIELDS = ("model", "log_metrics", "no_logs")
+UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "return_bytes", "background")
+
 
 @dataclass
 class GenerateReqInput:
@@ -18,11 +23,16 @@ class GenerateReqInput:
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    data_parallel_rank: int | None = None  # the replica to run on (a server with dp_size > 1; sglang-router --dp-aware)
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateReqInput":
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
+        body = {k: v for k, v in body.items() if k not in IGNORED_FIELDS}
+        for flag in UNSUPPORTED_FLAGS:
+            if body.pop(flag, False):
+                raise ValueError(f"{flag} is not supported")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(body) - names)
         if unknown:

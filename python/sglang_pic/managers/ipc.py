@@ -12,6 +12,8 @@ request (new token ids, new logprobs, finish state), plus a `ReqHeader` once, th
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -177,8 +179,15 @@ class IpcNames:
         root = tempfile.mkdtemp(prefix="sglang_pic_ipc_")
         return cls(*(f"ipc://{os.path.join(root, name)}" for name in ("scheduler", "detokenizer", "tokenizer")))
 
+    def for_dp_rank(self, dp_rank: int) -> "IpcNames":
+        """The names a data-parallel replica uses: its own scheduler input, the shared outputs (rank 0: as is)."""
+        if dp_rank == 0:
+            return self
+        return dataclasses.replace(self, scheduler_input=f"{self.scheduler_input}_dp{dp_rank}")
+
     def cleanup(self) -> None:
-        for name in (self.scheduler_input, self.detokenizer_input, self.tokenizer_input):
+        dp_inputs = glob.glob(self.scheduler_input.removeprefix("ipc://") + "_dp*")
+        for name in (self.scheduler_input, self.detokenizer_input, self.tokenizer_input, *dp_inputs):
             path = name.removeprefix("ipc://")
             if os.path.exists(path):
                 os.unlink(path)

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from sglang_pic.distributed.launch import ReplicaPlacement, join_replica
 from sglang_pic.managers.ipc import (
     AbortRequest,
     BatchTokenOutput,
@@ -46,7 +47,9 @@ PARENT_CHECK_S = 1.0
 
 
 class SchedulerLoop:
-    def __init__(self, server_args: ServerArgs, files: ModelFiles, names: IpcNames) -> None:
+    def __init__(
+        self, server_args: ServerArgs, files: ModelFiles, names: IpcNames, placement: ReplicaPlacement
+    ) -> None:
         from sglang_pic.managers.scheduler import Scheduler
         from sglang_pic.model_config import ModelConfig
         from sglang_pic.model_executor.model_runner import ModelRunner
@@ -57,6 +60,7 @@ class SchedulerLoop:
             files.model_dir, context_length=args.context_length, dtype=args.dtype, device=args.resolved_device()
         )
         tokenizer = load_tokenizer(files.tokenizer_dir)
+        join_replica(args, placement, 0)  # tensor-parallel rank 0 of its replica; a no-op without parallelism
         self.runner = ModelRunner(args, model_config)
         self.scheduler = Scheduler(args, self.runner, tokenizer)
         self.context_len = model_config.context_len
@@ -174,11 +178,20 @@ class SchedulerLoop:
         )
 
 
-def run_scheduler_process(server_args: ServerArgs, files: ModelFiles, names: IpcNames, ready: Connection) -> None:
-    """Process entry point: load, report readiness (or the load error) on `ready`, then serve until orphaned."""
+def run_scheduler_process(
+    server_args: ServerArgs,
+    files: ModelFiles,
+    names: IpcNames,
+    ready: Connection,
+    placement: ReplicaPlacement,
+) -> None:
+    """Process entry point: load, report readiness (or the load error) on `ready`, then serve until orphaned.
+
+    `names` carries this replica's own scheduler input; `placement` says which data-parallel replica it is.
+    """
     parent_pid = prepare_child(server_args.log_level)
     try:
-        loop = SchedulerLoop(server_args, files, names)
+        loop = SchedulerLoop(server_args, files, names, placement)
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         ready.send(SchedulerReady(error=f"{type(e).__name__}: {e}"))

@@ -4,7 +4,7 @@ hand each caller its outputs as the detokenizer produces them.
 Everything here runs on the HTTP server's event loop. A background task reads the one inbound socket (outputs
 from the detokenizer, control replies from the scheduler) and wakes the waiting callers. Outputs are cumulative, so
 a slow streaming client simply skips to the newest one. A caller that goes away aborts its requests, which frees
-their KV in the scheduler.
+their KV in the scheduler. With data parallelism there is one scheduler per replica (see dp_dispatcher).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from sglang_pic.entrypoints.metrics import ServerMetrics
+from sglang_pic.managers.dp_dispatcher import DataParallelDispatcher, combine_snapshots
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.ipc import (
     AbortRequest,
@@ -37,7 +38,6 @@ from sglang_pic.managers.ipc import (
     WarmSpansRequest,
     WarmSpansResult,
     pull_socket,
-    push_socket,
 )
 from sglang_pic.managers.req import Req
 from sglang_pic.server_args import ServerArgs
@@ -93,7 +93,7 @@ class ServerTokenizerManager:
         self.last_receive_time = 0.0
         self._sync_ctx: zmq.Context | None = None
         self._async_ctx: zmq.asyncio.Context | None = None
-        self._to_scheduler: zmq.Socket | None = None
+        self._dispatcher: DataParallelDispatcher | None = None
         self._inbox: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
 
@@ -106,7 +106,9 @@ class ServerTokenizerManager:
     async def start(self) -> None:
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
-        self._to_scheduler = push_socket(self._sync_ctx, self.names.scheduler_input)
+        self._dispatcher = DataParallelDispatcher(
+            self._sync_ctx, self.names, self.server_args.dp_size, self.server_args.load_balance_method
+        )
         self._inbox = pull_socket(self._async_ctx, self.names.tokenizer_input)
         self._receiver = asyncio.create_task(self._receive_loop())
 
@@ -114,9 +116,10 @@ class ServerTokenizerManager:
         if self._receiver is not None:
             self._receiver.cancel()
             await asyncio.gather(self._receiver, return_exceptions=True)
-        for sock in (self._inbox, self._to_scheduler):
-            if sock is not None:
-                sock.close(linger=0)
+        if self._inbox is not None:
+            self._inbox.close(linger=0)
+        if self._dispatcher is not None:
+            self._dispatcher.close()
         for ctx in (self._async_ctx, self._sync_ctx):
             if ctx is not None:
                 ctx.term()
@@ -142,6 +145,8 @@ class ServerTokenizerManager:
             logger.error("tokenizer manager got an unknown message %r", type(msg).__name__)
 
     def _on_output(self, output: GenerateOutput) -> None:
+        if output.finished:
+            self._dispatcher.release(output.rid)
         state = self.states.get(output.rid)
         if state is None:
             return  # its caller left and aborted it
@@ -163,6 +168,9 @@ class ServerTokenizerManager:
             if not isinstance(getattr(obj, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(obj, name)!r}")
         _check_rids(obj.rid)
+        dp_rank = obj.data_parallel_rank
+        if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < self.server_args.dp_size):
+            raise ValueError(f"data_parallel_rank must be in [0, {self.server_args.dp_size}), got {dp_rank!r}")
         reqs = self.tokenizer_manager.build_requests(obj)
         if not reqs:
             raise ValueError("the batch is empty")
@@ -179,6 +187,7 @@ class ServerTokenizerManager:
                     f"({self.max_total_num_tokens} tokens including at least one generated token)"
                 )
             req.stream = obj.stream
+            req.data_parallel_rank = dp_rank
         return reqs
 
     def _submit(self, reqs: list[Req], with_text: bool) -> list[ReqState]:
@@ -188,7 +197,7 @@ class ServerTokenizerManager:
             state = ReqState(req.rid, req.stream, wake, last_time=req.created_time)
             self.states[req.rid] = state
             states.append(state)
-            self._send(GenerateRequest(req, with_text))
+            self._dispatcher.submit(req.rid, GenerateRequest(req, with_text), req.data_parallel_rank)
         return states
 
     async def collect(
@@ -235,11 +244,16 @@ class ServerTokenizerManager:
     def _abort_unfinished(self, states: list[ReqState]) -> None:
         for state in states:
             if not state.finished and self.states.pop(state.rid, None) is not None:
-                self._send(AbortRequest(rid=state.rid))
+                self._dispatcher.to_owner(state.rid, AbortRequest(rid=state.rid))
+                self._dispatcher.release(state.rid)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort on a user's behalf: the callers still get the aborted output (finish_reason abort)."""
-        self._send(AbortRequest(rid=rid, abort_all=abort_all))
+        msg = AbortRequest(rid=rid, abort_all=abort_all)
+        if abort_all:
+            self._dispatcher.broadcast(msg)
+        else:
+            self._dispatcher.to_owner(rid, msg)
 
     async def health_generate(self, timeout: float) -> bool:
         """True once the scheduler answers a one-token request (or anything at all) within `timeout`."""
@@ -260,31 +274,39 @@ class ServerTokenizerManager:
 
     # ---- control ------------------------------------------------------------------------------------------
     async def flush_cache(self) -> bool:
-        result = await self._control(lambda rid: FlushCacheRequest(rid))
-        return result.success
+        results = await self._control(lambda rid: FlushCacheRequest(rid))
+        return all(r.success for r in results)
 
     async def warm_spans(self, spans: list[str]) -> dict[str, int]:
         """Prefill spans without generating; raises ValueError for bad span text."""
         keyed = self.tokenizer_manager.span_keys(spans)
-        result = await self._control(lambda rid: WarmSpansRequest(rid, keyed), timeout=None)
-        return {"num_spans": result.num_spans, "span_tokens": result.span_tokens, "computed_tokens": result.computed_tokens}
+        results = await self._control(lambda rid: WarmSpansRequest(rid, keyed), timeout=None)
+        return {
+            "num_spans": results[0].num_spans,
+            "span_tokens": results[0].span_tokens,
+            "computed_tokens": sum(r.computed_tokens for r in results),  # every replica caches the spans
+        }
 
     async def get_stats(self) -> SchedulerSnapshot:
-        result = await self._control(lambda rid: StatsRequest(rid))
-        return result.snapshot
+        return combine_snapshots(await self.get_stats_per_replica())
 
-    async def _control(self, make: Callable[[str], object], timeout: float | None = CONTROL_TIMEOUT_S) -> Any:
-        request_id = uuid.uuid4().hex
-        future = asyncio.get_running_loop().create_future()
-        self.pending[request_id] = future
-        self._send(make(request_id))
+    async def get_stats_per_replica(self) -> list[SchedulerSnapshot]:
+        return [r.snapshot for r in await self._control(lambda rid: StatsRequest(rid))]
+
+    async def _control(self, make: Callable[[str], object], timeout: float | None = CONTROL_TIMEOUT_S) -> list[Any]:
+        """Send a control message to every replica; their replies, in replica order."""
+        loop = asyncio.get_running_loop()
+        request_ids = [uuid.uuid4().hex for _ in range(self._dispatcher.dp_size)]
+        futures = []
+        for rank, request_id in enumerate(request_ids):
+            futures.append(loop.create_future())
+            self.pending[request_id] = futures[-1]
+            self._dispatcher.send(rank, make(request_id))
         try:
-            return await asyncio.wait_for(future, timeout)
+            return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
         finally:
-            self.pending.pop(request_id, None)
-
-    def _send(self, msg: object) -> None:
-        self._to_scheduler.send_pyobj(msg)
+            for request_id in request_ids:
+                self.pending.pop(request_id, None)
 
 
 def _check_rids(rid: Any) -> None:

@@ -11,11 +11,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from sglang_pic.distributed.parallel_state import get_tp_group
+from sglang_pic.distributed.sharding import even_shard, kv_head_shard
 from sglang_pic.layers.activation import GatedAct
 from sglang_pic.layers.layernorm import RMSNorm
-from sglang_pic.layers.linear import Linear, MergedLinear
+from sglang_pic.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+from sglang_pic.layers.vocab_parallel_embedding import VocabParallelEmbedding, vocab_parallel_logits
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_executor.forward_batch import ForwardBatch
 
@@ -34,14 +37,17 @@ class LlamaAttention(nn.Module):
         self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = get_tp_group()
+        # This rank's heads; with tp_size 1, all of them.
+        self.num_heads = even_shard(config.num_attention_heads, tp.rank, tp.size, "num_attention_heads").size
+        self.num_kv_heads = kv_head_shard(config.num_key_value_heads, tp.rank, tp.size).size
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        self.qkv_proj = MergedLinear(config.hidden_size, sizes, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = RadixAttention(
@@ -60,8 +66,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, bias=config.mlp_bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear.split_evenly(
+            config.hidden_size, {"gate": inter, "up": inter}, bias=config.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act = GatedAct(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,10 +107,7 @@ class LlamaModel(nn.Module):
             rope_scaling=config.rope_scaling,
             device=torch.get_default_device(),
         )
-        # An explicit weight skips nn.Embedding's random init; the loader fills it.
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
-        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary, **attn_flags) for i in range(config.num_hidden_layers)
         )
@@ -130,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -152,17 +157,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        return vocab_parallel_logits(hidden, weight, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, packing q/k/v and gate/up; raise if any parameter (or shard) stays unloaded."""
+        """Load HF-named full tensors, packing q/k/v and gate/up; a layer with a `weight_loader` takes its own
+        tensor-parallel slice. Raise if any parameter (or packed part) stays unloaded."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         expected = {
             (f"{mod_name}.{leaf}", shard)
             for mod_name, mod in modules.items()
             for leaf, _ in mod.named_parameters(recurse=False)
-            for shard in (mod.offsets if isinstance(mod, MergedLinear) else (None,))
+            for shard in getattr(mod, "shard_names", (None,))
         }
         loaded: set[tuple[str, str | None]] = set()
         for hf_name, tensor in weights:
@@ -174,8 +180,9 @@ class LlamaForCausalLM(nn.Module):
             name = f"{parent}.{merged}.{leaf}" if parent else hf_name
             if name not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} matches no parameter of {type(self).__name__}")
-            if shard is not None:
-                modules[f"{parent}.{merged}"].load_shard(params[name], shard, tensor)
+            module = modules[name.rpartition(".")[0]]
+            if hasattr(module, "weight_loader"):
+                module.weight_loader(params[name], tensor, shard)
             elif params[name].shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
             else:

@@ -1,0 +1,47 @@
+"""A tensor-parallel follower process: load this rank's shard, then run every batch rank 0 sends until it stops.
+
+Followers never schedule: their KV pool holds their own KV heads at the slot indices rank 0 chose. If rank 0 goes
+away, gloo reports the closed connection and the follower exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+import torch
+
+from sglang_pic.distributed.launch import ReplicaPlacement, join_replica
+from sglang_pic.distributed.parallel_state import destroy_tensor_parallel
+from sglang_pic.model_config import ModelConfig
+from sglang_pic.model_executor.batch_broadcast import BatchReceiver
+from sglang_pic.model_executor.model_runner import ModelRunner
+from sglang_pic.server_args import ServerArgs
+from sglang_pic.utils_process import prepare_child
+
+logger = logging.getLogger(__name__)
+
+
+def run_tp_follower(args: ServerArgs, model_dir: str, tp_rank: int, placement: ReplicaPlacement) -> None:
+    prepare_child(args.log_level)
+    device = args.resolved_device()
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))  # the ranks share the cores
+    try:
+        join_replica(args, placement, tp_rank)
+        config = ModelConfig.from_path(model_dir, context_length=args.context_length, dtype=args.dtype, device=device)
+        runner = ModelRunner(args, config)
+        receiver = BatchReceiver(runner)
+    except Exception:
+        logger.error("tensor-parallel rank %d failed to start:\n%s", tp_rank, traceback.format_exc())
+        sys.exit(1)
+    try:
+        while (batch := receiver.recv()) is not None:
+            runner.forward_local(batch)
+    except RuntimeError as e:  # rank 0 is gone (gloo: connection closed) or a collective failed
+        logger.warning("tensor-parallel rank %d stops: %s", tp_rank, e)
+        sys.exit(1)
+    finally:
+        destroy_tensor_parallel()

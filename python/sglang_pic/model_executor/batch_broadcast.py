@@ -1,0 +1,119 @@
+"""Tensor parallelism's control path: rank 0 sends every ForwardBatch it runs to the other ranks, which run the same
+forward (so their collectives pair up with rank 0's) and drop the logits.
+
+Per step, three broadcasts from rank 0: a fixed-size header on the gloo group (idle followers wait on it), the
+host-side length lists on the gloo group, and one int64 payload on the device group holding the batch tensors and
+the req_to_token entries the batch reads (row req_pool_index, columns 0..seq_len-1 of each request). A follower
+writes those entries into its own table before the forward, so its attention reads exactly rank 0's KV slot
+indices; the scheduler, radix cache and allocator exist on rank 0 only.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+I64 = torch.int64
+
+
+class Op(IntEnum):
+    FORWARD = 1
+    STOP = 2
+
+
+# op, forward mode, new tokens T, requests B, logits rows L, req_to_token entries R
+HEADER_LEN = 6
+
+
+def table_index(
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of req_to_token entries 0..seq_len-1 of each request, `total` = sum(seq_lens) entries."""
+    rows = torch.repeat_interleave(req_pool_indices, seq_lens, output_size=total)
+    starts = torch.repeat_interleave(torch.cumsum(seq_lens, 0) - seq_lens, seq_lens, output_size=total)
+    return rows, torch.arange(total, dtype=I64, device=seq_lens.device) - starts
+
+
+class BatchBroadcaster:
+    """Rank 0's side."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.cpu_group = runner.tp.cpu_group
+        self.device_group = runner.tp.device_group
+
+    def send(self, batch: ForwardBatch) -> None:
+        num_tokens = batch.input_ids.numel()
+        logits = batch.logits_indices if batch.logits_indices is not None else batch.input_ids.new_empty(0)
+        entries = sum(batch.seq_lens_cpu)
+        header = [Op.FORWARD, int(batch.forward_mode), num_tokens, batch.batch_size, logits.numel(), entries]
+        dist.broadcast(torch.tensor(header, dtype=I64), 0, group=self.cpu_group)
+        lengths = torch.tensor(batch.seq_lens_cpu + batch.extend_seq_lens_cpu, dtype=I64)
+        dist.broadcast(lengths, 0, group=self.cpu_group)
+        rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
+        payload = torch.cat(
+            [
+                batch.input_ids,
+                batch.positions,
+                batch.attn_lo,
+                batch.out_cache_loc,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                batch.extend_seq_lens,
+                batch.extend_start_loc,
+                logits,
+                batch.req_to_token_pool.req_to_token[rows, cols],
+            ]
+        )
+        dist.broadcast(payload, 0, group=self.device_group)
+
+    def stop(self) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=I64)
+        header[0] = Op.STOP
+        dist.broadcast(header, 0, group=self.cpu_group)
+
+
+class BatchReceiver:
+    """A follower's side: `recv()` blocks for rank 0's next batch; None once rank 0 stops."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.cpu_group = runner.tp.cpu_group
+        self.device_group = runner.tp.device_group
+
+    def recv(self) -> ForwardBatch | None:
+        header = torch.empty(HEADER_LEN, dtype=I64)
+        dist.broadcast(header, 0, group=self.cpu_group)
+        op, mode, num_tokens, batch_size, num_logits, entries = header.tolist()
+        if op == Op.STOP:
+            return None
+        lengths = torch.empty(2 * batch_size, dtype=I64)
+        dist.broadcast(lengths, 0, group=self.cpu_group)
+        sizes = [num_tokens] * 4 + [batch_size] * 4 + [num_logits, entries]
+        payload = torch.empty(sum(sizes), dtype=I64, device=self.runner.device)
+        dist.broadcast(payload, 0, group=self.device_group)
+        ids, positions, attn_lo, out_loc, req_rows, seq_lens, ext_lens, ext_starts, logits, slots = payload.split(sizes)
+        rows, cols = table_index(req_rows, seq_lens, entries)
+        self.runner.req_to_token_pool.req_to_token[rows, cols] = slots
+        return ForwardBatch(
+            forward_mode=ForwardMode(mode),
+            batch_size=batch_size,
+            input_ids=ids,
+            positions=positions,
+            attn_lo=attn_lo,
+            out_cache_loc=out_loc,
+            req_pool_indices=req_rows,
+            seq_lens=seq_lens,
+            extend_seq_lens=ext_lens,
+            extend_start_loc=ext_starts,
+            seq_lens_cpu=lengths[:batch_size].tolist(),
+            extend_seq_lens_cpu=lengths[batch_size:].tolist(),
+            req_to_token_pool=self.runner.req_to_token_pool,
+            token_to_kv_pool=self.runner.token_to_kv_pool,
+            attn_backend=self.runner.attn_backend,
+            logits_indices=logits,
+        )
