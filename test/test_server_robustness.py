@@ -197,11 +197,12 @@ def test_non_streaming_client_timeout_aborts(server):
     wait_idle(server)
     before = generated_tokens(server)
     params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 230}
-    body = {"text": "Once upon a time", "sampling_params": params}
+    # 64 long generations take several seconds even on a fast CPU; the client gives up after half a second.
+    body = {"text": [f"Once upon a time {i}" for i in range(64)], "sampling_params": params}
     with pytest.raises(requests.ReadTimeout):
-        server.post("/generate", json=body, timeout=1.0)
+        server.post("/generate", json=body, timeout=0.5)
     wait_idle(server)
-    assert generated_tokens(server) - before < 230  # cut short, not run to the end
+    assert generated_tokens(server) - before < 64 * 230  # cut short, not run to the end
     assert kv_state(server)["token_usage"] == 0
 
 
