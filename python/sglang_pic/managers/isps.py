@@ -61,16 +61,16 @@ class SpanPrefillPlanner:
         """Admission found one of `req`'s spans uncached after all: look its spans up again next step."""
         self.blocked_on.pop(req.rid, None)
 
-    def computed_for(self, req: Req) -> int:
-        """Span tokens that jobs computed on `req`'s behalf (forgets them: asked once, at admission)."""
+    def computed_for(self, req: Req) -> list[ReqSegment]:
+        """The spans that jobs computed on `req`'s behalf (forgets them: asked once, at admission)."""
         self.blocked_on.pop(req.rid, None)
-        total = 0
+        owned = []
         for seg in req.segments:
             sid = (seg.extra_key, tuple(seg.tokens))
             if seg.kind == "span" and self.owner.get(sid) == req.rid:
                 del self.owner[sid]
-                total += seg.cached
-        return total
+                owned.append(seg)
+        return owned
 
     def forget(self, req: Req) -> None:
         """Drop `req`'s records (it left without being admitted)."""

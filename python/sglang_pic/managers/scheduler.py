@@ -238,13 +238,14 @@ class Scheduler:
         if req.matched_once or req.warmup:
             return
         req.matched_once = True
-        req.cached_span_tokens -= self.planner.computed_for(req)
+        owned = self.planner.computed_for(req)
+        req.cached_span_tokens -= sum(seg.cached for seg in owned)
         self.stats.prompt_tokens += req.prompt_len
         self.stats.cached_prefix_tokens += req.cached_prefix_tokens
         self.stats.cached_span_tokens += req.cached_span_tokens
         spans = [s for s in req.segments if s.kind == "span"]
         self.stats.span_segments += len(spans)
-        self.stats.span_segment_hits += sum(1 for s in spans if s.cached == len(s.tokens))
+        self.stats.span_segment_hits += sum(1 for s in spans if s.cached == len(s.tokens) and s not in owned)
 
     def _schedule_decode(self) -> list[BatchEntry]:
         entries: list[BatchEntry] = []
