@@ -69,6 +69,7 @@ class Req:
     stream: bool = False
     eos_token_ids: set[int] = field(default_factory=set)
     input_text: str | None = None
+    spec_stats: Any = None  # speculative.spec_stats.ReqSpecStats while VeriCache decodes this request
     data_parallel_rank: int | None = None  # the replica the client asked for; None: the server picks
 
     output_ids: list[int] = field(default_factory=list)

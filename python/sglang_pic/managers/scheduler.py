@@ -65,7 +65,8 @@ class Scheduler:
         if self.isps and server_args.step_token_budget:
             self.prefill_budget = server_args.step_token_budget
         self.chunking = server_args.chunked_prefill_size is not None
-        self.mix_decodes = self.isps or server_args.enable_mixed_chunk
+        # VeriCache decodes in its own draft/verify rounds, so decodes never ride along with prefill steps then.
+        self.mix_decodes = (self.isps or server_args.enable_mixed_chunk) and server_args.speculative_algorithm is None
         self.planner = SpanPrefillPlanner(self.kv, server_args.isps_max_wait_steps)
         self.finished_early: list[Req] = []  # finished outside a forward (e.g. can never fit the pool)
         self.spec_worker = None

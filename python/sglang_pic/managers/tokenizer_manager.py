@@ -156,6 +156,8 @@ class TokenizerManager:
         }
         if req.first_token_time is not None:
             meta["ttft"] = req.first_token_time - req.created_time
+        if req.spec_stats is not None:
+            meta.update(req.spec_stats.to_meta())  # spec_verify_ct, spec_accept_length, spec_accept_rate
         if req.return_logprob:
             meta.update(self._logprob_fields(req, return_text_in_logprobs))
         return {"text": self.output_text(req), "output_ids": list(req.output_ids), "meta_info": meta}

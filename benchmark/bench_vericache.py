@@ -1,0 +1,328 @@
+"""VeriCache benchmarks: (a) draft acceptance vs compressor, budget and draft length on a real model; (b) long-
+context decode throughput of VeriCache vs full-KV decoding with the same device KV memory.
+
+(a) Prompts come from the Python standard library's own sources (nothing to download): `code` continues a module
+cut at a line boundary; `retrieval` packs several modules' functions and then asks for one defined far back to
+be written out again. Each configuration decodes the prompts greedily; its output is checked token for token
+against full-KV decoding (`lossless`), and acceptance rate, tokens per round and the draft/verify time split are
+recorded. The model defaults to the embedded Qwen2.5-Coder-0.5B.
+
+(b) A Llama-3-8B-shaped model with dummy weights (decode cost depends only on shapes) decodes a batch of random
+prompts of 16K-128K tokens: full-KV decoding, VeriCache with the full KV in device memory, and VeriCache with the
+full KV in host memory streamed to the device for verification (the device then keeps only drafts, so more
+requests fit the same --max-total-tokens). Random weights make acceptance meaningless, so next to the measured
+tokens/s each VeriCache row gives the round time (draft and verify parts) and tokens/s projected for the
+acceptance lengths of (a) (or --assume-accept-length).
+
+  python benchmark/bench_vericache.py --out benchmark/results/vericache_h200.json
+  python benchmark/bench_vericache.py --quick        # CPU: small model settings, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_engine_e2e import LLAMA3_8B, TINY, rand_prompts, write_config  # noqa: E402
+from sglang_pic import Engine  # noqa: E402
+from sglang_pic.managers.io_struct import GenerateReqInput  # noqa: E402
+from sglang_pic.managers.req import Req  # noqa: E402
+from sglang_pic.speculative.vericache_worker import VeriCacheWorker  # noqa: E402
+
+FULL = dict(
+    compressors=["streaming", "snapkv", "h2o", "kivi"], budgets=[256, 1024, 0.1], draft_lengths=[4, 8, 16],
+    prompt_tokens=4096, new_tokens=64, num_prompts=4, contexts=[16384, 32768, 65536, 131072], batch=4,
+    host_batch=16, decode_steps=64, tp_budget=2048, tp_draft=8, max_total_tokens=None,
+)
+QUICK = dict(
+    compressors=["streaming", "snapkv", "h2o", "kivi"], budgets=[64], draft_lengths=[4],
+    prompt_tokens=256, new_tokens=8, num_prompts=1, contexts=[1024], batch=2, host_batch=4,
+    decode_steps=8, tp_budget=64, tp_draft=4, max_total_tokens=4096,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="JSON file; default: benchmark/results/vericache[_quick].json")
+    p.add_argument("--quick", action="store_true", help="small settings that run on a CPU in about a minute")
+    p.add_argument("--parts", default="acceptance,throughput")
+    p.add_argument("--model-path", help="model for (a); default: the embedded Qwen2.5-Coder-0.5B")
+    p.add_argument("--dtype", default="auto", help="(a) dtype; float32 makes `lossless` exact on GPU too")
+    p.add_argument("--compressors", type=_strs)
+    p.add_argument("--budgets", type=_floats, help="draft budgets: < 1 a share of the context, >= 1 tokens")
+    p.add_argument("--draft-lengths", type=_ints)
+    p.add_argument("--prompt-tokens", type=int)
+    p.add_argument("--new-tokens", type=int)
+    p.add_argument("--num-prompts", type=int, help="prompts per task")
+    p.add_argument("--contexts", type=_ints, help="(b) prompt lengths")
+    p.add_argument("--batch", type=int, help="(b) requests for full-KV and VeriCache with device full KV")
+    p.add_argument("--host-batch", type=int, help="(b) requests for VeriCache with host full KV")
+    p.add_argument("--decode-steps", type=int)
+    p.add_argument("--tp-budget", type=float, help="(b) VeriCache budget")
+    p.add_argument("--tp-draft", type=int, help="(b) draft length")
+    p.add_argument("--tp-compressor", default="streaming")
+    p.add_argument("--max-total-tokens", type=int, help="(b) device KV tokens; default: enough for --batch")
+    p.add_argument("--host-mem-gb", type=float, default=96.0, help="(b) host memory the host tier may use")
+    p.add_argument("--assume-accept-length", type=_floats, help="(b) accept lengths to project; default from (a)")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = Path(f"benchmark/results/vericache{'_quick' if args.quick else ''}.json")
+    return args
+
+
+def _strs(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in _strs(text)]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in _strs(text)]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---- (a) prompts from the standard library ----------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    task: str
+    source: str
+    ids: list[int]
+
+
+def stdlib_modules(min_chars: int) -> list[Path]:
+    root = Path(os.__file__).parent
+    return [p for p in sorted(root.glob("*.py")) if p.stat().st_size >= min_chars]
+
+
+def code_prompts(tokenizer, n: int, tokens: int) -> list[Prompt]:
+    """A module's first `tokens` tokens, cut back to a line end, for the model to continue."""
+    out = []
+    for path in stdlib_modules(tokens * 6)[:: 7][:n]:
+        ids = tokenizer.encode(path.read_text())[:tokens]
+        text = tokenizer.decode(ids)
+        out.append(Prompt("code", path.name, tokenizer.encode(text[: text.rfind("\n") + 1])))
+    return out
+
+
+def _functions(path: Path) -> list[tuple[str, str]]:
+    text = path.read_text()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    lines = text.splitlines(keepends=True)
+    return [
+        (node.name, "".join(lines[node.lineno - 1 : node.end_lineno]))
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+    ]
+
+
+def retrieval_prompts(tokenizer, n: int, tokens: int) -> list[Prompt]:
+    """Top-level functions of several modules, then a request to write out one from the first third again."""
+    out = []
+    modules = stdlib_modules(4000)
+    for i in range(n):
+        pieces, count = [], 0
+        for path in modules[i * 5 :] + modules[: i * 5]:
+            for name, body in _functions(path):
+                cost = len(tokenizer.encode(body)) + 2
+                if count + cost > tokens * 0.9:
+                    break
+                pieces.append((name, body))
+                count += cost
+            if count > tokens * 0.8:
+                break
+        name, _ = pieces[len(pieces) // 4]
+        text = "\n\n".join(body for _, body in pieces)
+        ask = f"\n\n# The function `{name}` defined above, copied exactly:\ndef {name}("
+        out.append(Prompt("retrieval", name, tokenizer.encode(text + ask)))
+    return out
+
+
+# ---- (a) acceptance -----------------------------------------------------------------------------------------
+
+
+def run_requests(engine: Engine, ids: list[list[int]], params: dict) -> list[Req]:
+    """Generate through the scheduler directly, keeping the requests (they carry their speculation records)."""
+    reqs = engine.tokenizer_manager.build_requests(GenerateReqInput(input_ids=ids, sampling_params=params))
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    while not all(r.finished() for r in reqs):
+        engine.scheduler.step()
+    return reqs
+
+
+def set_speculation(engine: Engine, **fields) -> None:
+    """Give the (idle) engine a fresh VeriCache worker with these settings, or none (speculative_algorithm=None)."""
+    for key, value in fields.items():
+        setattr(engine.server_args, key, value)
+    sched = engine.scheduler
+    sched.spec_worker = VeriCacheWorker(sched) if engine.server_args.speculative_algorithm else None
+
+
+def bench_acceptance(args) -> dict:
+    from sglang_pic.model_loader.default_model import default_model_path
+
+    path = args.model_path or default_model_path()
+    engine = Engine(model_path=path, max_total_tokens=max(65536, 4 * args.prompt_tokens), schedule_policy="fcfs",
+                    dtype=args.dtype, speculative_algorithm="vericache")
+    prompts = code_prompts(engine.tokenizer, args.num_prompts, args.prompt_tokens)
+    prompts += retrieval_prompts(engine.tokenizer, args.num_prompts, args.prompt_tokens)
+    params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+    ids = [p.ids for p in prompts]
+    set_speculation(engine, speculative_algorithm=None)
+    engine.generate(input_ids=ids, sampling_params={**params, "max_new_tokens": 1})  # warm-up, fills the prefix cache
+    _sync()
+    start = time.perf_counter()
+    reference = [r.output_ids for r in run_requests(engine, ids, params)]
+    _sync()
+    result = {"model": str(path), "full_kv_wall_s": time.perf_counter() - start, "runs": [],
+              "prompts": [{"task": p.task, "source": p.source, "tokens": len(p.ids)} for p in prompts]}
+    for compressor in args.compressors:
+        for budget in args.budgets:
+            for k in args.draft_lengths:
+                set_speculation(engine, speculative_algorithm="vericache", vericache_compressor=compressor,
+                                vericache_budget=budget, speculative_num_draft_tokens=k, vericache_full_kv="gpu")
+                _sync()
+                start = time.perf_counter()
+                reqs = run_requests(engine, ids, params)
+                _sync()
+                wall = time.perf_counter() - start
+                stats = engine.scheduler.spec_worker.stats.to_dict()
+                per_task = {task: _task_acceptance(reqs, prompts, task) for task in ("code", "retrieval")}
+                run = {"compressor": compressor, "budget": budget, "draft_length": k, "wall_s": wall,
+                       "lossless": [r.output_ids for r in reqs] == reference, "per_task": per_task, **stats}
+                result["runs"].append(run)
+                print(f"(a) {compressor:9s} budget={budget:<6g} k={k:<3d} accept_rate={stats['accept_rate']:.3f} "
+                      f"accept_len={stats['accept_length']:.2f} lossless={run['lossless']} {wall:.1f}s", flush=True)
+    set_speculation(engine, speculative_algorithm=None)
+    return result
+
+
+def _task_acceptance(reqs: list[Req], prompts: list[Prompt], task: str) -> dict:
+    """Tokens per round and acceptance rate over one task's requests (from each request's own record)."""
+    records = [r.spec_stats for r, p in zip(reqs, prompts) if p.task == task and getattr(r, "spec_stats", None)]
+    rounds = sum(s.verify_ct for s in records)
+    drafted = sum(s.draft_tokens for s in records)
+    return {
+        "accept_length": sum(s.committed_tokens for s in records) / rounds if rounds else 0.0,
+        "accept_rate": sum(s.accepted_drafts for s in records) / drafted if drafted else 0.0,
+    }
+
+
+# ---- (b) throughput ---------------------------------------------------------------------------------------
+
+
+def bench_throughput(args, accept_lengths: list[float]) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = dict(TINY if args.quick else LLAMA3_8B)
+    cfg["max_position_embeddings"] = max(max(args.contexts) + args.decode_steps + 64, cfg["max_position_embeddings"])
+    path = write_config(cfg)
+    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "config": "tiny" if args.quick else "llama3-8b-dummy", "cases": []}
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (2 if device == "cuda" else 4)
+    for context in args.contexts:
+        per_request = context + args.decode_steps + args.tp_draft + 2
+        device_tokens = args.max_total_tokens or args.batch * per_request
+        host_batch = min(args.host_batch, int(args.host_mem_gb * 2**30 // (token_bytes * per_request)))
+        modes = [
+            ("full_kv", None, args.batch), ("vericache_gpu", "gpu", args.batch), ("vericache_host", "host", host_batch)
+        ]
+        for name, full_kv, batch in modes:
+            spec = {} if full_kv is None else dict(
+                speculative_algorithm="vericache", vericache_full_kv=full_kv, vericache_budget=args.tp_budget,
+                speculative_num_draft_tokens=args.tp_draft, vericache_compressor=args.tp_compressor)
+            engine = Engine(model_path=path, load_format="dummy", skip_tokenizer_init=True, disable_radix_cache=True,
+                            max_total_tokens=device_tokens, context_length=cfg["max_position_embeddings"],
+                            schedule_policy="fcfs", dtype=dtype, **spec)
+            case = _decode_case(engine, args, context, batch, accept_lengths)
+            case.update(mode=name, context=context, device_kv_tokens=device_tokens)
+            result["cases"].append(case)
+            print(f"(b) {name:15s} ctx={context:<7d} batch={batch:<3d} {case['decode_tokens_per_s']:.1f} tok/s"
+                  + (f" round={case['round_s'] * 1e3:.1f}ms projected={case['projected_tokens_per_s']}"
+                     if full_kv else ""), flush=True)
+            engine.shutdown()
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return result
+
+
+def _decode_case(engine: Engine, args, context: int, batch: int, accept_lengths: list[float]) -> dict:
+    vocab = engine.model_config.vocab_size
+    prompts = rand_prompts(batch, context, vocab, context)
+    one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    many = {"max_new_tokens": args.decode_steps + 1, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=rand_prompts(1, 64, vocab, 1), sampling_params={**one, "max_new_tokens": 4})
+    prefill = _timed(lambda: engine.generate(input_ids=prompts, sampling_params=one))
+    worker = engine.scheduler.spec_worker
+    if worker is not None:
+        worker.stats.__init__()
+    total = _timed(lambda: engine.generate(input_ids=prompts, sampling_params=many))
+    decode_s = max(total - prefill, 1e-9)
+    case = {"batch": batch, "decode_steps": args.decode_steps, "prefill_s": prefill, "decode_s": decode_s,
+            "decode_tokens_per_s": batch * args.decode_steps / decode_s,
+            "retractions": engine.scheduler.stats.num_retractions}
+    if worker is not None:
+        stats = worker.stats.to_dict()
+        busy = stats["draft_time_s"] + stats["verify_time_s"] + stats["build_time_s"]
+        round_s = busy / max(stats["rounds"], 1)
+        requests_per_round = stats["verify_ct"] / max(stats["rounds"], 1)
+        case.update(spec=stats, round_s=round_s, draft_share=stats["draft_time_s"] / max(busy, 1e-9),
+            requests_per_round=requests_per_round,
+            projected_tokens_per_s={f"{a:g}": requests_per_round * a / round_s for a in accept_lengths})
+    return case
+
+
+def _timed(fn) -> float:
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    parts = _strs(args.parts)
+    result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    accept_lengths = list(args.assume_accept_length or [])
+    if "acceptance" in parts:
+        result["acceptance"] = bench_acceptance(args)
+        if not accept_lengths:
+            accept_lengths = sorted({round(r["accept_length"], 2) for r in result["acceptance"]["runs"]})
+    if "throughput" in parts:
+        result["throughput"] = bench_throughput(args, accept_lengths or [1.0, 2.0, 4.0])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""KIVI: a 2-bit draft cache. Keys are quantized per channel, values per token, recent tokens stay exact.
+
+Keys vary most across channels (a few outlier channels), so each key channel gets its own scale and zero over a
+group of GROUP tokens; values are quantized per token over groups of channels. The pool stores keys unrotated,
+which suits per-channel quantization: RoPE would spread a channel's outliers over its rotation pair.
+
+Every token is kept, so draft positions are the original ones: the quantized prefix covers positions
+[0, pos_offset) and the draft rows (device slots, full precision) the rest. Once the rows hold `budget` + GROUP
+tokens, whole groups move from the rows into the prefix, so between budget and budget + GROUP - 1 tokens stay
+exact.
+
+Draft attention dequantizes on read in torch (`KiviDraftBackend`). On a GPU this is where a fused kernel goes:
+one that reads the packed codes and scales inside a flash-decoding loop over the prefix and merges the result
+with the exact rows, instead of materializing float keys for every layer and step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sglang_pic.kernels.torch_native import rope_rotate
+from sglang_pic.layers.attention_backend import AttentionBackend
+from sglang_pic.speculative.compressor_base import Compressor, KVSource, register
+from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache
+
+if TYPE_CHECKING:
+    from sglang_pic.layers.radix_attention import RadixAttention
+    from sglang_pic.model_executor.forward_batch import ForwardBatch
+
+BITS = 2
+LEVELS = (1 << BITS) - 1
+CODES_PER_BYTE = 8 // BITS
+GROUP = 32
+
+
+@dataclass
+class Quantized:
+    """Packed codes with the scale and zero point of each group: x ~= code * scale + zero."""
+
+    codes: torch.Tensor  # uint8, CODES_PER_BYTE codes per byte along the last dim
+    scale: torch.Tensor  # float32
+    zero: torch.Tensor  # float32
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest over the last dim: (codes, scale, zero); |x - dequant| <= scale / 2."""
+    x = x.float()
+    zero = x.amin(dim=-1, keepdim=True)
+    scale = (x.amax(dim=-1, keepdim=True) - zero) / LEVELS
+    codes = torch.round((x - zero) / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp_(0, LEVELS)
+    return codes.to(torch.uint8), scale, zero
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., D] -> [..., D / CODES_PER_BYTE], the first code in the lowest bits."""
+    parts = codes.view(*codes.shape[:-1], -1, CODES_PER_BYTE)
+    shifts = torch.arange(0, 8, BITS, dtype=torch.uint8, device=codes.device)
+    return (parts << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(0, 8, BITS, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & LEVELS
+    return codes.view(*packed.shape[:-1], -1)
+
+
+def quantize_keys(k: torch.Tensor) -> Quantized:
+    """k [T, H, D] with T a multiple of GROUP: per channel over each group of GROUP tokens; scale [T/G, H, D]."""
+    t, h, d = k.shape
+    groups = k.view(t // GROUP, GROUP, h, d).permute(0, 2, 3, 1)  # [T/G, H, D, G]
+    codes, scale, zero = quantize_groups(groups)
+    codes = codes.permute(0, 3, 1, 2).reshape(t, h, d)
+    return Quantized(pack(codes), scale.squeeze(-1), zero.squeeze(-1))
+
+
+def dequantize_keys(q: Quantized) -> torch.Tensor:
+    codes = unpack(q.codes).float()
+    t, h, d = codes.shape
+    groups = codes.view(t // GROUP, GROUP, h, d)
+    return (groups * q.scale[:, None] + q.zero[:, None]).view(t, h, d)
+
+
+def value_group(head_dim: int) -> int:
+    return math.gcd(GROUP, head_dim)
+
+
+def quantize_values(v: torch.Tensor) -> Quantized:
+    """v [T, H, D]: per token over groups of value_group(D) channels; scale [T, H, D / group]."""
+    t, h, d = v.shape
+    codes, scale, zero = quantize_groups(v.view(t, h, d // value_group(d), value_group(d)))
+    return Quantized(pack(codes.view(t, h, d)), scale.squeeze(-1), zero.squeeze(-1))
+
+
+def dequantize_values(q: Quantized) -> torch.Tensor:
+    codes = unpack(q.codes).float()
+    t, h, d = codes.shape
+    g = value_group(d)
+    return (codes.view(t, h, d // g, g) * q.scale[..., None] + q.zero[..., None]).view(t, h, d)
+
+
+def _cat(a: Quantized | None, b: Quantized) -> Quantized:
+    if a is None:
+        return b
+    return Quantized(torch.cat([a.codes, b.codes]), torch.cat([a.scale, b.scale]), torch.cat([a.zero, b.zero]))
+
+
+class KiviPrefix:
+    """The quantized tokens [0, length) of one request, per layer."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[Quantized | None] = [None] * num_layers
+        self.values: list[Quantized | None] = [None] * num_layers
+        self.length = 0
+
+    def append(self, reads: Callable[[int], tuple[torch.Tensor, torch.Tensor]], count: int) -> None:
+        """Quantize the next `count` tokens (a multiple of GROUP); reads(layer) gives their k, v [count, H, D]."""
+        for layer in range(len(self.keys)):
+            k, v = reads(layer)
+            assert k.shape[0] == count and count % GROUP == 0 and k.shape[-1] % CODES_PER_BYTE == 0
+            self.keys[layer] = _cat(self.keys[layer], quantize_keys(k))
+            self.values[layer] = _cat(self.values[layer], quantize_values(v))
+        self.length += count
+
+    def dequantize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.keys[layer] is None:
+            return None
+        return dequantize_keys(self.keys[layer]), dequantize_values(self.values[layer])
+
+
+@register
+class KiviCompressor(Compressor):
+    name = "kivi"
+
+    def max_draft_tokens(self, num_tokens: int, budget: int) -> int:
+        return min(num_tokens, budget + GROUP - 1)
+
+    def build(
+        self, src: KVSource, budget: int, scores: torch.Tensor | None, state: Any, device: torch.device
+    ) -> DraftCache:
+        n = src.num_tokens
+        quantized = max(n - budget, 0) // GROUP * GROUP
+        prefix = KiviPrefix(src.num_layers)
+        self._quantize(prefix, src, 0, quantized, device)
+        rows = src.rows_for(torch.arange(quantized, n, device=device)[None])
+        return DraftCache.from_rows(rows, covered=n, pos_offset=quantized, prefix=prefix)
+
+    def needs_refresh(self, draft: DraftCache, budget: int) -> bool:
+        return draft.length >= budget + GROUP
+
+    def refresh(
+        self, draft: DraftCache, src: KVSource, budget: int, scores: torch.Tensor | None, device: torch.device
+    ) -> DraftCache:
+        m = (draft.length - budget) // GROUP * GROUP
+        self._quantize(draft.prefix, src, draft.pos_offset, m, device)
+        draft.drop_front(m)
+        draft.built_at = draft.covered
+        return draft
+
+    @staticmethod
+    def _quantize(prefix: KiviPrefix, src: KVSource, start: int, count: int, device: torch.device) -> None:
+        if count == 0:
+            return
+        index = torch.arange(start, start + count, device=device)
+        prefix.append(lambda layer: src.read(layer, index), count)
+
+    def draft_backend(self, inner: AttentionBackend, batch: DraftBatch, pool) -> AttentionBackend:
+        return KiviDraftBackend(pool, batch)
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query q [Hq, D] over all of k [n, Hkv, D], v [n, Hkv, Dv] (rotated, float32) -> [Hq, Dv]."""
+    hkv = k.shape[1]
+    qh = q.view(hkv, q.shape[0] // hkv, q.shape[1])
+    probs = torch.softmax(torch.einsum("hgd,nhd->hgn", qh, k) * scale, dim=-1)
+    return torch.einsum("hgn,nhd->hgd", probs, v).reshape(q.shape[0], v.shape[-1])
+
+
+class KiviDraftBackend(AttentionBackend):
+    """Draft attention over a dequantized prefix plus the exact rows, one request at a time (torch reference path).
+
+    The batch's `seq_lens` count the rows a query sees (its draft index + 1) and `positions` are true positions;
+    `attn_metadata["draft_rows"]` lists each query's request index into the batch tables.
+    """
+
+    def __init__(self, pool, batch: DraftBatch) -> None:
+        self.pool = pool
+        self.batch = batch
+
+    def forward(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
+        lid = layer.layer_id
+        fb = forward_batch
+        self.pool.set_kv_buffer(
+            lid, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
+            v.view(-1, layer.num_kv_heads, layer.v_head_dim),
+        )
+        k_buf, v_buf = self.pool.get_kv_buffer(lid)
+        cos_sin = layer.rotary.cos_sin_cache
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        out = torch.empty((q3.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        table = self.batch.tables[0]
+        for t, b in enumerate(fb.attn_metadata["draft_rows"]):
+            slots = table[b, : fb.seq_lens_cpu[t]]
+            keys, values = k_buf[slots].float(), v_buf[slots].float()
+            prefix = self.batch.drafts[b].prefix.dequantize(lid)
+            if prefix is not None:
+                keys, values = torch.cat([prefix[0], keys]), torch.cat([prefix[1], values])
+            keys = rope_rotate(keys, torch.arange(keys.shape[0], device=q.device), cos_sin)
+            query = rope_rotate(q3[t : t + 1], fb.positions[t : t + 1], cos_sin)[0]
+            out[t] = gqa_attention(query, keys, values, layer.scaling).to(q.dtype)
+        return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)

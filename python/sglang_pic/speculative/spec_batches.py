@@ -1,0 +1,88 @@
+"""ForwardBatch construction for the three forwards speculation runs: draft steps, verification, observation.
+
+Each request contributes one contiguous run of new tokens that ends at its last visible key, so a run is given by
+its first position and length. Which table and attention backend a batch uses is the caller's choice: draft
+batches read batch-local draft tables, verification and observation the request's full KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class Run:
+    """A request's new tokens: positions first .. first+len(ids)-1, seeing keys attn_lo .. their own position."""
+
+    table_row: int  # row of the batch's token table
+    first: int  # position of the first new token
+    ids: list[int] | torch.Tensor  # token ids (a device tensor avoids a sync for drafted tokens)
+    attn_lo: list[int] = field(default_factory=list)  # per token; empty means 0
+    seq_len: int | None = None  # keys 0..seq_len-1 addressable; defaults to first + len(ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def make_batch(
+    runner,
+    runs: list[Run],
+    out_cache_loc: torch.Tensor,
+    req_to_token_pool,
+    attn_backend,
+    logits: bool,
+    mode: ForwardMode = ForwardMode.EXTEND,
+) -> ForwardBatch:
+    """`logits`: compute logits for every new token (otherwise none)."""
+    device = runner.device
+    positions, attn_lo, seq_lens, ext_lens, starts, ids = [], [], [], [], [], []
+    for run in runs:
+        n = len(run)
+        starts.append(sum(ext_lens))
+        ext_lens.append(n)
+        positions.extend(range(run.first, run.first + n))
+        attn_lo.extend(run.attn_lo or [0] * n)
+        seq_lens.append(run.first + n if run.seq_len is None else run.seq_len)
+        ids.append(torch.as_tensor(run.ids, dtype=torch.int64).to(device))
+    total = sum(ext_lens)
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(runs),
+        input_ids=torch.cat(ids) if ids else t([]),
+        positions=t(positions),
+        attn_lo=t(attn_lo),
+        out_cache_loc=out_cache_loc.to(device),
+        req_pool_indices=t([r.table_row for r in runs]),
+        seq_lens=t(seq_lens),
+        extend_seq_lens=t(ext_lens),
+        extend_start_loc=t(starts),
+        seq_lens_cpu=seq_lens,
+        extend_seq_lens_cpu=ext_lens,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool=runner.token_to_kv_pool,
+        attn_backend=attn_backend,
+        logits_indices=torch.arange(total, device=device) if logits else t([]),
+        attn_metadata={"draft_rows": [r.table_row for r in runs]},
+    )
+
+
+@torch.inference_mode()
+def run_forward(runner, batch: ForwardBatch) -> torch.Tensor:
+    """Logits of the batch's logits rows, run eagerly on the batch's own attention backend.
+
+    Not runner.forward: its CUDA graphs were captured for the engine's token table and backend, and it would
+    replay them for any decode-shaped batch, draft steps included.
+    """
+    batch.attn_backend.init_forward_metadata(batch)
+    hidden = runner.model(batch.input_ids, batch.positions, batch)
+    if batch.logits_indices.numel() == 0:
+        return torch.empty((0, runner.model_config.vocab_size), dtype=torch.float32, device=runner.device)
+    return runner.model.compute_logits(hidden[batch.logits_indices]).float()

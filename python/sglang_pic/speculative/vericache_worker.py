@@ -1,0 +1,300 @@
+"""VeriCache: lossless speculative decoding where the model drafts over a compressed copy of its own KV.
+
+One decode round for all running requests:
+  1. drafts: a request fresh from prefill gets a draft cache from the compressor (after its KV moves to the host
+     tier in host mode); drafts that grew too much since their last compression are compressed again;
+  2. reserve: k+1 slots per request for the last committed token and k drafts (retract when memory is short);
+  3. draft: k decode forwards of the same model over the draft caches, sampling each token from the draft
+     distribution q; the drafted tokens' KV goes to the reserved slots as scratch;
+  4. verify: one extend forward of [last token, d_1..d_k] over the full KV with normal causal attention, which
+     overwrites the reserved slots with the real entries and gives the target distributions p_0..p_k;
+  5. accept: greedy or rejection sampling (spec_sampling.py) commits the accepted drafts and one more token;
+     the full KV keeps exactly the accepted tokens' entries and frees the rest (full_kv.py).
+Greedy output is token-identical to full-KV decoding and sampled output has the same distribution; compression
+only changes how many drafts are accepted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sglang_pic.managers.req import Req
+from sglang_pic.managers.scheduler import MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY
+from sglang_pic.model_executor.forward_batch import ForwardMode
+from sglang_pic.sampling.logprobs import compute_logprobs
+from sglang_pic.speculative.attn_scores import ScoreCapture
+from sglang_pic.speculative.compressor_base import create_compressor, resolve_budget
+from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache, TokenTable
+from sglang_pic.speculative.full_kv import DeviceFullKV, HostFullKV
+from sglang_pic.speculative.spec_batches import Run, make_batch, run_forward
+from sglang_pic.speculative.spec_sampling import (
+    accept_greedy,
+    accept_sampled,
+    distributions,
+    draft_tokens,
+    sampling_info,
+    uses_history,
+)
+from sglang_pic.speculative.spec_stats import ReqSpecStats, SpecStats
+
+DEFAULT_NUM_DRAFT_TOKENS = 16
+
+
+class VeriCacheWorker:
+    def __init__(self, scheduler) -> None:
+        args = scheduler.server_args
+        self.sched = scheduler
+        self.runner = scheduler.runner
+        self.device = self.runner.device
+        self.num_draft = args.speculative_num_draft_tokens
+        if self.num_draft is None:
+            self.num_draft = DEFAULT_NUM_DRAFT_TOKENS
+        if self.num_draft < 0:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 0, got {self.num_draft}")
+        self.budget = args.vericache_budget
+        resolve_budget(self.budget, 1)  # validates
+        if args.vericache_full_kv not in ("gpu", "host"):
+            raise ValueError(f"vericache_full_kv must be gpu or host, got {args.vericache_full_kv!r}")
+        if args.tp_size > 1:
+            raise NotImplementedError("vericache runs its own batches on one rank; tensor parallelism is unsupported")
+        if args.enable_mixed_chunk:
+            raise ValueError("vericache decodes in its own rounds; enable_mixed_chunk must be off")
+        self.compressor = create_compressor(args.vericache_compressor)
+        self.stats = SpecStats()
+        host = args.vericache_full_kv == "host"
+        self.full_kv = HostFullKV(scheduler, self.stats) if host else DeviceFullKV(scheduler)
+        self.drafts: dict[str, DraftCache] = {}
+        self.vocab_size = scheduler.vocab_size
+        self.num_layers = self.runner.model_config.num_hidden_layers
+        self.cuda = self.device.type == "cuda"
+
+    # ---- scheduler hooks ------------------------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """The request leaves the running set (finish, abort, retraction): drop its draft and tier state."""
+        self.full_kv.release(req, self.drafts.pop(req.rid, None))
+
+    def decode_round(self) -> list[Req]:
+        """Draft, verify and commit for every running request; return those that got tokens (or finished)."""
+        self._decay_new_token_ratio()
+        start = self._now()
+        self._prepare_drafts()
+        self.stats.build_time_s += self._now() - start
+        reqs, ks, slots = self._reserve()
+        if not reqs:
+            return []
+        start = self._now()
+        tokens, q = self._draft(reqs, ks, slots)
+        mid = self._now()
+        updated = self._verify_and_accept(reqs, ks, slots, tokens, q)
+        self.stats.draft_time_s += mid - start
+        self.stats.verify_time_s += self._now() - mid
+        self.stats.rounds += 1
+        return updated
+
+    # ---- 1. drafts --------------------------------------------------------------------------------------------
+    def _prepare_drafts(self) -> None:
+        todo: list[tuple[Req, DraftCache | None]] = []
+        for req in list(self.sched.running):
+            draft = self.drafts.get(req.rid)
+            if draft is None:
+                self.full_kv.adopt(req)
+                todo.append((req, None))
+                continue
+            self.full_kv.sync(req, draft)
+            if self.compressor.needs_refresh(draft, self._budget(req)):
+                todo.append((req, draft))
+        if not todo:
+            return
+        states = {req.rid: self.compressor.new_state() if d is None else d.state for req, d in todo}
+        scores = self._observe([req for req, _ in todo], states)
+        for req, old in todo:
+            if req in self.sched.running and self._ensure_build_slots(req):
+                self._compress(req, old, states[req.rid], scores.get(req.rid))
+
+    def _budget(self, req: Req) -> int:
+        return resolve_budget(self.budget, self.full_kv.num_tokens(req))
+
+    def _ensure_build_slots(self, req: Req) -> bool:
+        """Free the slots a copying build needs, retracting newer requests (maybe this one) when short."""
+        n = self.full_kv.num_tokens(req)
+        need = self.full_kv.slots_for_build(self.compressor.max_draft_tokens(n, self._budget(req)))
+        while req in self.sched.running and not self.sched.kv.ensure_free(need):
+            self.sched._retract_one()
+        return req in self.sched.running
+
+    def _compress(self, req: Req, old: DraftCache | None, state, scores: torch.Tensor | None) -> None:
+        source = self.full_kv.source(req)
+        budget = self._budget(req)
+        if old is None:
+            new = self.compressor.build(source, budget, scores, state, self.device)
+        else:
+            new = self.compressor.refresh(old, source, budget, scores, self.device)
+        self.full_kv.attach(old, new, source)
+        self.drafts[req.rid] = new
+        self.stats.draft_builds += 1
+
+    def _observe(self, reqs: list[Req], states: dict) -> dict[str, torch.Tensor]:
+        """One observation forward re-running each request's last few tokens; their attention scores per key."""
+        runs, observed = [], []
+        for req in reqs:
+            n = self.full_kv.num_tokens(req)
+            w = self.compressor.observation(states[req.rid], n)
+            if w <= 0:
+                continue
+            ids = req.all_ids()[n - w : n]
+            runs.append(Run(self.full_kv.row(req), n - w, ids, attn_lo=_attn_lo(req, n - w, n), seq_len=n))
+            observed.append(req)
+        if not runs:
+            return {}
+        capture = ScoreCapture(self.runner.attn_backend, self.num_layers)
+        backend = self.full_kv.wrap(observed, capture)
+        total = sum(len(r) for r in runs)
+        loc = torch.zeros(total, dtype=torch.int64)  # the dummy slot: the tokens' KV is already stored
+        batch = make_batch(self.runner, runs, loc, self.runner.req_to_token_pool, backend, logits=False)
+        run_forward(self.runner, batch)
+        return {req.rid: capture.scores[i] for i, req in enumerate(observed)}
+
+    # ---- 2. reserve -------------------------------------------------------------------------------------------
+    def _draft_len(self, req: Req) -> int:
+        left = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+        room = self.sched.context_len - req.seq_len()
+        return max(0, min(self.num_draft, left, room))
+
+    def _reserve(self) -> tuple[list[Req], list[int], list[torch.Tensor]]:
+        """k+1 slots per running request; with memory short, draft nothing, then retract like plain decoding."""
+        while self.sched.running:
+            reqs = list(self.sched.running)
+            ks = [self._draft_len(r) for r in reqs]
+            need = sum(self.full_kv.slots_needed(r, self.drafts[r.rid], k + 1) for r, k in zip(reqs, ks))
+            if self.sched.kv.ensure_free(need):
+                break
+            need = sum(self.full_kv.slots_needed(r, self.drafts[r.rid], 1) for r in reqs)
+            if self.sched.kv.ensure_free(need):
+                ks = [0] * len(reqs)
+                break
+            self.sched._retract_one()
+        else:
+            return [], [], []
+        slots = [self.full_kv.reserve(r, self.drafts[r.rid], k + 1) for r, k in zip(reqs, ks)]
+        return reqs, ks, slots
+
+    # ---- 3. draft ---------------------------------------------------------------------------------------------
+    def _draft(
+        self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Drafted tokens [B, max k] (on the device) and, for sampled requests, the draft distributions q."""
+        k_max = max(ks)
+        tokens = torch.zeros((len(reqs), k_max), dtype=torch.int64, device=self.device)
+        q: list[list[torch.Tensor]] = [[] for _ in reqs]
+        if k_max == 0:
+            return tokens, q
+        batch = DraftBatch.build([self.drafts[r.rid] for r in reqs], [s[:k] for s, k in zip(slots, ks)], self.device)
+        backend = self.compressor.draft_backend(self.runner.attn_backend, batch, self.runner.token_to_kv_pool)
+        table = TokenTable(batch.tables[0])
+        current = torch.tensor([r.tail.tokens[-1] for r in reqs], dtype=torch.int64, device=self.device)
+        for i in range(k_max):
+            active = [b for b, k in enumerate(ks) if k > i]
+            runs = []
+            for b in active:
+                n = batch.lengths[b] + i  # draft index of this step's input token
+                runs.append(Run(b, batch.pos_offsets[b] + n, current[b : b + 1], seq_len=n + 1))
+            loc = torch.stack([slots[b][i] for b in active])
+            fb = make_batch(self.runner, runs, loc, table, backend, logits=True, mode=ForwardMode.DECODE)
+            logits = run_forward(self.runner, fb)[:, : self.vocab_size]
+            history = self._histories(reqs, tokens, active, i)
+            dist = distributions(logits, sampling_info(history, self.vocab_size, self.device))
+            picked = draft_tokens(dist, [reqs[b].generator for b in active])
+            index = torch.tensor(active, device=self.device)
+            tokens[index, i] = picked
+            current[index] = picked
+            if dist.probs is not None:
+                for row, b in enumerate(active):
+                    if not dist.greedy[row]:
+                        q[b].append(dist.probs[row])
+        return tokens, q
+
+    @staticmethod
+    def _histories(reqs: list[Req], tokens: torch.Tensor, active: list[int], i: int) -> list[tuple[Req, list[int]]]:
+        """Each active request with its first i drafted tokens (their values only when penalties look at them)."""
+        needs = [b for b in active if uses_history(reqs[b])]
+        values = tokens[needs, :i].tolist() if needs and i else []
+        known = dict(zip(needs, values))
+        return [(reqs[b], known.get(b, [0] * i)) for b in active]
+
+    # ---- 4 + 5. verify and accept -----------------------------------------------------------------------------
+    def _verify_and_accept(
+        self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor], tokens: torch.Tensor,
+        q: list[list[torch.Tensor]],
+    ) -> list[Req]:
+        runs = []
+        for b, (req, k) in enumerate(zip(reqs, ks)):
+            first = torch.tensor([req.tail.tokens[-1]], dtype=torch.int64, device=self.device)
+            runs.append(Run(self.full_kv.row(req), req.seq_len() - 1, torch.cat([first, tokens[b, :k]])))
+        backend = self.full_kv.wrap(reqs, self.runner.attn_backend)
+        batch = make_batch(self.runner, runs, torch.cat(slots), self.runner.req_to_token_pool, backend, logits=True)
+        logits = run_forward(self.runner, batch)[:, : self.vocab_size]
+
+        drafted = tokens.tolist()
+        rows = [(req, drafted[b][:i]) for b, (req, k) in enumerate(zip(reqs, ks)) for i in range(k + 1)]
+        dist = distributions(logits, sampling_info(rows, self.vocab_size, self.device))
+        argmax = dist.argmax.tolist()
+        logprobs = compute_logprobs(logits) if any(r.return_logprob for r in reqs) else None
+        updated, start = [], 0
+        for b, (req, k) in enumerate(zip(reqs, ks)):
+            drafts = drafted[b][:k]
+            if dist.greedy[start]:
+                accepted, last = accept_greedy(drafts, argmax[start : start + k + 1])
+            else:
+                q_rows = torch.stack(q[b]) if k else None
+                accepted, last = accept_sampled(drafts, q_rows, dist.probs[start : start + k + 1], req.generator)
+            self._commit(req, slots[b], drafts[:accepted] + [last], accepted, logprobs, start)
+            updated.append(req)
+            start += k + 1
+        return updated
+
+    def _commit(
+        self, req: Req, slots: torch.Tensor, toks: list[int], accepted: int, logprobs: torch.Tensor | None,
+        start: int,
+    ) -> None:
+        """Output toks one by one, keeping KV for the last committed token and each accepted draft as it becomes
+        part of the request; stop at a finish, then free what was not kept."""
+        draft = self.drafts[req.rid]
+        slot_ids = slots.tolist()
+        self.full_kv.keep(req, slot_ids[0])
+        kept, committed = 1, 0
+        for i, tok in enumerate(toks):
+            committed += 1
+            if self.sched.commit_token(req, tok, logprobs[start + i] if logprobs is not None else None):
+                break
+            if i < accepted:
+                self.full_kv.keep(req, slot_ids[i + 1])
+                kept += 1
+        self.full_kv.end_round(req, draft, slots, kept, not req.finished())
+        drafted = slots.numel() - 1
+        req.spec_stats = req.spec_stats or ReqSpecStats()
+        req.spec_stats.record(drafted, accepted, committed)
+        self.stats.verify_ct += 1
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_drafts += accepted
+        self.stats.committed_tokens += committed
+
+    # ---- helpers ----------------------------------------------------------------------------------------------
+    def _decay_new_token_ratio(self) -> None:
+        """A round is a decode step for admission control, which relaxes its reserve as decoding goes on."""
+        self.sched.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.sched.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def _attn_lo(req: Req, first: int, end: int) -> list[int]:
+    """Lowest visible key of each position in [first, end), from the segment holding it."""
+    out = []
+    for seg in req.segments:
+        lo, hi = max(first, seg.start), min(end, seg.start + len(seg.tokens))
+        out.extend([seg.attn_lo] * max(hi - lo, 0))
+    return out
