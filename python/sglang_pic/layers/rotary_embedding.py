@@ -60,15 +60,3 @@ class RotaryEmbedding:
         self.cos_sin_cache = self.cos_sin_cache.to(device)
         return self
 
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, H, D] by positions [N]; computed in float32, returned in x's dtype."""
-    rot = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    cos = cos.unsqueeze(-2)
-    sin = sin.unsqueeze(-2)
-    xf = x.float()
-    x_rot, x_pass = xf[..., :rot], xf[..., rot:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_pass], dim=-1)
-    return out.to(x.dtype)

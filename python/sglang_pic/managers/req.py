@@ -11,17 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from sglang_pic.radix_ext import RadixKey
 from sglang_pic.sampling.sampling_params import SamplingParams
-
-
-class SegmentKind(str, Enum):
-    PREFIX = "prefix"
-    SPAN = "span"
-    PDEP = "pdep"
 
 
 @dataclass(eq=False)
