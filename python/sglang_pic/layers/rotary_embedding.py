@@ -55,8 +55,3 @@ class RotaryEmbedding:
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32).to(device)
-
-    def to(self, device: torch.device | str) -> "RotaryEmbedding":
-        self.cos_sin_cache = self.cos_sin_cache.to(device)
-        return self
-
