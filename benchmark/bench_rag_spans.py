@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from time import perf_counter
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rag_workload import RagWorkload, WorkloadConfig, build_workload  # noqa: E402
 
 from sglang_pic import Engine  # noqa: E402
+from sglang_pic.managers.io_struct import GenerateReqInput  # noqa: E402
 from sglang_pic.model_config import resolve_dtype  # noqa: E402
 from sglang_pic.tokenizer import load_tokenizer  # noqa: E402
 
@@ -127,6 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--step-token-budget", type=int, help="ISPS prefill tokens per step")
     p.add_argument("--quick", action="store_true", help="tiny CPU run: few, short samples")
+    p.add_argument("--arrival-rate", type=float, default=0.0,
+                   help="samples/s arriving as a Poisson stream (0: all at once); with arrivals the barrier mode "
+                   "warms each sample's spans when it arrives and holds its prompt until they are cached")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for rag_spans.json and rag_spans.png")
     args = p.parse_args(argv)
@@ -186,6 +191,40 @@ def warm_up(engine: Engine, prompt: str) -> None:
         raise RuntimeError("the engine is not idle after the warm-up request")
 
 
+def serve_arrivals(
+    engine: Engine, prompts: list[str], spans: list[list[str]] | None, params: dict, desc: str, rate: float, seed: int
+) -> tuple[list[dict], float]:
+    """Feed prompts as a Poisson stream, driving the scheduler in this thread; TTFT counts from each arrival.
+
+    With `spans` (the barrier workflow) an arriving sample first queues its spans as prefill-only jobs, and its
+    prompt joins the queue only once every one of them is cached.
+    """
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, len(prompts)))
+    tm, sched = engine.tokenizer_manager, engine.scheduler
+    reqs: list = []
+    held: list[tuple] = []  # (request, its span jobs) waiting for the barrier
+    peak, start = 0.0, perf_counter()
+    with tqdm(total=len(prompts), desc=desc, unit="sample", leave=False) as bar:
+        while len(reqs) < len(prompts) or held or not sched.is_idle():
+            now = perf_counter() - start
+            while len(reqs) < len(prompts) and arrivals[len(reqs)] <= now:
+                i = len(reqs)
+                req = tm.build_requests(GenerateReqInput(text=prompts[i], sampling_params=params, rid=f"{desc}-{i}"))[0]
+                reqs.append(req)
+                jobs = sched.add_span_jobs(tm.span_keys(spans[i])) if spans is not None else []
+                held.append((req, jobs))
+            for item in [h for h in held if all(job.finished() for job in h[1])]:
+                held.remove(item)
+                sched.add_request(item[0])
+            if sched.is_idle():
+                time.sleep(0.0005)
+                continue
+            done = sum(r.finished() for r in sched.step() if not r.warmup)
+            bar.update(done)
+            peak = max(peak, sched.token_usage())
+    return [tm.format_output(r) for r in reqs], peak
+
+
 # ---- one mode ----------------------------------------------------------------------------------------------------
 def stream_batch(engine: Engine, prompts: list[str], params: dict, desc: str) -> tuple[list[dict], float]:
     """Submit all prompts at once; returns their final outputs and the peak fraction of the pool in use."""
@@ -218,9 +257,14 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
         params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
         before = engine.get_stats()
         start = perf_counter()
-        warm_info = engine.warm_spans(workload.span_texts()) if spec.barrier else None
-        warm_s = perf_counter() - start if spec.barrier else 0.0
-        outs, peak = stream_batch(engine, prompts, params, mode)
+        if args.arrival_rate > 0:
+            spans = [workload.passages(s) for s in workload.samples] if spec.barrier else None
+            warm_info, warm_s = None, 0.0
+            outs, peak = serve_arrivals(engine, prompts, spans, params, mode, args.arrival_rate, args.seed)
+        else:
+            warm_info = engine.warm_spans(workload.span_texts()) if spec.barrier else None
+            warm_s = perf_counter() - start if spec.barrier else 0.0
+            outs, peak = stream_batch(engine, prompts, params, mode)
         wall = perf_counter() - start
         after = engine.get_stats()
         bytes_per_token = engine.runner.token_to_kv_pool.bytes_per_token()

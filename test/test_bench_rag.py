@@ -118,3 +118,20 @@ def test_span_ttft_reuses_the_span_at_a_new_offset(tiny_llama, tmp_path):
         assert r["cached_span_tokens"] == r["span_tokens"]
         assert r["cold_ttft_s"] > 0 and r["cached_ttft_s"] > 0
     assert (tmp_path / "span_ttft.png").stat().st_size > 0
+
+
+def test_poisson_arrivals_serve_every_sample(tiny_llama, tmp_path):
+    """With --arrival-rate the samples trickle in; the barrier mode warms each sample's spans before its prompt."""
+    bench_rag_spans.main(
+        ["--quick", "--model-path", str(tiny_llama), "--out", str(tmp_path), "--hf-subset", "0",
+         "--modes", "prefix_cache,pic_barrier,pic_isps", "--arrival-rate", "40"]
+    )
+    result = json.loads((tmp_path / "rag_spans.json").read_text())
+    for name, mode in result["modes"].items():
+        assert mode["samples"] == QUICK_SAMPLES, name
+        assert mode["completion_tokens"] == QUICK_SAMPLES * QUICK_NEW_TOKENS, name
+        assert 0 < mode["ttft_p50_s"] <= mode["ttft_p99_s"] <= mode["wall_s"], name
+    barrier, isps = result["modes"]["pic_barrier"], result["modes"]["pic_isps"]
+    # Every prompt of the barrier mode found all of its spans cached; ISPS reused spans too.
+    assert barrier["cached_span_tokens"] > 0 and isps["cached_span_tokens"] > 0
+    assert barrier["computed_prefill_tokens"] < result["modes"]["prefix_cache"]["computed_prefill_tokens"]
