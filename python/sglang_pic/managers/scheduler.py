@@ -251,13 +251,12 @@ class Scheduler:
     def _schedule_decode(self) -> list[BatchEntry]:
         entries: list[BatchEntry] = []
         while self.running:
-            need = sum(self.kv.slots_needed(r, [0] * (len(r.segments) - 1) + [1]) for r in self.running)
-            if self.kv.ensure_free(need):
+            if self.kv.ensure_free(self.kv.decode_slots_needed(self.running)):
                 break
             self._retract_one()
         slots = self.kv.alloc_decode(self.running) if self.running else None
         for i, req in enumerate(self.running):
-            pos = req.seq_len() - 1
+            pos = req.tail.start + req.tail.done - 1  # alloc_decode just gave the pending last token its slot
             entries.append(
                 BatchEntry(req, [], positions=[pos], attn_lo=[0], input_ids=[req.output_ids[-1]], completes=True,
                            slots=slots[i : i + 1])

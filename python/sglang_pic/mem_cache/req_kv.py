@@ -131,6 +131,11 @@ class ReqKVManager:
             parts.append(slots)
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
+    def decode_slots_needed(self, reqs: list[Req]) -> int:
+        """Slots one decode step takes: a fresh page for each request whose tail page is full."""
+        ps = self.page_size
+        return ps * sum(1 for r in reqs if r.tail.last_slot < 0 or r.tail.last_slot % ps == ps - 1)
+
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
         """One slot per decoding request (its pending last token), allocated and recorded in one batched write."""
         ps = self.page_size
