@@ -110,11 +110,7 @@ class HFResult:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", help="HF folder (or config folder with --load-format dummy); default: the "
-                                        "embedded Qwen2.5-0.5B")
-    p.add_argument("--tokenizer-path", help="tokenizer folder when the model folder has none")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy", "gguf"))
-    p.add_argument("--dtype")
+    add_engine_args(p)
     p.add_argument("--num-samples", type=int)
     p.add_argument("--num-passages", type=int, help="passages per sample")
     p.add_argument("--corpus-size", type=int)
@@ -125,8 +121,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--hf-subset", type=int, help="samples for the transformers reference (0: skip it)")
     p.add_argument("--hf-batch-sizes", help="comma-separated batch sizes for the transformers reference")
-    p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: by memory fraction)")
-    p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--step-token-budget", type=int, help="ISPS prefill tokens per step")
     p.add_argument("--quick", action="store_true", help="tiny CPU run: few, short samples")
     p.add_argument("--arrival-rate", type=float, default=0.0,
@@ -148,6 +142,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- shared with bench_span_ttft.py ------------------------------------------------------------------------------
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model and KV-pool flags both benchmarks take (read back by `resolve_paths` and `engine_kwargs`)."""
+    p.add_argument("--model-path", help="HF folder (or config folder with --load-format dummy); default: the "
+                                        "embedded Qwen2.5-0.5B")
+    p.add_argument("--tokenizer-path", help="tokenizer folder when the model folder has none")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy", "gguf"))
+    p.add_argument("--dtype")
+    p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: by memory fraction)")
+    p.add_argument("--chunked-prefill-size", type=int)
+
+
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
     """(model folder, tokenizer folder); the default model is the embedded one."""
     from sglang_pic.model_loader.loader import resolve_model_path

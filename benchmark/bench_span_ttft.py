@@ -23,7 +23,15 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_rag_spans import DEFAULT_OUT, device_name, engine_kwargs, free_engine, resolve_paths, warm_up  # noqa: E402
+from bench_rag_spans import (  # noqa: E402
+    DEFAULT_OUT,
+    add_engine_args,
+    device_name,
+    engine_kwargs,
+    free_engine,
+    resolve_paths,
+    warm_up,
+)
 from rag_workload import SYSTEM_PROMPT, WorkloadConfig, build_workload, rag_prompt  # noqa: E402
 
 from sglang_pic import Engine  # noqa: E402
@@ -54,15 +62,9 @@ class LengthResult:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", help="HF folder (or config folder with --load-format dummy); default: the "
-                                        "embedded Qwen2.5-0.5B")
-    p.add_argument("--tokenizer-path", help="tokenizer folder when the model folder has none")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy", "gguf"))
-    p.add_argument("--dtype")
+    add_engine_args(p)
     p.add_argument("--span-lengths", help="comma-separated span lengths in tokens")
     p.add_argument("--repeats", type=int, help="runs per length; the median is reported")
-    p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: by memory fraction)")
-    p.add_argument("--chunked-prefill-size", type=int)
     p.add_argument("--quick", action="store_true", help="tiny CPU run: short spans, one repeat")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for span_ttft.json and span_ttft.png")
