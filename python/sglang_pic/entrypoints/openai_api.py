@@ -186,16 +186,23 @@ class OpenAIServing:
         )
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
-    # ---- completions --------------------------------------------------------------------------------------
-    async def completions(self, request: Request) -> Response:
+    async def _prepare(self, request: Request, model: Any, to_input: Any, rid_prefix: str) -> Any:
+        """Parse a body into requests: (body, rid, reqs), or a 400 response naming the problem."""
         try:
-            body = CompletionRequest.model_validate_json(await request.body())
-            rid = body.rid or f"cmpl-{uuid.uuid4().hex}"
-            reqs = self.manager.prepare(self._completion_input(body, rid))
+            body = model.model_validate_json(await request.body())
+            rid = body.rid or f"{rid_prefix}-{uuid.uuid4().hex}"
+            return body, rid, self.manager.prepare(to_input(body, rid))
         except ValidationError as e:
             return error_response(describe_validation_error(e))
         except ValueError as e:
             return error_response(str(e))
+
+    # ---- completions --------------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        parsed = await self._prepare(request, CompletionRequest, self._completion_input, "cmpl")
+        if isinstance(parsed, Response):
+            return parsed
+        body, rid, reqs = parsed
         model = body.model or self.manager.served_model_name
         echoes = self._echo_texts(body) if body.echo else None
         if body.stream:
@@ -296,14 +303,10 @@ class OpenAIServing:
 
     # ---- chat ---------------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        try:
-            body = ChatCompletionRequest.model_validate_json(await request.body())
-            rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
-            reqs = self.manager.prepare(self._chat_input(body, rid))
-        except ValidationError as e:
-            return error_response(describe_validation_error(e))
-        except ValueError as e:
-            return error_response(str(e))
+        parsed = await self._prepare(request, ChatCompletionRequest, self._chat_input, "chatcmpl")
+        if isinstance(parsed, Response):
+            return parsed
+        body, rid, reqs = parsed
         if body.max_completion_tokens is None and body.max_tokens is None:
             for req in reqs:  # OpenAI's default: as many tokens as the context has room for
                 req.sampling_params.max_new_tokens = max(self.manager.context_len - req.prompt_len, 1)
