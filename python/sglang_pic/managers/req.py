@@ -74,7 +74,6 @@ class Req:
     cached_prefix_tokens: int = 0
     cached_span_tokens: int = 0
     matched_once: bool = False
-    retracted_count: int = 0
     # Logprobs collected so far.
     input_token_logprobs: list = field(default_factory=list)  # (logprob|None, token_id)
     input_top_logprobs: list = field(default_factory=list)

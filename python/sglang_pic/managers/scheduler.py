@@ -165,6 +165,7 @@ class Scheduler:
             if not entry.completes:
                 return entries + decodes
             self.chunked = None
+        reserved = self._reserved_decode_tokens()  # fixed while this loop admits: running and chunked don't change
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) + len(entries) >= self.server_args.max_running_requests:
                 break
@@ -186,7 +187,7 @@ class Scheduler:
                 continue
             reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
             need = self.kv.slots_needed(req, [len(s.tokens) - s.done for s in req.segments])
-            if need + reserve + self._reserved_decode_tokens() > self.kv.available_size():
+            if need + reserve + reserved > self.kv.available_size():
                 if entries or self.running:
                     self.kv.release(req)
                     break
@@ -280,7 +281,6 @@ class Scheduler:
             return
         self.kv.cache(req)
         self.kv.release(req)
-        req.retracted_count += 1
         self.stats.num_retractions += 1
         self.waiting.insert(0, req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
