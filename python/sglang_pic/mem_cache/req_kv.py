@@ -131,21 +131,23 @@ class ReqKVManager:
             parts.append(slots)
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
+    def _tail_page_full(self, req: Req) -> bool:
+        slot = req.tail.last_slot
+        return slot < 0 or slot % self.page_size == self.page_size - 1
+
     def decode_slots_needed(self, reqs: list[Req]) -> int:
         """Slots one decode step takes: a fresh page for each request whose tail page is full."""
-        ps = self.page_size
-        return ps * sum(1 for r in reqs if r.tail.last_slot < 0 or r.tail.last_slot % ps == ps - 1)
+        return self.page_size * sum(1 for r in reqs if self._tail_page_full(r))
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
         """One slot per decoding request (its pending last token), allocated and recorded in one batched write."""
         ps = self.page_size
-        last = [r.tail.last_slot for r in reqs]
-        fresh = [s < 0 or s % ps == ps - 1 for s in last]
+        fresh = [self._tail_page_full(r) for r in reqs]
         need = sum(fresh)
         if not self.ensure_free(need * ps):
             return None
         pages = iter(self.allocator.alloc_pages(need) or [])
-        slots = [next(pages) * ps if f else s + 1 for s, f in zip(last, fresh)]
+        slots = [next(pages) * ps if f else r.tail.last_slot + 1 for r, f in zip(reqs, fresh)]
         rows, cols = [], []
         for req, slot in zip(reqs, slots):
             tail = req.tail
