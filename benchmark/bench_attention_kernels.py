@@ -205,17 +205,18 @@ def sweep(args: argparse.Namespace) -> list[dict]:
 
     dtype, cuda = DTYPES[args.dtype], torch.device(DEVICE)
     decode_cfgs = [default_decode_config(args.head_dim, dtype, cuda)] + [
-        DecodeConfig(block_n=32, min_split_len=256, num_warps=4, num_stages=2),
         DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2),
-        DecodeConfig(block_n=32, min_split_len=128, num_warps=4, num_stages=3),
-        DecodeConfig(block_n=64, min_split_len=512, num_warps=8, num_stages=3),
-        DecodeConfig(block_n=128, min_split_len=256, num_warps=8, num_stages=2),
+        DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=4),
+        DecodeConfig(block_n=32, min_split_len=256, num_warps=4, num_stages=3),
+        DecodeConfig(block_n=128, min_split_len=512, num_warps=4, num_stages=3),
+        DecodeConfig(block_n=128, min_split_len=256, num_warps=8, num_stages=3),
     ]
     extend_cfgs = [default_extend_config(args.head_dim, dtype, cuda)] + [
-        ExtendConfig(block_m=128, block_n=32, num_warps=8, num_stages=2),
-        ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
-        ExtendConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
+        ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+        ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
         ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+        ExtendConfig(block_m=256, block_n=64, num_warps=16, num_stages=2),
+        ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=2),
     ]
     rows = []
     for batch_size, context in SWEEP_DECODE_SHAPES:

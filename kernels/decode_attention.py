@@ -6,9 +6,12 @@ GQA group's query heads together, so each key is loaded and rotated once per gro
 their log-sum-exp. The chunk count of a request is derived in both kernels from its length alone, so the grid
 depends only on the batch size and `max_splits`: replayable in a CUDA graph with any lengths.
 
-Decode is memory-bound, and a cos/sin row per key would double the bytes each key costs (fp32 table rows are
-twice a bf16 key head). Since a score depends only on j - p, stage 1 instead rotates key start + t by t (the same
-BLOCK_N table rows for every block, loaded once) and the query by p - start (one row per block).
+Decode is memory-bound: rotating keys must not cost HBM bytes or the registers that keep enough loads in flight.
+Each key is rotated by its own cos/sin row, read from the table in the KV cache's dtype (all programs read the
+same rows, so they come from L2, never HBM), with packed half-precision math (`rotate_keys`). The query is
+rotated once, by its own position, before the loop. H200 sweeps (benchmark/results/kernels_sweep_h200.json) found
+this cheaper than rotating keys by their offset in the block from a table kept in registers: that table took half
+the registers and cut the programs resident per SM.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from sglang_pic.kernels.rope import (
     head_split,
     load_cos_sin,
     rotate_halves,
+    rotate_keys,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -48,7 +52,7 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.devic
     if device.type != "cuda":
         return DecodeConfig(block_n=16, min_split_len=16, num_warps=4, num_stages=1)
     if head_dim <= 128 and dtype != torch.float32:  # best of the H200 sweep (benchmark/results/kernels_sweep_h200)
-        return DecodeConfig(block_n=64, min_split_len=256, num_warps=4, num_stages=2)
+        return DecodeConfig(block_n=128, min_split_len=256, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=32, min_split_len=256, num_warps=8, num_stages=2)
 
 
@@ -78,7 +82,6 @@ def _decode_split_kernel(
     mid_lse_ptr,
     qk_scale,
     MAX_SPLITS,
-    num_positions,
     stride_qt,
     stride_kbs,
     stride_vbs,
@@ -126,16 +129,10 @@ def _decode_split_kernel(
     q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
     q2 = tl.load(q_rows + HALF + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
     offs_b = tl.arange(0, BLOCK_N)
-    if ROTATE_KEYS:
-        # A score depends on j - p only, so key j = start + t is rotated by its offset t in the block and the
-        # query by p - start: the key-side cos/sin rows are the same for every block (loaded once), and each
-        # block reads a single table row instead of one per key.
-        t_cos, t_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_b, offs_r, offs_b < num_positions, HALF)
-    else:
-        cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, h_mask, HALF)
-        q1_rot, q2_rot = rotate_halves(q1, q2, cos, sin)
-        q1_dot = q1_rot.to(dtype).to(DOT_DTYPE)
-        q2_dot = q2_rot.to(dtype).to(DOT_DTYPE)
+    cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, h_mask, HALF)
+    q1_rot, q2_rot = rotate_halves(q1, q2, cos, sin)
+    q1_dot = q1_rot.to(dtype).to(DOT_DTYPE)
+    q2_dot = q2_rot.to(dtype).to(DOT_DTYPE)
     offs_t = tl.arange(0, BLOCK_TAIL)
     if TAIL > 0:
         tail_mask = h_mask[:, None] & (offs_t[None, :] < TAIL)
@@ -159,11 +156,8 @@ def _decode_split_kernel(
         k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
         k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
         if ROTATE_KEYS:
-            k1, k2 = rotate_halves(k1, k2, t_cos, t_sin)
-            q_cos, q_sin = load_cos_sin(cos_sin_ptr, stride_cs, pos - start_n, offs_r, h_mask, HALF)
-            q1_rot, q2_rot = rotate_halves(q1, q2, q_cos, q_sin)
-            q1_dot = q1_rot.to(dtype).to(DOT_DTYPE)
-            q2_dot = q2_rot.to(dtype).to(DOT_DTYPE)
+            k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_n, offs_r, n_mask, HALF)
+            k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
         qk = tl.dot(q1_dot, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         qk = tl.dot(q2_dot, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
         if TAIL > 0:
@@ -288,7 +282,8 @@ def decode_attention_fwd(
 ) -> None:
     """out [B, Hq, Dv] for q [B, Hq, D] (unrotated, row b at position seq_lens[b] - 1; every seq_len >= 1).
 
-    The split count is mid_o.shape[2]. keys_rotated=True is the baseline that reads pre-rotated keys.
+    The split count is mid_o.shape[2]. Keys are rotated in the dtype of `cos_sin_cache` (pass it in the pool's
+    dtype, see RotaryEmbedding.kernel_table). keys_rotated=True is the baseline that reads pre-rotated keys.
     """
     batch_size, num_heads, head_dim = q.shape
     if batch_size == 0:
@@ -312,7 +307,6 @@ def decode_attention_fwd(
         mid_lse,
         sm_scale * LOG2E,
         max_splits,
-        cos_sin_cache.shape[0],
         q.stride(0),
         k_buffer.stride(0),
         v_buffer.stride(0),

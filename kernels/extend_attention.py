@@ -25,6 +25,7 @@ from sglang_pic.kernels.rope import (
     head_split,
     load_cos_sin,
     rotate_halves,
+    rotate_keys,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -38,15 +39,20 @@ class ExtendConfig:
     num_stages: int
 
 
-def default_extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> ExtendConfig:
+def default_extend_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device, keys_rotated: bool = False
+) -> ExtendConfig:
     """Tiles for Hopper-class GPUs, free of register spills for head_dim 64..256 in sm_90 builds by Triton 3.6
-    and 3.9; small tiles on CPU so the interpreter walks several blocks on small tests."""
+    and 3.9; small tiles on CPU so the interpreter walks several blocks on small tests. The pre-rotated baseline
+    gets its own best tile, so the comparison is between the best of each."""
     if device.type != "cuda":
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # exact fp32 products run on CUDA cores and need small tiles
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
     if head_dim <= 128:  # best of the H200 sweep (benchmark/results/kernels_sweep_h200)
-        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        if keys_rotated:
+            return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+        return ExtendConfig(block_m=256, block_n=64, num_warps=8, num_stages=2)
     return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
@@ -64,6 +70,7 @@ def _extend_attention_kernel(
     positions_ptr,
     attn_lo_ptr,
     qk_scale,
+    num_positions,
     stride_qt,
     stride_ot,
     stride_kbs,
@@ -128,6 +135,8 @@ def _extend_attention_kernel(
     k_head = k_buf_ptr + kvh * HEAD_DIM
     v_head = v_buf_ptr + kvh * V_DIM
     r2t_row = req_to_token_ptr + req_row * stride_r2t
+    offs_b = tl.arange(0, BLOCK_N)
+    half_mask = offs_r < HALF
 
     for start_n in range(kv_lo // BLOCK_N * BLOCK_N, kv_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -138,8 +147,13 @@ def _extend_attention_kernel(
         k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
         k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
         if ROTATE_KEYS:
-            k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_n, offs_r, n_mask, HALF)
-            k1, k2 = rotate_halves(k1, k2, k_cos, k_sin)
+            t_cos, t_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_b, offs_r, offs_b < num_positions, HALF)
+            base = cos_sin_ptr + start_n * stride_cs + offs_r
+            b_cos = tl.load(base, mask=half_mask, other=1.0)[None, :]
+            b_sin = tl.load(base + HALF, mask=half_mask, other=0.0)[None, :]
+            k_cos = b_cos * t_cos - b_sin * t_sin
+            k_sin = b_sin * t_cos + b_cos * t_sin
+            k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
         qk = tl.dot(q1, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         qk = tl.dot(q2, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
         if TAIL > 0:
@@ -174,7 +188,7 @@ def extend_kernel_params(
 ) -> dict:
     """Constexprs and launch options of the extend kernel (the sm_90 build test compiles exactly these)."""
     group = num_heads // num_kv_heads
-    cfg = config or default_extend_config(split.head_dim, dtype, device)
+    cfg = config or default_extend_config(split.head_dim, dtype, device, keys_rotated)
     return {
         "GROUP": group,
         "BLOCK_M": max(cfg.block_m, triton.next_power_of_2(group)),
@@ -207,6 +221,7 @@ def extend_attention_fwd(
 ) -> None:
     """out [T, Hq, Dv] = attention of q [T, Hq, D] (unrotated) over the pool.
 
+    Keys are rotated in the dtype of `cos_sin_cache` (pass it in the pool's dtype, see RotaryEmbedding.kernel_table).
     keys_rotated=True is the baseline: the pool holds keys already rotated by their position, so only queries
     are rotated. `max_extend_len` (a host int) sizes the grid; it may exceed the true maximum.
     """
@@ -232,6 +247,7 @@ def extend_attention_fwd(
         positions,
         attn_lo,
         sm_scale * LOG2E,
+        cos_sin_cache.shape[0],
         q.stride(0),
         out.stride(0),
         k_buffer.stride(0),

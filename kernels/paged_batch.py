@@ -81,6 +81,7 @@ class PagedBatch:
     attn_lo: torch.Tensor
     out_cache_loc: torch.Tensor
     cos_sin_cache: torch.Tensor
+    kernel_cos_sin: torch.Tensor  # cos_sin_cache in the pool's dtype, what the engine hands the kernels
     sm_scale: float
     page_size: int = 1
     seq_lens_cpu: list[int] = field(default_factory=list)
@@ -130,7 +131,7 @@ class PagedBatch:
             self.extend_seq_lens,
             self.positions,
             self.attn_lo,
-            self.cos_sin_cache,
+            self.kernel_cos_sin,
             self.sm_scale,
             max(self.extend_seq_lens_cpu),
             keys_rotated=keys_rotated,
@@ -162,7 +163,7 @@ class PagedBatch:
             self.req_to_token,
             self.req_pool_indices,
             self.seq_lens,
-            self.cos_sin_cache,
+            self.kernel_cos_sin,
             self.sm_scale,
             *buffers,
             keys_rotated=keys_rotated,
@@ -274,6 +275,7 @@ def make_paged_batch(
         attn_lo=torch.tensor([lo for s in specs for lo in s.attn_lo], dtype=torch.int64, device=device),
         out_cache_loc=loc,
         cos_sin_cache=rope.cos_sin_cache,
+        kernel_cos_sin=rope.kernel_table(dtype),
         sm_scale=head_dim**-0.5,
         page_size=page_size,
         seq_lens_cpu=[s.seq_len for s in specs],

@@ -55,3 +55,14 @@ class RotaryEmbedding:
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32).to(device)
+        self._kernel_tables = {torch.float32: self.cos_sin_cache}
+
+    def kernel_table(self, kv_dtype: torch.dtype) -> torch.Tensor:
+        """The table the Triton kernels get, converted once. They rotate keys in the table's dtype, so it comes
+        in the KV cache's dtype; except bf16 on CPU, where the Triton interpreter's bf16 arithmetic is wrong (it
+        works on the raw bits) and fp32 is used."""
+        if kv_dtype == torch.bfloat16 and self.cos_sin_cache.device.type == "cpu":
+            kv_dtype = torch.float32
+        if kv_dtype not in self._kernel_tables:
+            self._kernel_tables[kv_dtype] = self.cos_sin_cache.to(kv_dtype)
+        return self._kernel_tables[kv_dtype]

@@ -55,7 +55,7 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch: "ForwardBatch",
     ) -> torch.Tensor:
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        cos_sin = layer.rotary.cos_sin_cache
+        cos_sin = layer.rotary.kernel_table(k_buf.dtype)
         store_kv(
             k_buf,
             v_buf,
