@@ -95,7 +95,10 @@ def bench_ours(engine, args, vocab: int) -> dict:
 
 
 def engine_params(engine) -> int:
-    return sum(p.numel() for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
+    """Weights every prefill token multiplies through: not the embedding, nor the LM head (prefill computes logits
+    only for each request's last token)."""
+    skip = ("embed_tokens", "lm_head")
+    return sum(p.numel() for n, p in engine.runner.model.named_parameters() if not any(s in n for s in skip))
 
 
 def attn_flops(engine, length: int) -> float:

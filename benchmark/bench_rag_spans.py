@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from bench_engine_e2e import attn_flops, engine_params  # noqa: E402
 from rag_workload import RagWorkload, WorkloadConfig, build_workload  # noqa: E402
 
 from sglang_pic import Engine  # noqa: E402
@@ -88,6 +89,9 @@ class ModeResult:
     cached_prefix_tokens: int
     cached_span_tokens: int
     num_steps: int
+    prefill_step_s: float  # wall time of the steps that ran prefill tokens
+    prefill_tflops: float | None  # no_cache only, where every prompt token is prefilled with full causal attention
+    prefill_mfu: float | None  # prefill_tflops over --peak-tflops
     peak_token_usage: float  # fraction of the KV pool held by running requests, at its highest
     peak_kv_bytes: int
     cache_kv_tokens: int  # tokens the radix cache holds once the batch is done
@@ -122,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-subset", type=int, help="samples for the transformers reference (0: skip it)")
     p.add_argument("--hf-batch-sizes", help="comma-separated batch sizes for the transformers reference")
     p.add_argument("--step-token-budget", type=int, help="ISPS prefill tokens per step")
+    p.add_argument("--peak-tflops", type=float, default=790.0,
+                   help="the device's measured dense bf16 matmul rate, the denominator of prefill_mfu (H200: 790)")
     p.add_argument("--quick", action="store_true", help="tiny CPU run: few, short samples")
     p.add_argument("--arrival-rate", type=float, default=0.0,
                    help="samples/s arriving as a Poisson stream (0: all at once); with arrivals the barrier mode "
@@ -272,6 +278,8 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
             outs, peak = stream_batch(engine, prompts, params, mode)
         wall = perf_counter() - start
         after = engine.get_stats()
+        prompt_lens = [o["meta_info"]["prompt_tokens"] for o in outs]
+        flops = sum(2 * engine_params(engine) * n + attn_flops(engine, n) for n in prompt_lens)
         bytes_per_token = engine.runner.token_to_kv_pool.bytes_per_token()
         pool_tokens = engine.runner.max_total_num_tokens
         cache_tokens = engine.scheduler.tree.total_size()
@@ -284,6 +292,8 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
     failed = [o["meta_info"]["finish_reason"] for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
     if failed:
         raise RuntimeError(f"{mode}: {len(failed)} requests were aborted, e.g. {failed[0]}")
+    prefill_s = after["prefill_step_s"] - before["prefill_step_s"]
+    tflops = flops / prefill_s / 1e12 if mode == "no_cache" and prefill_s > 0 else None
     ttft = np.array([o["meta_info"]["ttft"] for o in outs]) + warm_s
     e2e = np.array([o["meta_info"]["e2e_latency"] for o in outs]) + warm_s
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -304,6 +314,9 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
         cached_prefix_tokens=delta("cached_prefix_tokens"),
         cached_span_tokens=delta("cached_span_tokens"),
         num_steps=delta("num_steps"),
+        prefill_step_s=prefill_s,
+        prefill_tflops=tflops,
+        prefill_mfu=tflops / args.peak_tflops if tflops is not None else None,
         peak_token_usage=peak,
         peak_kv_bytes=int(peak * pool_tokens * bytes_per_token),
         cache_kv_tokens=cache_tokens,
@@ -403,6 +416,9 @@ def print_table(modes: list[ModeResult], hf: list[HFResult]) -> None:
               f"{m.computed_prefill_tokens:>11}{m.reused_prefill_tokens:>10}{m.cache_kv_bytes / 2**20:>14.1f}")
     for h in hf:
         print(f"{'hf bs=' + str(h.batch_size):<14}{h.samples_per_s:>11.3f}")
+    for m in modes:
+        if m.prefill_tflops is not None:
+            print(f"{m.mode} prefill: {m.prefill_tflops:.0f} TFLOP/s over its prefill steps, MFU {m.prefill_mfu:.1%}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

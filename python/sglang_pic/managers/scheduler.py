@@ -42,6 +42,8 @@ class SchedulerStats:
     span_segment_hits: int = 0
     num_retractions: int = 0
     num_steps: int = 0
+    prefill_step_s: float = 0.0  # wall time of steps that ran prefill tokens (mixed steps included)
+    decode_step_s: float = 0.0  # wall time of decode-only steps
 
 
 class Scheduler:
@@ -140,10 +142,17 @@ class Scheduler:
             entries = self._schedule_decode()
         if not entries:
             return updated
+        start = time.perf_counter()
         batch = build_forward_batch(entries, torch.cat([e.slots for e in entries]), self.runner)
         logits = self.runner.forward(batch)
         self.stats.num_steps += 1
-        return updated + self._process_results(entries, logits)
+        updated += self._process_results(entries, logits)  # reads the sampled tokens: the step has finished
+        elapsed = time.perf_counter() - start
+        if batch.forward_mode.is_decode():
+            self.stats.decode_step_s += elapsed
+        else:
+            self.stats.prefill_step_s += elapsed
+        return updated
 
     def _reserved_decode_tokens(self) -> float:
         reqs = self.running + ([self.chunked] if self.chunked else [])
