@@ -29,6 +29,8 @@ from sglang_pic.kernels.rope import (
 )
 
 LOG2E = 1.0 / math.log(2.0)
+MAX_SPLITS = 32
+MIN_SPLIT_KEYS = 1024  # a chunk shorter than this is not worth a program of its own
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ def _extend_attention_kernel(
     k_buf_ptr,
     v_buf_ptr,
     out_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
     cos_sin_ptr,
     req_to_token_ptr,
     req_pool_indices_ptr,
@@ -71,8 +75,11 @@ def _extend_attention_kernel(
     attn_lo_ptr,
     qk_scale,
     num_positions,
+    num_splits,
     stride_qt,
     stride_ot,
+    stride_mot,
+    stride_mlt,
     stride_kbs,
     stride_vbs,
     stride_r2t,
@@ -88,14 +95,17 @@ def _extend_attention_kernel(
     V_DIM: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ROTATE_KEYS: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    q_block = tl.program_id(2) // num_splits
+    chunk_id = tl.program_id(2) % num_splits
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     ext_len = tl.load(extend_seq_lens_ptr + b)
-    if tl.program_id(2) * TOKENS >= ext_len:
+    if q_block * TOKENS >= ext_len:
         return
     ext_start = tl.load(extend_start_loc_ptr + b)
     req_row = tl.load(req_pool_indices_ptr + b)
@@ -103,7 +113,7 @@ def _extend_attention_kernel(
 
     # Row r of the block is token r // GROUP of this program, query head kvh * GROUP + r % GROUP.
     offs_m = tl.arange(0, BLOCK_M)
-    tok = tl.program_id(2) * TOKENS + offs_m // GROUP
+    tok = q_block * TOKENS + offs_m // GROUP
     row_mask = (offs_m < TOKENS * GROUP) & (tok < ext_len)
     row = ext_start + tok
     head = kvh * GROUP + offs_m % GROUP
@@ -138,7 +148,12 @@ def _extend_attention_kernel(
     offs_b = tl.arange(0, BLOCK_N)
     half_mask = offs_r < HALF
 
-    for start_n in range(kv_lo // BLOCK_N * BLOCK_N, kv_hi, BLOCK_N):
+    first = kv_lo // BLOCK_N * BLOCK_N
+    per_chunk = tl.cdiv(tl.cdiv(kv_hi - first, BLOCK_N), num_splits) * BLOCK_N
+    first = first + chunk_id * per_chunk
+    last = tl.minimum(kv_hi, first + per_chunk)
+
+    for start_n in range(first, last, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_hi
         slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
@@ -173,8 +188,56 @@ def _extend_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out_ptrs = out_ptr + row[:, None] * stride_ot + head[:, None] * V_DIM + offs_v[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_v[None, :] < V_DIM))
+    out_mask = row_mask[:, None] & (offs_v[None, :] < V_DIM)
+    if SPLIT:
+        mid_row = row * stride_mot + head * (num_splits * V_DIM) + chunk_id * V_DIM
+        tl.store(mid_o_ptr + mid_row[:, None] + offs_v[None, :], out, mask=out_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_i), float("-inf"))
+        tl.store(mid_lse_ptr + row * stride_mlt + head * num_splits + chunk_id, lse, mask=row_mask)
+    else:
+        out_ptrs = out_ptr + row[:, None] * stride_ot + head[:, None] * V_DIM + offs_v[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _extend_merge_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_mot,
+    stride_mlt,
+    stride_ot,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One program per (token, query head): the chunks' outputs weighted by their softmax mass. A chunk that saw
+    no visible key has log-sum-exp -inf and weight 0; every query sees at least itself, so some chunk counts."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_v = tl.arange(0, BLOCK_V)
+    v_mask = offs_v < V_DIM
+    m = -1.0e30
+    denom = 0.0
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(mid_lse_ptr + t * stride_mlt + h * num_splits + s)
+        o = tl.load(mid_o_ptr + t * stride_mot + (h * num_splits + s) * V_DIM + offs_v, mask=v_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        scale_old = tl.math.exp2(m - m_new)
+        weight = tl.math.exp2(lse - m_new)
+        acc = acc * scale_old + o * weight
+        denom = denom * scale_old + weight
+        m = m_new
+    tl.store(out_ptr + t * stride_ot + h * V_DIM + offs_v, (acc / denom).to(out_ptr.dtype.element_ty), mask=v_mask)
+
+
+def num_extend_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Key-range chunks per query block so that about two programs per SM run, when the context is long enough
+    to give each chunk MIN_SPLIT_KEYS keys; 1 (no merge pass) when the query blocks already fill the GPU."""
+    if programs >= num_sms:
+        return 1
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, programs), max_seq_len // MIN_SPLIT_KEYS))
 
 
 def extend_kernel_params(
@@ -185,6 +248,7 @@ def extend_kernel_params(
     device: torch.device,
     keys_rotated: bool,
     config: ExtendConfig | None = None,
+    split_keys: bool = False,
 ) -> dict:
     """Constexprs and launch options of the extend kernel (the sm_90 build test compiles exactly these)."""
     group = num_heads // num_kv_heads
@@ -194,6 +258,7 @@ def extend_kernel_params(
         "BLOCK_M": max(cfg.block_m, triton.next_power_of_2(group)),
         "BLOCK_N": cfg.block_n,
         "ROTATE_KEYS": not keys_rotated,
+        "SPLIT": split_keys,
         "DOT_DTYPE": dot_operand_dtype(dtype, device),
         "DOT_PRECISION": dot_precision(dtype),
         "num_warps": cfg.num_warps,
@@ -218,8 +283,14 @@ def extend_attention_fwd(
     max_extend_len: int,
     keys_rotated: bool = False,
     config: ExtendConfig | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int = 0,
+    num_sms: int = 1,
 ) -> None:
     """out [T, Hq, Dv] = attention of q [T, Hq, D] (unrotated) over the pool.
+
+    The key range is cut into `num_splits` chunks (default: `num_extend_splits` from the longest context,
+    `max_seq_len`, and the device's `num_sms`).
 
     Keys are rotated in the dtype of `cos_sin_cache` (pass it in the pool's dtype, see RotaryEmbedding.kernel_table).
     keys_rotated=True is the baseline: the pool holds keys already rotated by their position, so only queries
@@ -232,13 +303,21 @@ def extend_attention_fwd(
     num_kv_heads = k_buffer.shape[1]
     split = head_split(head_dim, cos_sin_cache, v_buffer.shape[-1])
     params = extend_kernel_params(num_heads, num_kv_heads, split, k_buffer.dtype, q.device, keys_rotated, config)
-    tokens_per_block = params["BLOCK_M"] // params["GROUP"]
-    grid = (req_pool_indices.shape[0], num_kv_heads, triton.cdiv(max_extend_len, tokens_per_block))
+    q_blocks = triton.cdiv(max_extend_len, params["BLOCK_M"] // params["GROUP"])
+    if num_splits is None:
+        num_splits = num_extend_splits(req_pool_indices.shape[0] * num_kv_heads * q_blocks, max_seq_len, num_sms)
+    params["SPLIT"] = num_splits > 1
+    v_dim = v_buffer.shape[-1]
+    mid_o = q.new_empty((num_tokens, num_heads, num_splits, v_dim) if num_splits > 1 else (0,), dtype=torch.float32)
+    mid_lse = q.new_empty((num_tokens, num_heads, num_splits) if num_splits > 1 else (0,), dtype=torch.float32)
+    grid = (req_pool_indices.shape[0], num_kv_heads, q_blocks * num_splits)
     _extend_attention_kernel[grid](
         q,
         k_buffer,
         v_buffer,
         out,
+        mid_o,
+        mid_lse,
         cos_sin_cache,
         req_to_token,
         req_pool_indices,
@@ -248,11 +327,27 @@ def extend_attention_fwd(
         attn_lo,
         sm_scale * LOG2E,
         cos_sin_cache.shape[0],
+        num_splits,
         q.stride(0),
         out.stride(0),
+        num_heads * num_splits * v_dim,
+        num_heads * num_splits,
         k_buffer.stride(0),
         v_buffer.stride(0),
         req_to_token.stride(0),
         cos_sin_cache.stride(0),
         **params,
     )
+    if num_splits > 1:
+        _extend_merge_kernel[(num_tokens, num_heads)](
+            mid_o,
+            mid_lse,
+            out,
+            num_splits,
+            num_heads * num_splits * v_dim,
+            num_heads * num_splits,
+            out.stride(0),
+            V_DIM=v_dim,
+            BLOCK_V=params["BLOCK_V"],
+            num_warps=1,
+        )

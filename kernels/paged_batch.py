@@ -115,8 +115,10 @@ class PagedBatch:
         k_buffer: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         config: "ExtendConfig | None" = None,
+        num_splits: int | None = None,
     ) -> torch.Tensor:
-        """The extend kernel over this batch (k_buffer defaults to the batch's own pool)."""
+        """The extend kernel over this batch (k_buffer defaults to the batch's own pool; `num_splits` key-range
+        chunks, by default as many as the engine would pick on this device)."""
         from sglang_pic.kernels.extend_attention import extend_attention_fwd
 
         out = self.poisoned_output() if out is None else out
@@ -136,6 +138,9 @@ class PagedBatch:
             max(self.extend_seq_lens_cpu),
             keys_rotated=keys_rotated,
             config=config,
+            num_splits=num_splits,
+            max_seq_len=max(self.seq_lens_cpu),
+            num_sms=_num_sms(self.q.device),
         )
         return out
 
@@ -281,6 +286,10 @@ def make_paged_batch(
         seq_lens_cpu=[s.seq_len for s in specs],
         extend_seq_lens_cpu=ext,
     )
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def forward_batch_for(batch: PagedBatch, backend: "AttentionBackend", decode: bool) -> "ForwardBatch":

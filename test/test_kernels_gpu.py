@@ -118,6 +118,17 @@ def test_extend(case: str, dtype: torch.dtype, keys_rotated: bool) -> None:
     _check(out, attention_reference(*args, keys_rotated=keys_rotated), dtype)
 
 
+@pytest.mark.parametrize("num_splits", [None, 7], ids=["engine_choice", "forced"])
+def test_extend_few_tokens_over_long_context(num_splits: int | None) -> None:
+    """Questions behind long cached spans: few query blocks, so the key range is split and merged."""
+    from sglang_pic.kernels.paged_batch import extend
+    from sglang_pic.kernels.reference import attention_reference
+
+    specs = [extend(32768, 40), extend(20000, 37)]
+    batch = _batch(specs, torch.bfloat16, seed=21)
+    _check(batch.run_extend(num_splits=num_splits), attention_reference(*batch.attention_args()), torch.bfloat16)
+
+
 def test_extend_fp32_small() -> None:
     from sglang_pic.kernels.paged_batch import extend, spans
     from sglang_pic.kernels.reference import attention_reference

@@ -35,14 +35,16 @@ def _child_main() -> None:
     torch.set_num_threads(1)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-    def attention_case(specs, hq, hkv, dim, dtype, *, page=1, decode=False, keys_rotated=False, splits=4, **kw):
+    def attention_case(
+        specs, hq, hkv, dim, dtype, *, page=1, decode=False, keys_rotated=False, splits=4, extend_splits=None, **kw
+    ):
         batch = pb.make_paged_batch(specs, hq, hkv, dim, dtypes[dtype], "cpu", page_size=page, **kw)
         if keys_rotated:
             batch.k_buffer = batch.rotated_pool()
         if decode:
             out = batch.run_decode(splits, keys_rotated=keys_rotated)
         else:
-            out = batch.run_extend(keys_rotated=keys_rotated)
+            out = batch.run_extend(keys_rotated=keys_rotated, num_splits=extend_splits)
         args = batch.attention_args()
         return {
             "dtype": dtype,
@@ -105,6 +107,10 @@ def _child_main() -> None:
         ),
         "spans_baseline_rotated_keys_fp32": lambda: attention_case(
             span_specs, 4, 2, 32, "float32", page=16, keys_rotated=True
+        ),
+        "spans_key_splits3_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16, extend_splits=3),
+        "extend_key_splits5_bf16": lambda: attention_case(
+            [E(90, 4), E(33, 1), P(20)], 4, 2, 32, "bfloat16", extend_splits=5
         ),
         "decode_splits_gqa_page16_fp32": lambda: attention_case(
             [D(n) for n in (1, 17, 100, 250, 64)], 4, 2, 32, "float32", page=16, decode=True, splits=4
@@ -228,6 +234,8 @@ ATTENTION_CASES = [
     "spans_group3_page16_fp16",
     "spans_partial_rotary_vdim16_fp32",
     "spans_baseline_rotated_keys_fp32",
+    "spans_key_splits3_fp32",
+    "extend_key_splits5_bf16",
     "decode_splits_gqa_page16_fp32",
     "decode_splits_mqa_dim16_page1_bf16",
     "decode_group3_partial_rotary_fp16",

@@ -45,6 +45,7 @@ class TritonAttnBackend(AttentionBackend):
             meta["decode_buffers"] = None  # allocated by the first layer, shared by all layers of the batch
         else:
             meta["max_extend_len"] = max(forward_batch.extend_seq_lens_cpu, default=0)
+            meta["max_seq_len"] = max(forward_batch.seq_lens_cpu, default=0)
 
     def forward(
         self,
@@ -96,6 +97,8 @@ class TritonAttnBackend(AttentionBackend):
                 cos_sin,
                 layer.scaling,
                 forward_batch.attn_metadata["max_extend_len"],
+                max_seq_len=forward_batch.attn_metadata["max_seq_len"],
+                num_sms=self._sm_count(q.device),
             )
         return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
 
