@@ -30,6 +30,7 @@ from sglang_pic.kernels.rope import (
     dot_precision,
     head_split,
     load_cos_sin,
+    merge_chunk,
     rotate_halves,
     rotate_keys,
 )
@@ -212,12 +213,7 @@ def _decode_merge_kernel(
     for s in range(0, n_splits):
         lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s)
         o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s * stride_mos + offs_v, mask=v_mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        scale_old = tl.math.exp2(m - m_new)
-        weight = tl.math.exp2(lse - m_new)
-        acc = acc * scale_old + o * weight
-        denom = denom * scale_old + weight
-        m = m_new
+        m, denom, acc = merge_chunk(m, denom, acc, lse, o)
     tl.store(out_ptr + b * stride_ot + h * V_DIM + offs_v, (acc / denom).to(out_ptr.dtype.element_ty), mask=v_mask)
 
 

@@ -24,6 +24,7 @@ from sglang_pic.kernels.rope import (
     dot_precision,
     head_split,
     load_cos_sin,
+    merge_chunk,
     rotate_halves,
     rotate_keys,
 )
@@ -223,12 +224,7 @@ def _extend_merge_kernel(
     for s in range(0, num_splits):
         lse = tl.load(mid_lse_ptr + t * stride_mlt + h * num_splits + s)
         o = tl.load(mid_o_ptr + t * stride_mot + (h * num_splits + s) * V_DIM + offs_v, mask=v_mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        scale_old = tl.math.exp2(m - m_new)
-        weight = tl.math.exp2(lse - m_new)
-        acc = acc * scale_old + o * weight
-        denom = denom * scale_old + weight
-        m = m_new
+        m, denom, acc = merge_chunk(m, denom, acc, lse, o)
     tl.store(out_ptr + t * stride_ot + h * V_DIM + offs_v, (acc / denom).to(out_ptr.dtype.element_ty), mask=v_mask)
 
 

@@ -1,4 +1,4 @@
-"""Pieces shared by the Triton attention kernels: head tiling, in-register RoPE, dot operand types.
+"""Pieces shared by the Triton attention kernels: head tiling, in-register RoPE, dot operand types, chunk merging.
 
 A head of `head_dim` elements is handled as three tiles so that rotation needs no shuffles: the first rotary half
 [0, R/2), the second rotary half [R/2, R) and the unrotated tail [R, D) (empty for full-rotary models). Every
@@ -97,3 +97,13 @@ def rotate_keys(k1, k2, cos, sin):
     k1 = k1.to(cos.dtype)
     k2 = k2.to(cos.dtype)
     return k1 * cos - k2 * sin, k2 * cos + k1 * sin
+
+
+@triton.jit
+def merge_chunk(m, denom, acc, lse, o):
+    """Fold one key chunk's normalized output `o` and base-2 log-sum-exp `lse` into a running merge (m, denom,
+    acc); the result is acc / denom. A chunk with lse = -inf adds nothing."""
+    m_new = tl.maximum(m, lse)
+    scale_old = tl.math.exp2(m - m_new)
+    weight = tl.math.exp2(lse - m_new)
+    return m_new, denom * scale_old + weight, acc * scale_old + o * weight
