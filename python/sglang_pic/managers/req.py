@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from sglang_pic.radix_ext import RadixKey
@@ -33,7 +34,7 @@ class ReqSegment:
         return self.start if self.kind == "span" else 0
 
     def key(self, length: int | None = None) -> RadixKey:
-        toks = self.tokens if length is None else self.tokens[:length]
+        toks = self.tokens if length is None else islice(self.tokens, length)  # one copy, not a slice then a tuple
         return RadixKey(tuple(toks), self.extra_key)
 
 
@@ -92,7 +93,8 @@ class Req:
         return self.segments[-1]
 
     def seq_len(self) -> int:
-        return self.tail.start + len(self.tail.tokens)
+        tail = self.segments[-1]
+        return tail.start + len(tail.tokens)
 
     def prompt_ids(self) -> list[int]:
         ids: list[int] = []
@@ -121,4 +123,4 @@ class Req:
 
     def append_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)
-        self.tail.tokens.append(token_id)
+        self.segments[-1].tokens.append(token_id)  # self.tail without a property call: runs per request per step

@@ -1,4 +1,9 @@
-"""Turn the scheduler's choice for one step (which requests, how many new tokens each) into a ForwardBatch."""
+"""Turn the scheduler's choice for one step into a ForwardBatch: prefill entries first, then the decode group.
+
+Sized for hundreds of running requests: decodes are one group rather than an object per request, each per-token
+or per-request field is built by a list operation over the whole batch, and every integer the forward reads goes
+to the device in one upload.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,12 @@ import torch
 
 from sglang_pic.managers.req import Req
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.utils_tensor import upload
 
 
 @dataclass
 class BatchEntry:
-    """One request's share of a step: counts[i] new tokens for segment i, taken in logical order."""
+    """One request's prefill share of a step: counts[i] new tokens for segment i, taken in logical order."""
 
     req: Req
     counts: list[int]
@@ -26,6 +32,25 @@ class BatchEntry:
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
+
+
+@dataclass
+class DecodeGroup:
+    """The running requests' share of a step: each feeds its last sampled token at position seq_len - 1."""
+
+    reqs: list[Req]
+    slots: torch.Tensor  # [B] KV slot of each request's new token, on the device (already in req_to_token)
+
+
+@dataclass
+class StepPlan:
+    """What one forward runs. Logits rows follow the same order: the entries' rows, then one row per decode."""
+
+    entries: list[BatchEntry]
+    decode: DecodeGroup | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.entries) or self.decode is not None
 
 
 def plan_entry(req: Req, budget: int) -> BatchEntry:
@@ -49,44 +74,87 @@ def plan_entry(req: Req, budget: int) -> BatchEntry:
     return entry
 
 
-def build_forward_batch(entries: list[BatchEntry], out_cache_loc: torch.Tensor, runner) -> ForwardBatch:
-    """Flatten entries into token rows; logits rows are the logprob positions plus each completing last token."""
-    device = runner.device
-    input_ids, positions, attn_lo = [], [], []
-    seq_lens, ext_lens, starts, logit_rows = [], [], [], []
-    for e in entries:
-        starts.append(len(input_ids))
+def _is_decode_entry(e: BatchEntry) -> bool:
+    """A one-token prefill at the end of its request that sees every key is a decode for the kernels."""
+    return e.num_tokens == 1 and e.attn_lo[0] == 0 and e.positions[0] == e.req.seq_len() - 1
+
+
+@dataclass
+class _Columns:
+    """A ForwardBatch's integer fields as Python lists, filled request by request and uploaded in one copy."""
+
+    input_ids: list[int] = field(default_factory=list)  # per new token
+    positions: list[int] = field(default_factory=list)
+    attn_lo: list[int] = field(default_factory=list)
+    pool_rows: list[int] = field(default_factory=list)  # per request
+    seq_lens: list[int] = field(default_factory=list)
+    ext_lens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # token rows whose logits are computed
+
+    def add_entry(self, e: BatchEntry) -> None:
+        start = len(self.input_ids)
+        self.starts.append(start)
         for p in e.logprob_positions:
-            logit_rows.append(len(input_ids) + e.positions.index(p))
+            self.logit_rows.append(start + e.positions.index(p))
         if e.completes and not e.req.warmup:  # the last position is never a logprob position (they end at prompt_len - 2)
-            logit_rows.append(len(input_ids) + e.num_tokens - 1)
-        input_ids.extend(e.input_ids)
-        positions.extend(e.positions)
-        attn_lo.extend(e.attn_lo)
-        seq_lens.append(e.positions[-1] + 1)
-        ext_lens.append(e.num_tokens)
-    is_decode = all(
-        e.num_tokens == 1 and e.attn_lo[0] == 0 and e.positions[0] == e.req.seq_len() - 1 for e in entries
-    )
+            self.logit_rows.append(start + e.num_tokens - 1)
+        self.input_ids += e.input_ids
+        self.positions += e.positions
+        self.attn_lo += e.attn_lo
+        self.pool_rows.append(e.req.req_pool_idx)
+        self.seq_lens.append(e.positions[-1] + 1)
+        self.ext_lens.append(e.num_tokens)
 
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
+    def add_decodes(self, reqs: list[Req]) -> None:
+        """One row per request, each a whole-list operation over the group rather than a loop per request."""
+        tails = [r.segments[-1] for r in reqs]
+        first, n = len(self.input_ids), len(reqs)
+        seq_lens = [t.start + t.done for t in tails]  # alloc_decode has counted the new token
+        self.input_ids += [t.tokens[-1] for t in tails]
+        self.positions += [s - 1 for s in seq_lens]
+        self.attn_lo += [0] * n
+        self.pool_rows += [r.req_pool_idx for r in reqs]
+        self.seq_lens += seq_lens
+        self.ext_lens += [1] * n
+        self.starts += range(first, first + n)
+        self.logit_rows += range(first, first + n)
 
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(input_ids, positions, attn_lo, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
+        logits_indices) on `device`: views of one tensor."""
+        columns = (self.input_ids, self.positions, self.attn_lo, self.pool_rows, self.seq_lens, self.ext_lens,
+                   self.starts, self.logit_rows)
+        flat = upload(*columns, device=device)
+        return torch.split(flat, [len(c) for c in columns])
+
+
+def build_forward_batch(plan: StepPlan, runner) -> ForwardBatch:
+    """Flatten the plan into token rows; logits rows are the logprob positions plus each sampled last token."""
+    columns = _Columns()
+    for e in plan.entries:
+        columns.add_entry(e)
+    slots = [e.slots for e in plan.entries]
+    if plan.decode is not None:
+        columns.add_decodes(plan.decode.reqs)
+        slots.append(plan.decode.slots)
+    input_ids, positions, attn_lo, pool_rows, seq_lens, ext_lens, starts, logit_rows = columns.tensors(runner.device)
+    is_decode = all(_is_decode_entry(e) for e in plan.entries)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,
-        batch_size=len(entries),
-        input_ids=t(input_ids),
-        positions=t(positions),
-        attn_lo=t(attn_lo),
-        out_cache_loc=out_cache_loc.to(device),
-        req_pool_indices=t([e.req.req_pool_idx for e in entries]),
-        seq_lens=t(seq_lens),
-        extend_seq_lens=t(ext_lens),
-        extend_start_loc=t(starts),
-        seq_lens_cpu=seq_lens,
-        extend_seq_lens_cpu=ext_lens,
+        batch_size=len(columns.seq_lens),
+        input_ids=input_ids,
+        positions=positions,
+        attn_lo=attn_lo,
+        out_cache_loc=(slots[0] if len(slots) == 1 else torch.cat(slots)).to(runner.device),
+        req_pool_indices=pool_rows,
+        seq_lens=seq_lens,
+        extend_seq_lens=ext_lens,
+        extend_start_loc=starts,
+        seq_lens_cpu=columns.seq_lens,
+        extend_seq_lens_cpu=columns.ext_lens,
         req_to_token_pool=runner.req_to_token_pool,
         token_to_kv_pool=runner.token_to_kv_pool,
         attn_backend=runner.attn_backend,
-        logits_indices=t(logit_rows),
+        logits_indices=logit_rows,
     )

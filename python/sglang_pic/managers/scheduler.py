@@ -15,13 +15,20 @@ import torch
 
 from sglang_pic.managers.isps import SpanPrefillPlanner
 from sglang_pic.managers.req import FinishReason, Req
-from sglang_pic.managers.schedule_batch import BatchEntry, build_forward_batch, plan_entry
+from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.req_kv import ReqKVManager
 from sglang_pic.radix_ext import RadixCache
-from sglang_pic.sampling.logprobs import compute_logprobs, get_token_logprobs, get_top_logprobs
+from sglang_pic.sampling.logprobs import (
+    chosen_and_top_logprobs,
+    compute_logprobs,
+    get_token_logprobs,
+    get_top_logprobs,
+)
 from sglang_pic.sampling.sampler import Sampler
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang_pic.server_args import ServerArgs
+from sglang_pic.tokenizer import fast_decode
+from sglang_pic.utils_tensor import upload
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,7 @@ class Scheduler:
         self.server_args = server_args
         self.runner = model_runner
         self.tokenizer = tokenizer
+        self._decode = fast_decode(tokenizer) if tokenizer is not None else None  # for stop strings
         self.page_size = server_args.page_size
         self.tree = RadixCache(model_runner.allocator, self.page_size, disable=server_args.disable_radix_cache)
         self.kv = ReqKVManager(model_runner.req_to_token_pool, model_runner.allocator, self.tree)
@@ -134,19 +142,19 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run one forward; return the requests that produced output (or finished) in it."""
-        entries = self._schedule_extend()
+        plan = self._schedule_extend()
         updated, self.finished_early = self.finished_early, []
-        if entries is None and self.spec_worker is not None and self.running:
+        if plan is None and self.spec_worker is not None and self.running:
             return updated + self.spec_worker.decode_round()
-        if entries is None:
-            entries = self._schedule_decode()
-        if not entries:
+        if plan is None:
+            plan = StepPlan([], self._schedule_decode())
+        if not plan:
             return updated
         start = time.perf_counter()
-        batch = build_forward_batch(entries, torch.cat([e.slots for e in entries]), self.runner)
+        batch = build_forward_batch(plan, self.runner)
         logits = self.runner.forward(batch)
         self.stats.num_steps += 1
-        updated += self._process_results(entries, logits)  # reads the sampled tokens: the step has finished
+        updated += self._process_results(plan, logits)  # reads the sampled tokens: the step has finished
         elapsed = time.perf_counter() - start
         if batch.forward_mode.is_decode():
             self.stats.decode_step_s += elapsed
@@ -160,21 +168,23 @@ class Scheduler:
             min(r.sampling_params.max_new_tokens - len(r.output_ids), RESERVE_CLIP) for r in reqs
         ) * self.new_token_ratio
 
-    def _schedule_extend(self) -> list[BatchEntry] | None:
+    def _schedule_extend(self) -> StepPlan | None:
+        """This step's prefill entries, with the running decodes when they ride along; None if it has neither."""
         budget = self.prefill_budget
         # In mixed batches the running decodes get their slots first, so a new prefill never starves them.
-        decodes = self._schedule_decode() if self.mix_decodes and self.running else []
+        decode = self._schedule_decode() if self.mix_decodes and self.running else None
         entries: list[BatchEntry] = []
         if self.chunked is not None:
             entry = self._take(self.chunked, budget)
             if entry is None:
-                return decodes or None
+                return StepPlan([], decode) if decode is not None else None
             entries.append(entry)
             budget -= entry.num_tokens
             if not entry.completes:
-                return entries + decodes
+                return StepPlan(entries, decode)
             self.chunked = None
-        reserved = self._reserved_decode_tokens()  # fixed while this loop admits: running and chunked don't change
+        # Fixed while this loop admits (running and chunked don't change); O(running), so only when someone waits.
+        reserved = self._reserved_decode_tokens() if self.waiting else 0.0
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) + len(entries) >= self.server_args.max_running_requests:
                 break
@@ -217,7 +227,7 @@ class Scheduler:
             if not entry.completes:
                 self.chunked = req
                 break
-        return (entries + decodes) or None
+        return StepPlan(entries, decode) if entries or decode is not None else None
 
     def _reject_oversized(self, req: Req) -> None:
         self.waiting.remove(req)
@@ -258,21 +268,16 @@ class Scheduler:
         self.stats.span_segments += len(spans)
         self.stats.span_segment_hits += sum(1 for s in spans if s.cached == len(s.tokens) and s not in owned)
 
-    def _schedule_decode(self) -> list[BatchEntry]:
-        entries: list[BatchEntry] = []
+    def _schedule_decode(self) -> DecodeGroup | None:
+        """Give every running request a slot for its last sampled token, retracting the newest while short."""
         while self.running:
             if self.kv.ensure_free(self.kv.decode_slots_needed(self.running)):
                 break
             self._retract_one()
-        slots = self.kv.alloc_decode(self.running) if self.running else None
-        for i, req in enumerate(self.running):
-            pos = req.tail.start + req.tail.done - 1  # alloc_decode just gave the pending last token its slot
-            entries.append(
-                BatchEntry(req, [], positions=[pos], attn_lo=[0], input_ids=[req.output_ids[-1]], completes=True,
-                           slots=slots[i : i + 1])
-            )
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return entries
+        if not self.running:
+            return None
+        return DecodeGroup(list(self.running), self.kv.alloc_decode(self.running))
 
     def _retract_one(self) -> None:
         """Give back the KV of the newest running request; a half-prefilled request goes before the last decode."""
@@ -296,11 +301,11 @@ class Scheduler:
         logger.info("retracted request %s to free KV memory", req.rid)
 
     # ---- results ----------------------------------------------------------------------------------------------
-    def _process_results(self, entries: list[BatchEntry], logits: torch.Tensor) -> list[Req]:
+    def _process_results(self, plan: StepPlan, logits: torch.Tensor) -> list[Req]:
         row = 0
-        sample_rows, sample_reqs, updated = [], [], []
+        sample_rows, fresh, updated = [], [], []
         logprob_rows: list[tuple[BatchEntry, int]] = []
-        for e in entries:
+        for e in plan.entries:
             if e.num_tokens > 1 or not e.completes or not e.req.output_ids:
                 self.stats.computed_prefill_tokens += e.num_tokens
             if e.logprob_positions:
@@ -308,19 +313,23 @@ class Scheduler:
                 row += len(e.logprob_positions)
             if e.completes and not e.req.warmup:
                 sample_rows.append(row)
-                sample_reqs.append(e.req)
+                fresh.append(e.req)
                 row += 1
         if logprob_rows:
             self._record_input_logprobs(logprob_rows, logits)
         # Hand freshly computed spans and prefixes to the tree now, so waiting requests can reuse them.
-        for e in entries:
+        for e in plan.entries:
             if e.completes and e.req.warmup:
                 self._finish_span_job(e.req)
                 updated.append(e.req)
             elif e.num_tokens > 1 or not e.completes:
                 self.kv.cache(e.req)
-        if sample_rows:
-            self._sample(sample_reqs, logits[torch.tensor(sample_rows, device=logits.device)], updated)
+        decoding = plan.decode.reqs if plan.decode is not None else []
+        if fresh or decoding:
+            if logprob_rows:  # keep the sampled rows only: the entries' last tokens, then one row per decode
+                rows = sample_rows + list(range(row, row + len(decoding)))
+                logits = logits[upload(rows, device=logits.device)]
+            self._sample(fresh + decoding, len(fresh), logits, updated)
         return updated
 
     def _record_input_logprobs(self, rows: list[tuple[BatchEntry, int]], logits: torch.Tensor) -> None:
@@ -354,40 +363,77 @@ class Scheduler:
             [r.generator for r in reqs],
         )
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, updated: list[Req]) -> None:
+    def _sample(self, reqs: list[Req], num_fresh: int, logits: torch.Tensor, updated: list[Req]) -> None:
+        """Sample and commit each request's next token (logits row i is request i's).
+
+        The first `num_fresh` requests have just finished their prefill: those that go on join `running`. Finished
+        requests leave `running` in one pass, so a step costs O(batch) however many finish in it.
+        """
         logits = logits[:, : self.vocab_size].float()
-        next_ids = self.sampler(logits, self.sampling_info(reqs, logits.device)).tolist()
-        lp = compute_logprobs(logits) if any(r.return_logprob for r in reqs) else None
+        next_ids = self._next_token_ids(reqs, logits)
+        logprobs = self._output_logprobs(reqs, logits, next_ids)
+        finished = []
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             if req.sampling_params.max_new_tokens == 0:  # prefill-only call: the sampled token is not output
                 req.finished_reason = FinishReason("length", matched=None)
-                self._finish(req)
             else:
-                self.commit_token(req, tok, lp[i] if lp is not None else None)
-            updated.append(req)
+                self._append_token(req, tok, logprobs.get(i))
+            if req.finished_reason is not None:
+                finished.append(req)
+            elif i < num_fresh:
+                self.running.append(req)
+        updated += reqs
+        if finished:
+            gone = set(finished)
+            self.running[:] = [r for r in self.running if r not in gone]
+            for req in finished:
+                self._release_finished(req)
+
+    def _next_token_ids(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+        if all(r.sampling_params.is_plain_greedy for r in reqs):  # the common case needs no per-request tensors
+            return torch.argmax(logits, dim=-1).tolist()
+        return self.sampler(logits, self.sampling_info(reqs, logits.device)).tolist()
+
+    @staticmethod
+    def _output_logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: list[int]) -> dict[int, tuple]:
+        """Row i -> (logprob of its sampled token, its top logprobs), for the rows whose requests return logprobs."""
+        rows = [i for i, r in enumerate(reqs) if r.return_logprob]
+        if not rows:
+            return {}
+        lp = compute_logprobs(logits if len(rows) == len(reqs) else logits[upload(rows, device=logits.device)])
+        chosen = chosen_and_top_logprobs(lp, [next_ids[i] for i in rows], [reqs[i].top_logprobs_num for i in rows])
+        return dict(zip(rows, chosen))
 
     def commit_token(self, req: Req, tok: int, logprobs: torch.Tensor | None = None) -> bool:
-        """Append one generated token (its KV comes with the next forward); finish the request if it stops.
+        """Append one generated token to a running request; finish it (and drop it from `running`) if it stops.
 
         `logprobs` is the raw log-softmax row that produced `tok` (needed only when the request returns logprobs).
         Returns whether the request finished.
         """
+        chosen = None
         if req.return_logprob:
-            row = logprobs[None]
-            req.output_token_logprobs.append((get_token_logprobs(row, [tok])[0], tok))
+            chosen = chosen_and_top_logprobs(logprobs[None], [tok], [req.top_logprobs_num])[0]
+        if self._append_token(req, tok, chosen):
+            self._finish(req)
+            return True
+        return False
+
+    def _append_token(self, req: Req, tok: int, logprobs: tuple | None) -> bool:
+        """Record `tok` as the request's next output (its KV comes with the next forward); returns whether it stops.
+
+        `logprobs` is (logprob of `tok`, top logprobs), given when the request returns logprobs.
+        """
+        if req.return_logprob:
+            value, top = logprobs
+            req.output_token_logprobs.append((value, tok))
             if req.top_logprobs_num:
-                req.output_top_logprobs.append(get_top_logprobs(row, [req.top_logprobs_num])[0])
+                req.output_top_logprobs.append(top)
         if req.first_token_time is None:
             req.first_token_time = time.time()
         req.append_output(tok)
         self.stats.generation_tokens += 1
         self._check_finished(req)
-        if req.finished():
-            self._finish(req)
-            return True
-        if req not in self.running:
-            self.running.append(req)
-        return False
+        return req.finished_reason is not None
 
     def _min_tokens_ban(self, req: Req) -> set[int]:
         sp = req.sampling_params
@@ -407,7 +453,7 @@ class Scheduler:
                 req.finished_reason = FinishReason("stop", matched=tok)
                 return
             if sp.stop and self.tokenizer is not None:
-                tail = self.tokenizer.decode(req.output_ids[-(sp.stop_str_max_len + 1) :])
+                tail = self._decode(req.output_ids[-(sp.stop_str_max_len + 1) :])
                 for s in sp.stop:
                     if s and s in tail:
                         req.finished_reason = FinishReason("stop", matched=s)
@@ -423,6 +469,9 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
+        self._release_finished(req)
+
+    def _release_finished(self, req: Req) -> None:
         if self.spec_worker is not None:
             self.spec_worker.release(req)
         # The last sampled token has no KV; everything before it is cached for later requests.

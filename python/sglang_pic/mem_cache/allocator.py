@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_pic.utils_tensor import host_tensor
+
 
 class TokenToKVPoolAllocator:
     def __init__(self, size: int, page_size: int, device: str | torch.device) -> None:
@@ -36,6 +38,11 @@ class TokenToKVPoolAllocator:
 
     def alloc(self, need: int, last_slot: int = -1) -> torch.Tensor | None:
         """Slots for `need` more tokens of a segment whose last slot is `last_slot` (-1: the segment starts here)."""
+        slots = self.alloc_host(need, last_slot)
+        return None if slots is None else slots.to(self.device)
+
+    def alloc_host(self, need: int, last_slot: int = -1) -> torch.Tensor | None:
+        """`alloc` with the slots left on the host, for callers that read them or upload several at once."""
         ps = self.page_size
         head = 0 if last_slot < 0 else (ps - 1 - last_slot % ps)
         head = min(head, need)
@@ -43,14 +50,12 @@ class TokenToKVPoolAllocator:
         pages = self.alloc_pages((rest + ps - 1) // ps)
         if pages is None:
             return None
-        parts = []
+        slots = host_tensor(pages)
+        if ps > 1:
+            slots = (slots[:, None] * ps + torch.arange(ps)).flatten()[:rest]
         if head:
-            parts.append(torch.arange(last_slot + 1, last_slot + 1 + head, dtype=torch.int64))
-        if rest:
-            page_slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).flatten()
-            parts.append(page_slots[:rest])
-        out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return out.to(self.device)
+            slots = torch.cat([torch.arange(last_slot + 1, last_slot + 1 + head, dtype=torch.int64), slots])
+        return slots
 
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages holding `slots`. Callers pass whole pages they own (a segment's tail is a page it owns)."""

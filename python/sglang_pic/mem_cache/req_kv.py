@@ -15,6 +15,7 @@ from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import ReqToTokenPool
 from sglang_pic.radix_ext import RadixCache
+from sglang_pic.utils_tensor import to_device, upload
 
 
 class ReqKVManager:
@@ -106,6 +107,8 @@ class ReqKVManager:
             self.inflight_spans.setdefault(self._span_id(s), req.rid)
 
     def _unclaim(self, req: Req, seg: ReqSegment) -> None:
+        if not self.inflight_spans:  # the usual case, and it saves hashing the span's tokens
+            return
         if self.inflight_spans.get(self._span_id(seg)) == req.rid:
             del self.inflight_spans[self._span_id(seg)]
 
@@ -118,18 +121,25 @@ class ReqKVManager:
         """Allocate slots for the next counts[i] tokens of each segment (in logical order) and record them."""
         if not self.ensure_free(self.slots_needed(req, counts)):
             return None
-        parts = []
+        parts, firsts = [], []
         for seg, n in zip(req.segments, counts):
             if n <= 0:
                 continue
-            slots = self.allocator.alloc(n, seg.last_slot)
+            slots = self.allocator.alloc_host(n, seg.last_slot)
             assert slots is not None
-            pos = seg.start + seg.done
-            self.req_to_token_pool.write(req.req_pool_idx, slice(pos, pos + n), slots)
+            firsts.append(seg.start + seg.done)
             seg.done += n
-            seg.last_slot = int(slots[-1])
+            seg.last_slot = int(slots[-1])  # read on the host: no device sync
             parts.append(slots)
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        if not parts:
+            return torch.empty(0, dtype=torch.int64)
+        out = to_device(parts[0] if len(parts) == 1 else torch.cat(parts), self.allocator.device)
+        offset = 0
+        for first, part in zip(firsts, parts):
+            n = part.numel()
+            self.req_to_token_pool.write(req.req_pool_idx, slice(first, first + n), out[offset : offset + n])
+            offset += n
+        return out
 
     def _tail_page_full(self, req: Req) -> bool:
         slot = req.tail.last_slot
@@ -137,29 +147,31 @@ class ReqKVManager:
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:
         """Slots one decode step takes: a fresh page for each request whose tail page is full."""
+        if self.page_size == 1:
+            return len(reqs)  # every page holds one token, so every tail page is full
         return self.page_size * sum(1 for r in reqs if self._tail_page_full(r))
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
-        """One slot per decoding request (its pending last token), allocated and recorded in one batched write."""
+        """One slot per decoding request (its pending last token), recorded with one upload and one batched write."""
         ps = self.page_size
-        fresh = [self._tail_page_full(r) for r in reqs]
-        need = sum(fresh)
+        tails = [r.segments[-1] for r in reqs]
+        fresh = None if ps == 1 else [self._tail_page_full(r) for r in reqs]  # with one-token pages, all are
+        need = len(reqs) if fresh is None else sum(fresh)
         if not self.ensure_free(need * ps):
             return None
-        pages = iter(self.allocator.alloc_pages(need) or [])
-        slots = [next(pages) * ps if f else r.tail.last_slot + 1 for r, f in zip(reqs, fresh)]
-        rows, cols = [], []
-        for req, slot in zip(reqs, slots):
-            tail = req.tail
-            rows.append(req.req_pool_idx)
-            cols.append(tail.start + tail.done)
+        pages = self.allocator.alloc_pages(need)
+        if fresh is None:
+            slots = pages
+        else:
+            free_pages = iter(pages)
+            slots = [next(free_pages) * ps if f else t.last_slot + 1 for t, f in zip(tails, fresh)]
+        cols = [t.start + t.done for t in tails]
+        for tail, slot in zip(tails, slots):
             tail.done += 1
             tail.last_slot = slot
         device = self.req_to_token_pool.req_to_token.device
-        out = torch.tensor(slots, dtype=torch.int64, device=device)
-        self.req_to_token_pool.req_to_token[
-            torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device)
-        ] = out
+        rows, cols_t, out = upload([r.req_pool_idx for r in reqs], cols, slots, device=device).view(3, -1)
+        self.req_to_token_pool.req_to_token[rows, cols_t] = out
         return out
 
     # ---- handing KV to the tree -------------------------------------------------------------------------------

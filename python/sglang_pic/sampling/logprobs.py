@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_pic.utils_tensor import upload
+
 
 def compute_logprobs(logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
     """float32 log_softmax over the last dim of the raw logits (no penalties, no filtering).
@@ -35,3 +37,21 @@ def get_token_logprobs(logprobs: torch.Tensor, ids: list[int] | torch.Tensor) ->
     if index.shape[0] != logprobs.shape[0]:
         raise ValueError(f"got {index.shape[0]} token ids for {logprobs.shape[0]} rows")
     return logprobs.gather(1, index).view(-1).tolist()
+
+
+def chosen_and_top_logprobs(
+    logprobs: torch.Tensor, ids: list[int], top_nums: list[int]
+) -> list[tuple[float, list[tuple[float, int]]]]:
+    """Row i's (logprob of ids[i], its top_nums[i] best tokens) for a whole batch at once.
+
+    One gather for the chosen tokens and one topk per distinct count, instead of two host round trips per row;
+    rows sharing a count are exactly what get_top_logprobs gives each alone.
+    """
+    values = get_token_logprobs(logprobs, ids)
+    tops: list[list[tuple[float, int]]] = [[] for _ in ids]
+    for k in set(top_nums) - {0}:
+        rows = [i for i, n in enumerate(top_nums) if n == k]
+        chosen = logprobs if len(rows) == len(ids) else logprobs[upload(rows, device=logprobs.device)]
+        for i, top in zip(rows, get_top_logprobs(chosen, [k] * len(rows))):
+            tops[i] = top
+    return list(zip(values, tops))

@@ -12,6 +12,7 @@ from itertools import chain
 import torch
 
 from sglang_pic.sampling.sampling_params import SamplingParams
+from sglang_pic.utils_tensor import upload
 
 
 @dataclass
@@ -63,13 +64,17 @@ class SamplingBatchInfo:
         top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
         top_ps = [p.top_p for p in params]
         min_ps = [p.min_p for p in params]
+        temperatures = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        # One upload per dtype rather than one per field.
+        floats = upload(temperatures, top_ps, min_ps, device=device, dtype=torch.float32).view(3, batch)
+        ints = upload(top_ks, greedy, device=device).view(2, batch)
         info = cls(
             vocab_size=vocab_size,
-            temperatures=_floats([1.0 if g else p.temperature for p, g in zip(params, greedy)], device).unsqueeze(1),
-            top_ps=_floats(top_ps, device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=_floats(min_ps, device),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperatures=floats[0].unsqueeze(1),
+            top_ps=floats[1],
+            top_ks=ints[0],
+            min_ps=floats[2],
+            greedy_mask=ints[1].bool(),
             is_all_greedy=all(greedy),
             need_top_k_top_p=any(
                 not g and (k < vocab_size or p < 1.0) for g, k, p in zip(greedy, top_ks, top_ps)

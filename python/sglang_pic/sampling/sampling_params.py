@@ -90,6 +90,19 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits first (penalties, logit bias, a min_new_tokens ban): the
+        next token is the raw argmax, so the sampler's per-request tensors can be skipped."""
+        return (
+            self.is_greedy
+            and self.min_new_tokens == 0
+            and not self.logit_bias
+            and self.frequency_penalty == 0.0
+            and self.presence_penalty == 0.0
+            and self.repetition_penalty == 1.0
+        )
+
     def verify(self, vocab_size: int) -> None:
         """Re-run every check (fields may have been set after construction) plus those needing the vocabulary."""
         self._validate()
