@@ -41,7 +41,10 @@ def padded_vocab(num_tokens: int, multiple: int = 128) -> int:
     return -(-num_tokens // multiple) * multiple
 
 
-def write_config(out: Path, tokenizer_path: str, max_position_embeddings: int) -> Path:
+def write_config(
+    out: Path, tokenizer_path: str, max_position_embeddings: int, shape: dict | None = None, dtype: str = "bfloat16"
+) -> Path:
+    """Write the folder; `shape` overrides the Llama-3-8B layer shape (host-overhead benchmarks use a tiny one)."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -55,8 +58,8 @@ def write_config(out: Path, tokenizer_path: str, max_position_embeddings: int) -
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="bfloat16",
-        **LLAMA3_8B_SHAPE,
+        dtype=dtype,
+        **(LLAMA3_8B_SHAPE if shape is None else {**LLAMA3_8B_SHAPE, **shape}),
     )
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)

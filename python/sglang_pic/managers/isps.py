@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from sglang_pic.mem_cache.req_kv import ReqKVManager
 
 
+def _span_id(seg: ReqSegment) -> tuple:
+    """What identifies a span's KV across requests: its namespace and tokens."""
+    return (seg.extra_key, tuple(seg.tokens))
+
+
 def make_span_job(extra_key: str | None, tokens: list[int], rid: str, arrival_step: int) -> Req:
     seg = ReqSegment("span", list(tokens), extra_key, start=0)
     return Req(
@@ -48,7 +53,7 @@ class SpanPrefillPlanner:
 
     def job_for(self, seg: ReqSegment, arrival_step: int) -> tuple[Req, bool]:
         """The span job computing `seg`, created if none exists yet; returns (job, created)."""
-        sid = (seg.extra_key, tuple(seg.tokens))
+        sid = _span_id(seg)
         job = self.jobs.get(sid)
         if job is not None:
             return job, False
@@ -64,24 +69,28 @@ class SpanPrefillPlanner:
     def computed_for(self, req: Req) -> list[ReqSegment]:
         """The spans that jobs computed on `req`'s behalf (forgets them: asked once, at admission)."""
         self.blocked_on.pop(req.rid, None)
-        owned = []
-        for seg in req.segments:
-            sid = (seg.extra_key, tuple(seg.tokens))
-            if seg.kind == "span" and self.owner.get(sid) == req.rid:
-                del self.owner[sid]
-                owned.append(seg)
-        return owned
+        return self._drop_owned(req)
 
     def forget(self, req: Req) -> None:
         """Drop `req`'s records (it left without being admitted)."""
         self.blocked_on.pop(req.rid, None)
+        self._drop_owned(req)
+
+    def _drop_owned(self, req: Req) -> list[ReqSegment]:
+        """Remove and return `req`'s spans whose job its arrival created (a span it holds twice counts once)."""
+        if not self.owner:  # no job is pending for anyone: no span's tokens need hashing
+            return []
+        owned = []
         for seg in req.segments:
-            sid = (seg.extra_key, tuple(seg.tokens))
-            if self.owner.get(sid) == req.rid:
-                del self.owner[sid]
+            if seg.kind == "span":
+                sid = _span_id(seg)
+                if self.owner.get(sid) == req.rid:
+                    del self.owner[sid]
+                    owned.append(seg)
+        return owned
 
     def job_done(self, job: Req) -> None:
-        self.jobs.pop((job.segments[0].extra_key, tuple(job.segments[0].tokens)), None)
+        self.jobs.pop(_span_id(job.segments[0]), None)
 
     def order(self, waiting: list[Req], step: int) -> tuple[list[Req], list[Req]]:
         """Order `waiting` for admission; returns (ordered candidates, new span jobs to enqueue)."""
@@ -99,7 +108,7 @@ class SpanPrefillPlanner:
                     job, created = self.job_for(seg, req.arrival_step)
                     if created:
                         new_jobs.append(job)
-                        self.owner[(seg.extra_key, tuple(seg.tokens))] = req.rid
+                        self.owner[_span_id(seg)] = req.rid
                     jobs.append(job)
                 self.blocked_on[req.rid] = jobs
             for job in jobs:

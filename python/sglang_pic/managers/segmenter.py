@@ -2,13 +2,16 @@
 
 Markers are structure, not tokens: they take no KV slot and no position. The first segment (text before any
 marker) is the prefix and alone gets the tokenizer's special prefix tokens (BOS); spans and PDEP text are
-tokenized without them, so a span's tokens never depend on its neighbours.
+tokenized without them, so a span's tokens never depend on its neighbours. That also makes a segment's ids a
+function of its text alone, so they are memoized (segment_token_cache): a recurring span is tokenized once.
 """
 
 from __future__ import annotations
 
 import re
+from itertools import chain, pairwise
 
+from sglang_pic.managers.segment_token_cache import SegmentTokenCache
 from sglang_pic.radix_ext.segments import Segment
 from sglang_pic.server_args import ServerArgs
 
@@ -21,33 +24,32 @@ class PromptSegmenter:
         self.markers = {server_args.ssep_marker: "span", server_args.pdep_marker: "pdep"}
         self.marker_ids = {server_args.ssep_token_id: "span", server_args.pdep_token_id: "pdep"}
         self._split = re.compile("(" + "|".join(re.escape(m) for m in self.markers) + ")")
+        self._tokens = SegmentTokenCache(self._tokenize)
 
     def has_markers(self, text: str) -> bool:
         return any(m in text for m in self.markers)
 
     def from_text(self, text: str) -> list[Segment]:
         parts = self._split.split(text)
-        segments = [Segment("prefix", tuple(self._encode(parts[0], first=True)))]
+        segments = [Segment("prefix", self._encode(parts[0], first=True))]
         for i in range(1, len(parts), 2):
             kind, body = self.markers[parts[i]], parts[i + 1]
             if kind == "span" and not body:
                 raise ValueError(f"empty span: the {parts[i]!r} marker at part {i // 2} is followed by no text")
-            segments.append(Segment(kind, tuple(self._encode(body, first=False))))
+            segments.append(Segment(kind, self._encode(body, first=False)))
         return self._finish(segments)
 
     def from_ids(self, ids: list[int]) -> list[Segment]:
-        segments: list[Segment] = [Segment("prefix", ())]
-        current: list[int] = []
-        for tok in ids:
-            if tok in self.marker_ids:
-                segments[-1] = Segment(segments[-1].kind, tuple(current))
-                segments.append(Segment(self.marker_ids[tok], ()))
-                current = []
-                continue
-            if not 0 <= tok < self.vocab_size:
+        """Cut `ids` at the marker ids; every other id must be in the vocabulary (the first one outside is named)."""
+        cuts = self._marker_positions(ids)
+        bounds = [-1, *cuts, len(ids)]
+        pieces = [ids[lo + 1 : hi] for lo, hi in pairwise(bounds)]
+        for piece in pieces:
+            if piece and (min(piece) < 0 or max(piece) >= self.vocab_size):
+                tok = next(t for t in piece if not 0 <= t < self.vocab_size)
                 raise ValueError(f"input_ids holds token id {tok}, outside the vocabulary [0, {self.vocab_size})")
-            current.append(tok)
-        segments[-1] = Segment(segments[-1].kind, tuple(current))
+        kinds = ["prefix", *(self.marker_ids[ids[i]] for i in cuts)]
+        segments = [Segment(kind, tuple(piece)) for kind, piece in zip(kinds, pieces)]
         for i, seg in enumerate(segments):
             if seg.kind == "span" and not seg.token_ids:
                 raise ValueError(f"empty span: span marker #{i} in input_ids is followed by no tokens")
@@ -55,13 +57,29 @@ class PromptSegmenter:
 
     def _finish(self, segments: list[Segment]) -> list[Segment]:
         if self.args.disable_pic:
-            flat = tuple(t for s in segments for t in s.token_ids)
+            flat = tuple(chain.from_iterable(s.token_ids for s in segments))
             segments = [Segment("prefix", flat)]
         if not any(s.token_ids for s in segments):
             raise ValueError("the prompt is empty")
         return segments
 
-    def _encode(self, text: str, first: bool) -> list[int]:
+    def _marker_positions(self, ids: list[int]) -> list[int]:
+        """Indices of the marker ids, found by C-level scans (list.index) instead of a Python step per token."""
+        found = []
+        for marker in self.marker_ids:
+            i = -1
+            while True:
+                try:
+                    i = ids.index(marker, i + 1)
+                except ValueError:
+                    break
+                found.append(i)
+        return sorted(found)
+
+    def _encode(self, text: str, first: bool) -> tuple[int, ...]:
         if not text and not first:
-            return []
-        return list(self.tokenizer.encode(text, add_special_tokens=first))
+            return ()
+        return self._tokens(text, first)
+
+    def _tokenize(self, text: str, first: bool) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=first))

@@ -59,6 +59,24 @@ class DisconnectProbe(Protocol):
     async def is_disconnected(self) -> bool: ...
 
 
+class ClientWatch:
+    """Asks the client whether it left at most once per DISCONNECT_CHECK_S, and at least that often while output
+    keeps arriving: a non-streaming caller that left must not keep a long batch running just because some of its
+    requests finish more often than once a second."""
+
+    def __init__(self, client: DisconnectProbe | None) -> None:
+        self.client = client
+        self.next_check = time.monotonic() + DISCONNECT_CHECK_S
+
+    async def check(self) -> None:
+        """Raise ClientDisconnected if a check is due and the client has gone."""
+        if self.client is None or time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + DISCONNECT_CHECK_S
+        if await self.client.is_disconnected():
+            raise ClientDisconnected()
+
+
 @dataclass
 class ReqState:
     rid: str
@@ -205,9 +223,10 @@ class ServerTokenizerManager:
     ) -> list[dict[str, Any]]:
         """Run the requests to completion; the final output of each, in order."""
         states = self._submit(reqs, with_text)
+        watch = ClientWatch(client)
         try:
             while not all(s.finished for s in states):
-                await self._wait(states[0].wake, client)
+                await self._wait(states[0].wake, watch)
         finally:
             self._abort_unfinished(states)
         return [s.outs[-1] for s in states]
@@ -217,10 +236,11 @@ class ServerTokenizerManager:
     ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Yield (index, newest cumulative output) whenever one of the requests has new output."""
         states = self._submit(reqs, with_text)
+        watch = ClientWatch(client)
         try:
             live = set(range(len(states)))
             while live:
-                await self._wait(states[0].wake, client)
+                await self._wait(states[0].wake, watch)
                 for i in sorted(live):
                     state = states[i]
                     if state.outs:
@@ -231,15 +251,17 @@ class ServerTokenizerManager:
         finally:
             self._abort_unfinished(states)
 
-    async def _wait(self, wake: asyncio.Event, client: DisconnectProbe | None) -> None:
+    async def _wait(self, wake: asyncio.Event, watch: ClientWatch) -> None:
+        """Until `wake` is set, checking on the client whenever a check is due (see ClientWatch)."""
         while True:
             try:
                 await asyncio.wait_for(wake.wait(), DISCONNECT_CHECK_S)
-                wake.clear()
-                return
             except asyncio.TimeoutError:
-                if client is not None and await client.is_disconnected():
-                    raise ClientDisconnected() from None
+                await watch.check()
+                continue
+            wake.clear()
+            await watch.check()
+            return
 
     def _abort_unfinished(self, states: list[ReqState]) -> None:
         for state in states:

@@ -17,12 +17,14 @@ from sglang_pic.managers.segmenter import PromptSegmenter
 from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys, tail_key
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.server_args import ServerArgs
+from sglang_pic.tokenizer import fast_decode
 
 
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, tokenizer, model_config) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
+        self._decode = fast_decode(tokenizer) if tokenizer is not None else None
         self.model_config = model_config
         self.context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
@@ -53,7 +55,7 @@ class TokenizerManager:
             segments = self.segmenter.from_text(item["text"])
         else:
             ids = item["input_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not isinstance(ids, list) or not _all_ints(ids):
                 raise ValueError("input_ids must be a list of integers")
             segments = self.segmenter.from_ids(ids)
         segments = canonicalize(segments)
@@ -129,7 +131,7 @@ class TokenizerManager:
         reason = req.finished_reason
         if reason is not None and reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:
             ids = ids[:-1]
-        text = self.tokenizer.decode(
+        text = self._decode(
             ids,
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
@@ -164,7 +166,7 @@ class TokenizerManager:
 
     def _logprob_fields(self, req: Req, with_text: bool) -> dict[str, Any]:
         def token_text(tok: int) -> str | None:
-            return self.tokenizer.decode([tok]) if with_text else None
+            return self._decode([tok]) if with_text else None
 
         def triples(pairs) -> list:
             return [[lp, tok, token_text(tok)] for lp, tok in pairs]
@@ -178,3 +180,8 @@ class TokenizerManager:
             "input_top_logprobs": tops(req.input_top_logprobs),
             "output_top_logprobs": tops(req.output_top_logprobs),
         }
+
+
+def _all_ints(values: list) -> bool:
+    """Whether every value is an int but not a bool; checked once per distinct type, not once per token."""
+    return all(issubclass(t, int) and not issubclass(t, bool) for t in set(map(type, values)))
