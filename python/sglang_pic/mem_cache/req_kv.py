@@ -141,30 +141,26 @@ class ReqKVManager:
             offset += n
         return out
 
-    def _tail_page_full(self, req: Req) -> bool:
-        slot = req.tail.last_slot
-        return slot < 0 or slot % self.page_size == self.page_size - 1
+    def _fresh_pages(self, reqs: list[Req]) -> list[bool]:
+        """Whether each request's tail page is full (or it has none yet): its next token starts a fresh page.
+        One list pass over the batch, shared by decode sizing and allocation."""
+        ps = self.page_size
+        return [(slot := r.segments[-1].last_slot) < 0 or slot % ps == ps - 1 for r in reqs]
 
     def decode_slots_needed(self, reqs: list[Req]) -> int:
         """Slots one decode step takes: a fresh page for each request whose tail page is full."""
-        if self.page_size == 1:
-            return len(reqs)  # every page holds one token, so every tail page is full
-        return self.page_size * sum(1 for r in reqs if self._tail_page_full(r))
+        return self.page_size * sum(self._fresh_pages(reqs))
 
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
         """One slot per decoding request (its pending last token), recorded with one upload and one batched write."""
         ps = self.page_size
         tails = [r.segments[-1] for r in reqs]
-        fresh = None if ps == 1 else [self._tail_page_full(r) for r in reqs]  # with one-token pages, all are
-        need = len(reqs) if fresh is None else sum(fresh)
+        fresh = self._fresh_pages(reqs)
+        need = sum(fresh)
         if not self.ensure_free(need * ps):
             return None
-        pages = self.allocator.alloc_pages(need)
-        if fresh is None:
-            slots = pages
-        else:
-            free_pages = iter(pages)
-            slots = [next(free_pages) * ps if f else t.last_slot + 1 for t, f in zip(tails, fresh)]
+        free_pages = iter(self.allocator.alloc_pages(need))
+        slots = [next(free_pages) * ps if f else t.last_slot + 1 for t, f in zip(tails, fresh)]
         cols = [t.start + t.done for t in tails]
         for tail, slot in zip(tails, slots):
             tail.done += 1
