@@ -255,6 +255,12 @@ def stream_batch(engine: Engine, prompts: list[str], params: dict, desc: str) ->
     return [final[r] for r in rids], peak
 
 
+def dense_prefill_flops(engine: Engine, outs: list[dict]) -> float:
+    """FLOPs of prefilling every prompt token with full causal attention (what the no-cache mode computes)."""
+    params = engine_params(engine)
+    return sum(2 * params * n + attn_flops(engine, n) for n in (o["meta_info"]["prompt_tokens"] for o in outs))
+
+
 def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common: dict[str, Any]) -> ModeResult:
     spec = MODE_SPECS[mode]
     kwargs = dict(common, **spec.engine_kwargs)
@@ -278,8 +284,7 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
             outs, peak = stream_batch(engine, prompts, params, mode)
         wall = perf_counter() - start
         after = engine.get_stats()
-        prompt_lens = [o["meta_info"]["prompt_tokens"] for o in outs]
-        flops = sum(2 * engine_params(engine) * n + attn_flops(engine, n) for n in prompt_lens)
+        flops = dense_prefill_flops(engine, outs) if mode == "no_cache" else None
         bytes_per_token = engine.runner.token_to_kv_pool.bytes_per_token()
         pool_tokens = engine.runner.max_total_num_tokens
         cache_tokens = engine.scheduler.tree.total_size()
@@ -293,7 +298,7 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
     if failed:
         raise RuntimeError(f"{mode}: {len(failed)} requests were aborted, e.g. {failed[0]}")
     prefill_s = after["prefill_step_s"] - before["prefill_step_s"]
-    tflops = flops / prefill_s / 1e12 if mode == "no_cache" and prefill_s > 0 else None
+    tflops = flops / prefill_s / 1e12 if flops is not None and prefill_s > 0 else None
     ttft = np.array([o["meta_info"]["ttft"] for o in outs]) + warm_s
     e2e = np.array([o["meta_info"]["e2e_latency"] for o in outs]) + warm_s
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
