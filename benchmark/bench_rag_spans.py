@@ -42,6 +42,7 @@ from sglang_pic.tokenizer import load_tokenizer  # noqa: E402
 
 MODES = ("no_cache", "prefix_cache", "pic_barrier", "pic_isps")
 DEFAULT_OUT = Path(__file__).parent / "results"
+WARM_UP_SAMPLES = 32  # workload samples run (and discarded) before each mode is timed
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,10 @@ class ModeResult:
     cached_prefix_tokens: int
     cached_span_tokens: int
     num_steps: int
-    prefill_step_s: float  # wall time of the steps that ran prefill tokens
+    prefill_step_s: float  # wall time of the steps that ran prefill tokens (decodes riding along included)
+    num_decode_steps: int  # steps that ran decodes only
+    decode_step_s: float
+    host_s: float  # wall time outside forward steps: scheduling, tokenizing, streaming outputs
     prefill_tflops: float | None  # no_cache only, where every prompt token is prefilled with full causal attention
     prefill_mfu: float | None  # prefill_tflops over --peak-tflops
     peak_token_usage: float  # fraction of the KV pool held by running requests, at its highest
@@ -195,11 +199,16 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def warm_up(engine: Engine, prompt: str) -> None:
-    """One short request through the mode's own path (compiles kernels), then an empty cache."""
-    engine.generate(prompt, {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True})
+def warm_up(engine: Engine, prompts: str | list[str], spans: list[str] | None = None) -> None:
+    """Run prompts (and first warm `spans`, for the barrier workflow) through the mode's own path, then empty the
+    cache. A slice of the real workload meets the kernel specializations (split counts, batch shapes) the timed
+    run will, so no mode pays Triton compilation inside its measurement (the compile cache is shared, so a mode
+    run after another would otherwise be favoured)."""
+    if spans:
+        engine.warm_spans(spans)
+    engine.generate(prompts, {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
     if not engine.flush_cache():
-        raise RuntimeError("the engine is not idle after the warm-up request")
+        raise RuntimeError("the engine is not idle after the warm-up requests")
 
 
 def serve_arrivals(
@@ -270,7 +279,9 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
     try:
         build = workload.prompt if spec.marked else workload.plain_prompt
         prompts = [build(s) for s in workload.samples]
-        warm_up(engine, prompts[0])
+        warm = workload.samples[:WARM_UP_SAMPLES]
+        warm_spans = list(dict.fromkeys(p for smp in warm for p in workload.passages(smp))) if spec.barrier else None
+        warm_up(engine, prompts[: len(warm)], warm_spans)
         params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
         before = engine.get_stats()
         start = perf_counter()
@@ -298,6 +309,7 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
     if failed:
         raise RuntimeError(f"{mode}: {len(failed)} requests were aborted, e.g. {failed[0]}")
     prefill_s = after["prefill_step_s"] - before["prefill_step_s"]
+    decode_s = after["decode_step_s"] - before["decode_step_s"]
     tflops = flops / prefill_s / 1e12 if flops is not None and prefill_s > 0 else None
     ttft = np.array([o["meta_info"]["ttft"] for o in outs]) + warm_s
     e2e = np.array([o["meta_info"]["e2e_latency"] for o in outs]) + warm_s
@@ -320,6 +332,9 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
         cached_span_tokens=delta("cached_span_tokens"),
         num_steps=delta("num_steps"),
         prefill_step_s=prefill_s,
+        num_decode_steps=delta("num_decode_steps"),
+        decode_step_s=decode_s,
+        host_s=wall - prefill_s - decode_s,
         prefill_tflops=tflops,
         prefill_mfu=tflops / args.peak_tflops if tflops is not None else None,
         peak_token_usage=peak,
@@ -421,6 +436,10 @@ def print_table(modes: list[ModeResult], hf: list[HFResult]) -> None:
               f"{m.computed_prefill_tokens:>11}{m.reused_prefill_tokens:>10}{m.cache_kv_bytes / 2**20:>14.1f}")
     for h in hf:
         print(f"{'hf bs=' + str(h.batch_size):<14}{h.samples_per_s:>11.3f}")
+    print(f"{'mode':<14}{'steps':>7}{'prefill s':>11}{'decode-only':>13}{'decode s':>10}{'host s':>9}")
+    for m in modes:
+        print(f"{m.mode:<14}{m.num_steps:>7}{m.prefill_step_s:>11.2f}{m.num_decode_steps:>13}{m.decode_step_s:>10.2f}"
+              f"{m.host_s:>9.2f}")
     for m in modes:
         if m.prefill_tflops is not None:
             print(f"{m.mode} prefill: {m.prefill_tflops:.0f} TFLOP/s over its prefill steps, MFU {m.prefill_mfu:.1%}")

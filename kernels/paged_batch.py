@@ -292,9 +292,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def forward_batch_for(batch: PagedBatch, backend: "AttentionBackend", decode: bool) -> "ForwardBatch":
+def forward_batch_for(
+    batch: PagedBatch, backend: "AttentionBackend", decode: bool, decode_tail: int = 0
+) -> "ForwardBatch":
     """Engine-side view of `batch` for one backend: its own one-layer pools, with the new tokens' slots poisoned
-    so that the backend has to store their k/v itself before attending."""
+    so that the backend has to store their k/v itself before attending. `decode_tail`: in an extend batch, how many
+    trailing requests are decodes riding along (ForwardBatch.num_decode_tail)."""
     from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 
@@ -325,4 +328,5 @@ def forward_batch_for(batch: PagedBatch, backend: "AttentionBackend", decode: bo
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
         attn_backend=backend,
+        num_decode_tail=decode_tail,
     )

@@ -114,3 +114,26 @@ def test_isps_under_memory_pressure_finishes_everything(tiny_llama):
         assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * len(texts)
         assert [o["output_ids"] for o in outs] == expected
         assert small.scheduler.stats.num_retractions > 0
+
+
+def test_isps_starts_decodes_while_span_prefills_remain(tiny_llama):
+    """When the span work outgrows a step's budget, the requests whose spans are done start decoding while other
+    span prefills still run (no barrier), and the first request is ready well before the last span is computed."""
+    docs = [f"Document {i} tells how the river town {i} traded salt, wool and {i} kinds of apples." for i in range(12)]
+    texts = [f"Reader {i}." + "".join(span(docs[(3 * i + k) % 12]) for k in range(3)) + "Answer?" for i in range(8)]
+    with Engine(
+        model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="isps",
+        step_token_budget=40, isps_max_wait_steps=1000,
+    ) as engine:
+        tm, sched = engine.tokenizer_manager, engine.scheduler
+        for text in texts:
+            for req in tm.build_requests(GenerateReqInput(text=text, sampling_params=GREEDY)):
+                sched.add_request(req)
+        overlapped, steps = 0, 0
+        while not sched.is_idle():
+            sched.step()
+            steps += 1
+            span_work_left = any(r.warmup for r in sched.waiting) or (sched.chunked is not None and sched.chunked.warmup)
+            overlapped += bool(span_work_left and sched.running)
+            assert steps < 500
+        assert overlapped >= 3, f"decodes ran next to span prefills in only {overlapped} steps"

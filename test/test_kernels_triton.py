@@ -73,13 +73,16 @@ def _child_main() -> None:
             "vs_reference": relative_errors(k_buf[loc], k_exp[loc]),
         }
 
-    def backend_case(decode: bool, page: int):
+    def backend_case(decode: bool, page: int, mixed: bool = False):
         from sglang_pic.layers.attention_backend import create_attention_backend
         from sglang_pic.layers.radix_attention import RadixAttention
         from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
         hq, hkv, dim = 4, 2, 32
         specs = [pb.decode(n) for n in (3, 40, 77)] if decode else [pb.extend(30, 9), pb.spans(50, [(8, 20)], 4)]
+        decode_tail = 3 if mixed else 0
+        if mixed:  # running decodes riding along with prefills: the backend gives them to the decode kernel
+            specs += [pb.decode(n) for n in (5, 64, 33)]
         batch = pb.make_paged_batch(specs, hq, hkv, dim, torch.float32, "cpu", page_size=page)
         rotary = RotaryEmbedding(dim, batch.cos_sin_cache.shape[0])
         layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=rotary)
@@ -87,7 +90,7 @@ def _child_main() -> None:
         outs = []
         for name in ("triton", "torch_native"):
             backend = create_attention_backend(name)
-            fb = pb.forward_batch_for(batch, backend, decode)
+            fb = pb.forward_batch_for(batch, backend, decode, decode_tail)
             backend.init_forward_metadata(fb)
             outs.append(layer(q, k, v, fb))
         return {"dtype": "float32", "nan": bool(outs[0].isnan().any()), "vs_torch_native": relative_errors(*outs)}
@@ -133,6 +136,7 @@ def _child_main() -> None:
         "store_kv_rotated_bf16": lambda: store_case("bfloat16", rotate=True, page=1),
         "backend_extend_page16": lambda: backend_case(decode=False, page=16),
         "backend_decode_page1": lambda: backend_case(decode=True, page=1),
+        "backend_mixed_page16": lambda: backend_case(decode=False, page=16, mixed=True),
     }
     report = {}
     for name, run in cases.items():
@@ -266,7 +270,7 @@ def test_attention_kernel(report: dict, name: str) -> None:
 
 STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
 STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
-BACKEND_CASES = ["backend_extend_page16", "backend_decode_page1"]
+BACKEND_CASES = ["backend_extend_page16", "backend_decode_page1", "backend_mixed_page16"]
 
 
 def test_every_case_is_checked(report: dict) -> None:

@@ -38,14 +38,16 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         meta = forward_batch.attn_metadata
-        if forward_batch.forward_mode.is_decode():
+        decodes = forward_batch.batch_size if forward_batch.forward_mode.is_decode() else forward_batch.num_decode_tail
+        if decodes:
             device = forward_batch.seq_lens.device
             kv_heads = forward_batch.token_to_kv_pool.head_num
-            meta["max_kv_splits"] = num_kv_splits(forward_batch.batch_size, kv_heads, self._sm_count(device))
+            meta["max_kv_splits"] = num_kv_splits(decodes, kv_heads, self._sm_count(device))
             meta["decode_buffers"] = None  # allocated by the first layer, shared by all layers of the batch
-        else:
-            meta["max_extend_len"] = max(forward_batch.extend_seq_lens_cpu, default=0)
-            meta["max_seq_len"] = max(forward_batch.seq_lens_cpu, default=0)
+        if not forward_batch.forward_mode.is_decode():
+            extends = forward_batch.batch_size - decodes
+            meta["max_extend_len"] = max(forward_batch.extend_seq_lens_cpu[:extends], default=0)
+            meta["max_seq_len"] = max(forward_batch.seq_lens_cpu[:extends], default=0)
 
     def forward(
         self,
@@ -67,50 +69,52 @@ class TritonAttnBackend(AttentionBackend):
         )
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
-        if forward_batch.forward_mode.is_decode():
-            mid_o, mid_lse = self._decode_buffers(forward_batch, layer, q.device)
-            decode_attention_fwd(
-                q3,
+        fb = forward_batch
+        decodes = fb.batch_size if fb.forward_mode.is_decode() else fb.num_decode_tail
+        extends, rows = fb.batch_size - decodes, q3.shape[0] - decodes
+        if extends:
+            # A mixed batch's decodes go to the decode kernel below: in extend tiles each would fill one row.
+            extend_attention_fwd(
+                q3[:rows],
                 k_buf,
                 v_buf,
-                out,
-                forward_batch.req_to_token_pool.req_to_token,
-                forward_batch.req_pool_indices,
-                forward_batch.seq_lens,
+                out[:rows],
+                fb.req_to_token_pool.req_to_token,
+                fb.req_pool_indices[:extends],
+                fb.extend_start_loc[:extends],
+                fb.extend_seq_lens[:extends],
+                fb.positions[:rows],
+                fb.attn_lo[:rows],
+                cos_sin,
+                layer.scaling,
+                fb.attn_metadata["max_extend_len"],
+                max_seq_len=fb.attn_metadata["max_seq_len"],
+                num_sms=self._sm_count(q.device),
+            )
+        if decodes:
+            mid_o, mid_lse = self._decode_buffers(fb, decodes, layer, q.device)
+            decode_attention_fwd(
+                q3[rows:],
+                k_buf,
+                v_buf,
+                out[rows:],
+                fb.req_to_token_pool.req_to_token,
+                fb.req_pool_indices[extends:],
+                fb.seq_lens[extends:],
                 cos_sin,
                 layer.scaling,
                 mid_o,
                 mid_lse,
             )
-        else:
-            extend_attention_fwd(
-                q3,
-                k_buf,
-                v_buf,
-                out,
-                forward_batch.req_to_token_pool.req_to_token,
-                forward_batch.req_pool_indices,
-                forward_batch.extend_start_loc,
-                forward_batch.extend_seq_lens,
-                forward_batch.positions,
-                forward_batch.attn_lo,
-                cos_sin,
-                layer.scaling,
-                forward_batch.attn_metadata["max_extend_len"],
-                max_seq_len=forward_batch.attn_metadata["max_seq_len"],
-                num_sms=self._sm_count(q.device),
-            )
         return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
 
     @staticmethod
     def _decode_buffers(
-        forward_batch: "ForwardBatch", layer: "RadixAttention", device: torch.device
+        forward_batch: "ForwardBatch", decodes: int, layer: "RadixAttention", device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         meta = forward_batch.attn_metadata
         buffers = meta["decode_buffers"]
         if buffers is None or buffers[0].shape[1:] != (layer.num_heads, meta["max_kv_splits"], layer.v_head_dim):
-            buffers = alloc_decode_buffers(
-                forward_batch.batch_size, layer.num_heads, layer.v_head_dim, meta["max_kv_splits"], device
-            )
+            buffers = alloc_decode_buffers(decodes, layer.num_heads, layer.v_head_dim, meta["max_kv_splits"], device)
             meta["decode_buffers"] = buffers
         return buffers

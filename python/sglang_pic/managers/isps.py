@@ -4,8 +4,12 @@ Requests whose spans are not cached do not compute those spans themselves: each 
 prefill job (a warm-up request holding only the span, at offset 0 — its KV is position-free), shared by every
 request that needs it. Each step the scheduler fills its token budget, next to the running decodes, in this order:
   1. work that has waited `max_wait_steps` or more (oldest first), so nothing starves;
-  2. span jobs, those that unblock the most waiting requests first;
-  3. requests whose spans are all cached (only their own prefix/PDEP tokens left), first come first served.
+  2. requests whose spans are all cached (only their own prefix/PDEP tokens left), first come first served: their
+     extends are short and start decodes that then ride along with the span prefills still to come;
+  3. span jobs, those that unblock waiting requests soonest first: waiting requests are ranked by the span tokens
+     they still miss (fewest first) and their jobs are taken in that order, the jobs wanted by more requests first
+     within one request. Ranking jobs by popularity alone leaves every request waiting for its rarest span until
+     the last step, which is the barrier again whenever the span work outgrows one step's budget.
 """
 
 from __future__ import annotations
@@ -38,16 +42,16 @@ def make_span_job(extra_key: str | None, tokens: list[int], rid: str, arrival_st
 
 
 class SpanPrefillPlanner:
-    def __init__(self, kv: "ReqKVManager", max_wait_steps: int) -> None:
+    def __init__(self, kv: ReqKVManager, max_wait_steps: int) -> None:
         self.kv = kv
         self.max_wait_steps = max_wait_steps
         self.jobs: dict[tuple, Req] = {}  # span id -> its queued or running span job
         # span id -> rid of the request whose arrival created the job: that request computed the span (it is not
         # a cache hit for it), every other request that uses the span reused it.
         self.owner: dict[tuple, str] = {}
-        # rid -> the span jobs a queued request waits for ([] = all its spans were cached when last looked up).
-        # Looked up again only when one of those jobs finishes or admission finds a span missing (evicted), so a
-        # long queue costs no tree lookups per step.
+        # rid -> the span jobs a queued request still waits for ([] = none). Its spans are looked up in the tree
+        # once, and again only when admission finds one missing (evicted), so a long queue costs no tree lookups
+        # per step; finished jobs just leave the list.
         self.blocked_on: dict[str, list[Req]] = {}
         self._next_id = 0
 
@@ -102,7 +106,11 @@ class SpanPrefillPlanner:
             if req.warmup:
                 continue
             jobs = self.blocked_on.get(req.rid)
-            if jobs is None or any(job.finished() for job in jobs):
+            if jobs is not None and any(job.finished() for job in jobs):
+                # A finished job's span is cached; were it evicted again before admission, admission finds it
+                # missing and calls recheck(), which brings back the full lookup below.
+                jobs = self.blocked_on[req.rid] = [job for job in jobs if not job.finished()]
+            if jobs is None:
                 jobs = []
                 for seg in self.kv.uncached_span_segments(req):
                     job, created = self.job_for(seg, req.arrival_step)
@@ -116,6 +124,7 @@ class SpanPrefillPlanner:
                 oldest[job.rid] = min(oldest.get(job.rid, req.arrival_step), req.arrival_step)
                 blocked.add(req.rid)
         candidates = [r for r in waiting if r.warmup or r.rid not in blocked] + new_jobs
+        rank = self._job_ranks(waiting, waiters)
 
         def age(r: Req) -> int:
             return step - oldest.get(r.rid, r.arrival_step)
@@ -124,7 +133,21 @@ class SpanPrefillPlanner:
             if age(r) >= self.max_wait_steps:
                 return (0, -age(r), 0)
             if r.warmup:
-                return (1, -waiters.get(r.rid, 0), oldest.get(r.rid, r.arrival_step))
-            return (2, r.arrival_step, 0)
+                return (2, rank.get(r.rid, len(rank)), oldest.get(r.rid, r.arrival_step))
+            return (1, r.arrival_step, 0)
 
         return sorted(candidates, key=key), new_jobs
+
+    def _job_ranks(self, waiting: list[Req], waiters: dict[str, int]) -> dict[str, int]:
+        """Span job rid -> its place in the order that completes waiting requests soonest."""
+        blocked = []
+        for req in waiting:
+            jobs = self.blocked_on.get(req.rid)
+            if jobs:
+                missing = sum(job.prompt_len for job in jobs if not job.finished())
+                blocked.append((missing, req.arrival_step, req.rid))
+        rank: dict[str, int] = {}
+        for _, _, rid in sorted(blocked):
+            for job in sorted(self.blocked_on[rid], key=lambda j: -waiters[j.rid]):
+                rank.setdefault(job.rid, len(rank))
+        return rank

@@ -157,4 +157,5 @@ def build_forward_batch(plan: StepPlan, runner) -> ForwardBatch:
         token_to_kv_pool=runner.token_to_kv_pool,
         attn_backend=runner.attn_backend,
         logits_indices=logit_rows,
+        num_decode_tail=len(plan.decode.reqs) if plan.decode is not None and not is_decode else 0,
     )

@@ -51,6 +51,7 @@ class SchedulerStats:
     num_steps: int = 0
     prefill_step_s: float = 0.0  # wall time of steps that ran prefill tokens (mixed steps included)
     decode_step_s: float = 0.0  # wall time of decode-only steps
+    num_decode_steps: int = 0
 
 
 class Scheduler:
@@ -158,6 +159,7 @@ class Scheduler:
         elapsed = time.perf_counter() - start
         if batch.forward_mode.is_decode():
             self.stats.decode_step_s += elapsed
+            self.stats.num_decode_steps += 1
         else:
             self.stats.prefill_step_s += elapsed
         return updated
@@ -185,9 +187,13 @@ class Scheduler:
             self.chunked = None
         # Fixed while this loop admits (running and chunked don't change); O(running), so only when someone waits.
         reserved = self._reserved_decode_tokens() if self.waiting else 0.0
+        # Span jobs never join the running set, so a full one holds back only requests that would decode.
+        seats = self.server_args.max_running_requests - len(self.running) - sum(not e.req.warmup for e in entries)
         for req in self._ordered_waiting():
-            if budget <= 0 or len(self.running) + len(entries) >= self.server_args.max_running_requests:
+            if budget <= 0:
                 break
+            if seats <= 0 and not req.warmup:
+                continue
             if req.req_pool_idx is None:
                 req.req_pool_idx = self.runner.req_to_token_pool.alloc()
                 if req.req_pool_idx is None:
@@ -223,6 +229,7 @@ class Scheduler:
             self.waiting.remove(req)
             self._count_admission(req)
             entries.append(entry)
+            seats -= not req.warmup
             budget -= entry.num_tokens
             if not entry.completes:
                 self.chunked = req

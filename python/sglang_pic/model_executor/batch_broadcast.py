@@ -25,8 +25,8 @@ class Op(IntEnum):
     STOP = 2
 
 
-# op, forward mode, new tokens T, requests B, logits rows L, req_to_token entries R
-HEADER_LEN = 6
+# op, forward mode, new tokens T, requests B, logits rows L, req_to_token entries R, decode tail
+HEADER_LEN = 7
 
 
 def table_index(
@@ -50,7 +50,8 @@ class BatchBroadcaster:
         num_tokens = batch.input_ids.numel()
         logits = batch.logits_indices if batch.logits_indices is not None else batch.input_ids.new_empty(0)
         entries = sum(batch.seq_lens_cpu)
-        header = [Op.FORWARD, int(batch.forward_mode), num_tokens, batch.batch_size, logits.numel(), entries]
+        header = [Op.FORWARD, int(batch.forward_mode), num_tokens, batch.batch_size, logits.numel(), entries,
+                  batch.num_decode_tail]
         dist.broadcast(torch.tensor(header, dtype=I64), 0, group=self.cpu_group)
         lengths = torch.tensor(batch.seq_lens_cpu + batch.extend_seq_lens_cpu, dtype=I64)
         dist.broadcast(lengths, 0, group=self.cpu_group)
@@ -88,7 +89,7 @@ class BatchReceiver:
     def recv(self) -> ForwardBatch | None:
         header = torch.empty(HEADER_LEN, dtype=I64)
         dist.broadcast(header, 0, group=self.cpu_group)
-        op, mode, num_tokens, batch_size, num_logits, entries = header.tolist()
+        op, mode, num_tokens, batch_size, num_logits, entries, decode_tail = header.tolist()
         if op == Op.STOP:
             return None
         lengths = torch.empty(2 * batch_size, dtype=I64)
@@ -116,4 +117,5 @@ class BatchReceiver:
             token_to_kv_pool=self.runner.token_to_kv_pool,
             attn_backend=self.runner.attn_backend,
             logits_indices=logits,
+            num_decode_tail=decode_tail,
         )

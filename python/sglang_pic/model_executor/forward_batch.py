@@ -49,4 +49,7 @@ class ForwardBatch:
     attn_backend: "AttentionBackend"
     # Rows of the T new tokens whose logits are computed (last token per request, or more for input logprobs).
     logits_indices: torch.Tensor | None = None
+    # EXTEND only: the last num_decode_tail requests are running decodes riding along (one token each at position
+    # seq_len - 1, seeing every key), which a backend may hand to its decode kernel.
+    num_decode_tail: int = 0
     attn_metadata: dict = field(default_factory=dict)  # backend-private, filled by init_forward_metadata

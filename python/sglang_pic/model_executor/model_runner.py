@@ -74,7 +74,9 @@ class ModelRunner:
             size, page, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.device
         )
         self.allocator = TokenToKVPoolAllocator(size, page, self.device)
-        rows = self.server_args.max_running_requests + 8
+        # Twice the running set: a step's prefills (span jobs, new requests) get rows even while every running
+        # seat is taken, so span prefills keep their full token budget next to a full decode batch.
+        rows = 2 * self.server_args.max_running_requests + 8
         self.req_to_token_pool = ReqToTokenPool(rows, cfg.context_len + page, self.device)
         logger.info("KV pool: %d tokens (%.2f GiB), %d request rows", size, size * per_token / 2**30, rows)
 
