@@ -89,6 +89,7 @@ class ModeResult:
     computed_prefill_tokens: int
     cached_prefix_tokens: int
     cached_span_tokens: int
+    host_loaded_tokens: int  # cache hits copied back from host memory (--enable-hierarchical-cache)
     num_steps: int
     prefill_step_s: float  # wall time of the steps that ran prefill tokens (decodes riding along included)
     num_decode_steps: int  # steps that ran decodes only
@@ -161,6 +162,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype")
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens (default: by memory fraction)")
     p.add_argument("--chunked-prefill-size", type=int)
+    p.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="keep KV the cache evicts in host memory (sized by --hicache-ratio)")
+    p.add_argument("--hicache-ratio", type=float, default=2.0)
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -183,6 +187,8 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
     )
     if args.chunked_prefill_size is not None:
         kwargs["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.enable_hierarchical_cache:
+        kwargs.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio)
     return kwargs
 
 
@@ -330,6 +336,7 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
         computed_prefill_tokens=delta("computed_prefill_tokens"),
         cached_prefix_tokens=delta("cached_prefix_tokens"),
         cached_span_tokens=delta("cached_span_tokens"),
+        host_loaded_tokens=delta("hicache_loaded_tokens"),
         num_steps=delta("num_steps"),
         prefill_step_s=prefill_s,
         num_decode_steps=delta("num_decode_steps"),

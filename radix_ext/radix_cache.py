@@ -13,6 +13,11 @@ Ownership contract with the caller:
     caller. Disabled cache: `insert` takes nothing and returns 0, so the caller frees all of `value` itself.
   * The tree frees slots only in `evict`, through `allocator.free`; `reset` forgets everything without freeing
     (the caller clears the allocator alongside it).
+
+Hierarchical cache (`host_pool` given): `evict` moves a node's KV to host memory instead of dropping it; the node
+stays in the tree with `host_value` set and no device slots, and `match_prefix` copies it back into fresh device
+slots when a key walks through it. Only when the host pool is full too are its least recently used host leaves
+dropped. Every node a match returns, and so every node anyone locks, is on the device; sizes count device tokens.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang_pic.mem_cache.host_pool import HostKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _SCAN_CHUNK = 64  # tokens compared per slice when locating the first mismatch
@@ -55,10 +60,15 @@ class TreeNode:
     last_access_time: int = 0
     id: int = field(default_factory=itertools.count().__next__)
     namespace: str | None = None  # the extra_key a root stands for (unused below roots)
+    host_value: torch.Tensor | None = None  # host slots of a node evicted to the host pool (then `value` is empty)
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    @property
+    def on_device(self) -> bool:
+        return self.host_value is None
 
 
 @dataclass
@@ -85,14 +95,23 @@ def common_prefix_len(edge: tuple[int, ...], tokens: tuple[int, ...], start: int
 
 
 class RadixCache:
-    def __init__(self, token_to_kv_pool_allocator: TokenToKVPoolAllocator, page_size: int, disable: bool = False):
+    def __init__(
+        self,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        page_size: int,
+        disable: bool = False,
+        host_pool: HostKVPool | None = None,
+    ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.disable = disable
+        self.host_pool = None if disable else host_pool
         self._empty = torch.empty(0, dtype=torch.int64, device=token_to_kv_pool_allocator.device)
         self._clock = itertools.count(1)
+        self.backed_up_tokens = 0  # tokens moved to the host pool, over the tree's life
+        self.loaded_tokens = 0  # tokens brought back from it
         self.reset()
 
     def reset(self) -> None:
@@ -100,6 +119,9 @@ class RadixCache:
         self.roots: dict[str | None, TreeNode] = {}
         self.evictable_size_ = 0
         self.protected_size_ = 0
+        self.host_size_ = 0
+        if self.host_pool is not None:
+            self.host_pool.clear()
 
     # ---- lookup ---------------------------------------------------------------------------------------------
     def _child_key(self, tokens: tuple[int, ...], start: int) -> int | tuple[int, ...]:
@@ -129,10 +151,36 @@ class RadixCache:
             matched = common_prefix_len(child.key, tokens, i, self.page_size)
             if matched < len(child.key):
                 child = self._split(child, matched)
+            if not child.on_device and not self._load(child):
+                break
             values.append(child.value)
             node, i = child, i + matched
         device_indices = torch.cat(values) if values else self._empty
         return MatchResult(device_indices, node)
+
+    def _load(self, node: TreeNode) -> bool:
+        """Copy a host-resident node back into fresh device slots; False when the device has no room for it."""
+        n = len(node.key)
+        allocator = self.token_to_kv_pool_allocator
+        # The matched path above must stay on the device, and the node's own backup in the host pool.
+        self.inc_lock_ref(node.parent)
+        node.lock_ref += 1
+        try:
+            short = n - allocator.available_size()
+            if short > 0:
+                self.evict(short)
+            slots = allocator.alloc(n)
+        finally:
+            node.lock_ref -= 1
+            self.dec_lock_ref(node.parent)
+        if slots is None:
+            return False
+        self.host_pool.restore(node.host_value, slots)
+        node.value, node.host_value = slots, None
+        self.host_size_ -= n
+        self.evictable_size_ += n
+        self.loaded_tokens += n
+        return True
 
     # ---- update ---------------------------------------------------------------------------------------------
     def insert(self, key: RadixKey, value: torch.Tensor) -> int:
@@ -172,15 +220,19 @@ class RadixCache:
             parent=parent,
             lock_ref=node.lock_ref,
             last_access_time=node.last_access_time,
+            host_value=None if node.on_device else node.host_value[:at],
         )
         parent.children[self._child_key(node.key, 0)] = upper
         node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
+        if not node.on_device:
+            node.host_value = node.host_value[at:]
         upper.children[self._child_key(node.key, 0)] = node
         return upper
 
     # ---- eviction ---------------------------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Free LRU unlocked leaves, across all namespaces, until `num_tokens` are freed; returns tokens freed."""
+        """Free the device slots of LRU unlocked leaves, across all namespaces, until `num_tokens` are freed;
+        returns tokens freed. With a host pool a leaf's KV moves there and the node stays; else it is dropped."""
         if self.disable or num_tokens <= 0:
             return 0
         heap = [(leaf.last_access_time, leaf.id, leaf) for leaf in self._evictable_leaves()]
@@ -188,22 +240,72 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
-            self.token_to_kv_pool_allocator.free(leaf.value)
+            parent = leaf.parent
             freed += len(leaf.key)
             self.evictable_size_ -= len(leaf.key)
-            parent = leaf.parent
-            del parent.children[self._child_key(leaf.key, 0)]
-            leaf.parent = None
-            if parent.children:
-                continue
+            if not self._backup(leaf):
+                self._drop(leaf)
             if parent.is_root:
-                self._drop_root(parent)
-            elif parent.lock_ref == 0:
+                if not parent.children:
+                    self._drop_root(parent)
+            elif parent.on_device and parent.lock_ref == 0 and not self._has_device_child(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return freed
 
+    def _backup(self, leaf: TreeNode) -> bool:
+        """Move a device leaf's KV to the host pool, dropping LRU host leaves for room; False if it cannot."""
+        if self.host_pool is None:
+            return False
+        n = len(leaf.key)
+        if self.host_pool.available_size() < n:
+            self._evict_host(n - self.host_pool.available_size())
+        host = self.host_pool.backup(leaf.value)
+        if host is None:
+            return False
+        self.token_to_kv_pool_allocator.free(leaf.value)
+        leaf.value, leaf.host_value = self._empty, host
+        self.host_size_ += n
+        self.backed_up_tokens += n
+        return True
+
+    def _evict_host(self, num_tokens: int) -> None:
+        """Drop LRU host-resident leaves (never one being loaded) until `num_tokens` host slots are free."""
+        heap = [(n.last_access_time, n.id, n) for n in self._nodes()
+                if not n.on_device and not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            freed += len(leaf.key)
+            self._drop(leaf)
+            if parent.is_root:
+                if not parent.children:
+                    self._drop_root(parent)
+            elif not parent.on_device and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+
+    def _drop(self, node: TreeNode) -> None:
+        """Detach `node` and free what it and its (host-resident) descendants hold."""
+        del node.parent.children[self._child_key(node.key, 0)]
+        node.parent = None
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.on_device:
+                self.token_to_kv_pool_allocator.free(n.value)
+            else:
+                self.host_pool.free(n.host_value)
+                self.host_size_ -= len(n.key)
+            stack.extend(n.children.values())
+
+    @staticmethod
+    def _has_device_child(node: TreeNode) -> bool:
+        return any(c.on_device for c in node.children.values())
+
     def _evictable_leaves(self) -> list[TreeNode]:
-        return [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        """Device nodes nobody locks whose children, if any, are all on the host."""
+        return [n for n in self._nodes() if n.on_device and n.lock_ref == 0 and not self._has_device_child(n)]
 
     def _drop_root(self, root: TreeNode) -> None:
         if self.roots.get(root.namespace) is root:
@@ -247,13 +349,17 @@ class RadixCache:
     def protected_size(self) -> int:
         return self.protected_size_
 
+    def host_size(self) -> int:
+        """Tokens whose KV the tree keeps in the host pool."""
+        return self.host_size_
+
     def total_size(self) -> int:
-        """Tokens held by the tree, counted by walking it (a check on evictable_size + protected_size)."""
-        return sum(len(n.key) for n in self._nodes())
+        """Device tokens held by the tree, counted by walking it (a check on evictable_size + protected_size)."""
+        return sum(len(n.key) for n in self._nodes() if n.on_device)
 
     def all_slots(self) -> torch.Tensor:
-        """Every slot the tree owns."""
-        values = [n.value for n in self._nodes()]
+        """Every device slot the tree owns."""
+        values = [n.value for n in self._nodes() if n.on_device]
         return torch.cat(values) if values else self._empty
 
     def _nodes(self) -> Iterator[TreeNode]:
@@ -273,9 +379,12 @@ class RadixCache:
             while stack:
                 node, depth = stack.pop()
                 head = list(node.key[:8]) + (["..."] if len(node.key) > 8 else [])
-                lines.append(f"{'  ' * depth}{len(node.key)} {head} lock={node.lock_ref} t={node.last_access_time}")
+                where = "" if node.on_device else " host"
+                lines.append(
+                    f"{'  ' * depth}{len(node.key)} {head} lock={node.lock_ref} t={node.last_access_time}{where}"
+                )
                 stack.extend((c, depth + 1) for c in node.children.values())
-        lines.append(f"evictable={self.evictable_size_} protected={self.protected_size_}")
+        lines.append(f"evictable={self.evictable_size_} protected={self.protected_size_} host={self.host_size_}")
         text = "\n".join(lines)
         print(text)
         return text

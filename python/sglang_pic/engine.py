@@ -184,6 +184,10 @@ class Engine:
         stats["span_hit_rate"] = stats["span_segment_hits"] / max(stats["span_segments"], 1)
         stats["reused_prefill_tokens"] = stats["cached_prefix_tokens"] + stats["cached_span_tokens"]
         stats["token_usage"] = self.scheduler.token_usage()
+        tree = self.scheduler.tree
+        stats["hicache_host_tokens"] = tree.host_size()
+        stats["hicache_backed_up_tokens"] = tree.backed_up_tokens
+        stats["hicache_loaded_tokens"] = tree.loaded_tokens
         if self.scheduler.spec_worker is not None:
             stats["spec"] = self.scheduler.spec_worker.stats.to_dict()
         stats["max_total_num_tokens"] = self.runner.max_total_num_tokens

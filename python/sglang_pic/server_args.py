@@ -54,6 +54,12 @@ class ServerArgs:
     page_size: int = _arg(1, "Tokens per KV cache page.")
     max_running_requests: int = _arg(256, "Most requests running at once.")
     disable_radix_cache: bool = _arg(False, "Turn off prefix and span caching.")
+    enable_hierarchical_cache: bool = _arg(
+        False,
+        "Move KV the prefix/span cache evicts from the device to host memory and bring it back on a hit.",
+    )
+    hicache_ratio: float = _arg(2.0, "Host cache size as a multiple of the device KV pool's tokens.")
+    hicache_size: float = _arg(0.0, "Host cache size in GB; overrides --hicache-ratio when above 0.")
 
     # Scheduling.
     chunked_prefill_size: int = _arg(8192, "Most prompt tokens prefilled in one step; -1 turns chunking off.")
@@ -148,6 +154,12 @@ class ServerArgs:
             raise ValueError(f"speculative_algorithm must be vericache, got {self.speculative_algorithm!r}")
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError(f"tp_size and dp_size must be >= 1, got {self.tp_size} and {self.dp_size}")
+        if self.enable_hierarchical_cache and self.tp_size > 1:
+            raise ValueError("the hierarchical cache copies rank 0's KV only; it does not support tp_size > 1")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError(
+                f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio} and {self.hicache_size}"
+            )
         if self.tp_size > 1 and self.speculative_algorithm is not None:
             raise ValueError("speculative decoding does not support tp_size > 1")
         if self.load_balance_method not in ("round_robin", "shortest_queue"):

@@ -59,6 +59,14 @@ class _SnapshotCollector:
         yield gauge("sglang:num_used_tokens", "KV slots held by requests.", snap.used_tokens)
         yield gauge("sglang:num_evictable_tokens", "KV slots held only by the cache.", snap.evictable_tokens)
         yield gauge("sglang:max_total_num_tokens", "Size of the KV pool in tokens.", snap.max_total_num_tokens)
+        yield gauge(
+            "sglang:host_cache_tokens", "Tokens whose KV the cache keeps in host memory.", snap.host_cache_tokens
+        )
+        yield counter(
+            "sglang:host_cache_loaded_tokens",
+            "Tokens the cache brought back from host memory on a hit.",
+            snap.host_cache_loaded_tokens,
+        )
 
 
 class ServerMetrics:

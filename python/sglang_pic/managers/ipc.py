@@ -91,6 +91,8 @@ class SchedulerSnapshot:
     computed_prefill_tokens: int
     num_retractions: int
     num_steps: int
+    host_cache_tokens: int = 0  # hierarchical cache: tokens whose KV waits in host memory
+    host_cache_loaded_tokens: int = 0  # tokens brought back from it to the device
 
     @property
     def used_tokens(self) -> int:

@@ -16,6 +16,7 @@ import torch
 from sglang_pic.managers.isps import SpanPrefillPlanner
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
+from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.mem_cache.req_kv import ReqKVManager
 from sglang_pic.radix_ext import RadixCache
 from sglang_pic.sampling.logprobs import (
@@ -61,7 +62,17 @@ class Scheduler:
         self.tokenizer = tokenizer
         self._decode = fast_decode(tokenizer) if tokenizer is not None else None  # for stop strings
         self.page_size = server_args.page_size
-        self.tree = RadixCache(model_runner.allocator, self.page_size, disable=server_args.disable_radix_cache)
+        host_pool = None
+        if server_args.enable_hierarchical_cache and not server_args.disable_radix_cache:
+            host_pool = HostKVPool.for_budget(
+                model_runner.token_to_kv_pool,
+                model_runner.allocator.size,
+                server_args.hicache_ratio,
+                server_args.hicache_size,
+            )
+        self.tree = RadixCache(
+            model_runner.allocator, self.page_size, disable=server_args.disable_radix_cache, host_pool=host_pool
+        )
         self.kv = ReqKVManager(model_runner.req_to_token_pool, model_runner.allocator, self.tree)
         self.sampler = Sampler()
         self.waiting: list[Req] = []

@@ -175,6 +175,8 @@ class SchedulerLoop:
             computed_prefill_tokens=stats.computed_prefill_tokens,
             num_retractions=stats.num_retractions,
             num_steps=stats.num_steps,
+            host_cache_tokens=sched.tree.host_size(),
+            host_cache_loaded_tokens=sched.tree.loaded_tokens,
         )
 
 
