@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -235,22 +235,30 @@ class RadixCache:
         returns tokens freed. With a host pool a leaf's KV moves there and the node stays; else it is dropped."""
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(leaf.last_access_time, leaf.id, leaf) for leaf in self._evictable_leaves()]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            freed += len(leaf.key)
+
+        def release(leaf: TreeNode) -> None:
             self.evictable_size_ -= len(leaf.key)
             if not self._backup(leaf):
                 self._drop(leaf)
+
+        return self._sweep(num_tokens, self._is_device_leaf, release)
+
+    def _sweep(self, num_tokens: int, is_leaf: Callable[[TreeNode], bool], release: Callable[[TreeNode], None]) -> int:
+        """Release LRU nodes that pass `is_leaf` (a parent joins once it passes) until `num_tokens` are released."""
+        heap = [(n.last_access_time, n.id, n) for n in self._nodes() if is_leaf(n)]
+        heapq.heapify(heap)
+        released = 0
+        while released < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            released += len(node.key)
+            release(node)
             if parent.is_root:
                 if not parent.children:
                     self._drop_root(parent)
-            elif parent.on_device and parent.lock_ref == 0 and not self._has_device_child(parent):
+            elif is_leaf(parent):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
-        return freed
+        return released
 
     def _backup(self, leaf: TreeNode) -> bool:
         """Move a device leaf's KV to the host pool, dropping LRU host leaves for room; False if it cannot."""
@@ -270,20 +278,7 @@ class RadixCache:
 
     def _evict_host(self, num_tokens: int) -> None:
         """Drop LRU host-resident leaves (never one being loaded) until `num_tokens` host slots are free."""
-        heap = [(n.last_access_time, n.id, n) for n in self._nodes()
-                if not n.on_device and not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            freed += len(leaf.key)
-            self._drop(leaf)
-            if parent.is_root:
-                if not parent.children:
-                    self._drop_root(parent)
-            elif not parent.on_device and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        self._sweep(num_tokens, lambda n: not n.on_device and not n.children and n.lock_ref == 0, self._drop)
 
     def _drop(self, node: TreeNode) -> None:
         """Detach `node` and free what it and its (host-resident) descendants hold."""
@@ -303,9 +298,9 @@ class RadixCache:
     def _has_device_child(node: TreeNode) -> bool:
         return any(c.on_device for c in node.children.values())
 
-    def _evictable_leaves(self) -> list[TreeNode]:
-        """Device nodes nobody locks whose children, if any, are all on the host."""
-        return [n for n in self._nodes() if n.on_device and n.lock_ref == 0 and not self._has_device_child(n)]
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        """A device node nobody locks whose children, if any, are all on the host: what `evict` may take."""
+        return node.on_device and node.lock_ref == 0 and not self._has_device_child(node)
 
     def _drop_root(self, root: TreeNode) -> None:
         if self.roots.get(root.namespace) is root:

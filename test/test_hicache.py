@@ -14,14 +14,22 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.radix_ext import RadixCache, RadixKey, TreeNode
+from test_radix_cache import (
+    keys,  # the same key space the plain tree's property test draws from
+)
 
 
 @dataclass
@@ -133,16 +141,6 @@ def test_no_device_room_means_a_shorter_hit_never_a_wrong_one():
 
 
 # ---- stateful property test ----------------------------------------------------------------------------------------
-NAMESPACES = (None, "span")
-SHARED = ((), (0, 1, 2, 0, 1, 2, 0, 1), (2, 2, 1, 1, 0, 0))
-keys = st.builds(
-    lambda ns, head, tail: RadixKey(head + tuple(tail), ns),
-    st.sampled_from(NAMESPACES),
-    st.sampled_from(SHARED),
-    st.lists(st.integers(0, 2), max_size=8),
-).filter(lambda k: len(k) > 0)
-
-
 @dataclass(eq=False)
 class Running:
     key: RadixKey
