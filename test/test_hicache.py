@@ -293,9 +293,9 @@ def tiny_llama_1k(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_isps_under_memory_pressure_reuses_spans_from_the_host(tiny_llama_1k):
-    """A pool that holds the spans of only a few requests: without the host tier, span KV computed for waiting
-    requests is evicted before they are admitted and computed again (several times over); with it, each span is
-    computed about once and the tokens are those of a roomy run."""
+    """A pool that holds the spans of only a few requests: without the host tier evicted spans are computed again
+    (ISPS falls back to requests computing their own spans, like FCFS); with it, each span is computed about once
+    and the tokens are those of a roomy run."""
     import random
 
     rng = random.Random(0)

@@ -137,3 +137,45 @@ def test_isps_starts_decodes_while_span_prefills_remain(tiny_llama):
             overlapped += bool(span_work_left and sched.running)
             assert steps < 500
         assert overlapped >= 3, f"decodes ran next to span prefills in only {overlapped} steps"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_1k(tmp_path_factory: pytest.TempPathFactory):
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("long"), "llama", name="llama_1k", max_position_embeddings=1024)
+
+
+def test_isps_under_memory_pressure_computes_about_what_fcfs_does(tiny_llama_1k):
+    """A pool that holds the spans of only a few requests: span jobs would evict the spans staged for waiting
+    requests before those run and compute them again (2.1x FCFS's prefill tokens here before the pressure mode);
+    under pressure the blocked requests compute their own spans like FCFS, with the same tokens."""
+    import random
+
+    rng = random.Random(0)
+    docs = [f"Record {i}: the village of {i} grew barley, kept {i % 7} goats and sold cheese at the river market."
+            for i in range(30)]
+    texts = [f"Reader {i}." + "".join(span(docs[j]) for j in rng.sample(range(30), 4)) + "Answer?" for i in range(40)]
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    computed, outputs = {}, {}
+    for policy in ("fcfs", "isps"):
+        with Engine(model_path=str(tiny_llama_1k), dtype="float32", max_total_tokens=768, schedule_policy=policy,
+                    max_running_requests=8) as engine:
+            outputs[policy] = [o["output_ids"] for o in engine.generate(texts, params)]
+            computed[policy] = engine.get_stats()["computed_prefill_tokens"]
+    assert outputs["isps"] == outputs["fcfs"]
+    assert computed["isps"] <= 1.3 * computed["fcfs"], computed
+
+
+def test_an_aborted_span_job_is_replaced_for_the_requests_that_need_its_span(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="isps") as engine:
+        sched, tm = engine.scheduler, engine.tokenizer_manager
+        (job,) = sched.add_span_jobs(tm.span_keys([DOCS[0]]))
+        assert sched.abort_request(job.rid) is not None
+        (req,) = tm.build_requests(GenerateReqInput(text="Q." + span(DOCS[0]) + "A?", sampling_params=GREEDY))
+        sched.add_request(req)
+        for _ in range(40):
+            sched.step()
+            if req.finished():
+                break
+        assert req.finished() and req.finished_reason.type == "length"

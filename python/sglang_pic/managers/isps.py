@@ -10,6 +10,11 @@ request that needs it. Each step the scheduler fills its token budget, next to t
      they still miss (fewest first) and their jobs are taken in that order, the jobs wanted by more requests first
      within one request. Ranking jobs by popularity alone leaves every request waiting for its rarest span until
      the last step, which is the barrier again whenever the span work outgrows one step's budget.
+Under memory pressure (the spans staged for waiting requests, cached but unlocked until those requests run, do
+not fit in the free and evictable KV memory) span jobs would evict staged spans before their requests run, to be
+computed again, over and over. Then no new span job starts (aged ones and explicit warm-ups still do); instead the
+blocked requests follow the ready ones, first come first served, and compute their missing spans themselves,
+claimed so that a concurrent request needing the same span waits for it rather than computing it too.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def make_span_job(extra_key: str | None, tokens: list[int], rid: str, arrival_st
         prompt_len=len(tokens),
         warmup=True,
         arrival_step=arrival_step,
+        span_id=_span_id(seg),
     )
 
 
@@ -53,6 +59,11 @@ class SpanPrefillPlanner:
         # once, and again only when admission finds one missing (evicted), so a long queue costs no tree lookups
         # per step; finished jobs just leave the list.
         self.blocked_on: dict[str, list[Req]] = {}
+        self.span_sizes: dict[str, dict[tuple, int]] = {}  # rid -> its spans (span id -> tokens) while it waits
+        # span id -> [waiting requests holding it, those of them blocked on its job, its tokens]: kept up to date as
+        # requests come and go, so counting the staged spans walks distinct spans rather than requests.
+        self._refs: dict[tuple, list[int]] = {}
+        self.under_pressure = False  # set by order(): blocked requests compute their own spans this step
         self._next_id = 0
 
     def job_for(self, seg: ReqSegment, arrival_step: int) -> tuple[Req, bool]:
@@ -68,16 +79,20 @@ class SpanPrefillPlanner:
 
     def recheck(self, req: Req) -> None:
         """Admission found one of `req`'s spans uncached after all: look its spans up again next step."""
-        self.blocked_on.pop(req.rid, None)
+        self._block(req.rid, None)
 
     def computed_for(self, req: Req) -> list[ReqSegment]:
         """The spans that jobs computed on `req`'s behalf (forgets them: asked once, at admission)."""
-        self.blocked_on.pop(req.rid, None)
+        self._block(req.rid, None)
+        self._hold(req, None)
         return self._drop_owned(req)
 
     def forget(self, req: Req) -> None:
-        """Drop `req`'s records (it left without being admitted)."""
-        self.blocked_on.pop(req.rid, None)
+        """Drop `req`'s records (it left without being admitted; an aborted span job leaves the job table)."""
+        self._block(req.rid, None)
+        self._hold(req, None)
+        if req.warmup:
+            self.job_done(req)
         self._drop_owned(req)
 
     def _drop_owned(self, req: Req) -> list[ReqSegment]:
@@ -94,7 +109,8 @@ class SpanPrefillPlanner:
         return owned
 
     def job_done(self, job: Req) -> None:
-        self.jobs.pop(_span_id(job.segments[0]), None)
+        if self.jobs.get(job.span_id) is job:
+            del self.jobs[job.span_id]
 
     def order(self, waiting: list[Req], step: int) -> tuple[list[Req], list[Req]]:
         """Order `waiting` for admission; returns (ordered candidates, new span jobs to enqueue)."""
@@ -109,7 +125,7 @@ class SpanPrefillPlanner:
             if jobs is not None and any(job.finished() for job in jobs):
                 # A finished job's span is cached; were it evicted again before admission, admission finds it
                 # missing and calls recheck(), which brings back the full lookup below.
-                jobs = self.blocked_on[req.rid] = [job for job in jobs if not job.finished()]
+                jobs = self._block(req.rid, [job for job in jobs if not job.finished()])
             if jobs is None:
                 jobs = []
                 for seg in self.kv.uncached_span_segments(req):
@@ -118,12 +134,17 @@ class SpanPrefillPlanner:
                         new_jobs.append(job)
                         self.owner[_span_id(seg)] = req.rid
                     jobs.append(job)
-                self.blocked_on[req.rid] = jobs
+                self._hold(req, {_span_id(s): len(s.tokens) for s in req.segments if s.kind == "span"})
+                self._block(req.rid, jobs)
             for job in jobs:
                 waiters[job.rid] += 1
                 oldest[job.rid] = min(oldest.get(job.rid, req.arrival_step), req.arrival_step)
                 blocked.add(req.rid)
-        candidates = [r for r in waiting if r.warmup or r.rid not in blocked] + new_jobs
+        self.under_pressure = self._staged_tokens() > self.kv.available_size()
+        if self.under_pressure:
+            candidates = list(waiting) + new_jobs
+        else:
+            candidates = [r for r in waiting if r.warmup or r.rid not in blocked] + new_jobs
         rank = self._job_ranks(waiting, waiters)
 
         def age(r: Req) -> int:
@@ -133,10 +154,44 @@ class SpanPrefillPlanner:
             if age(r) >= self.max_wait_steps:
                 return (0, -age(r), 0)
             if r.warmup:
-                return (2, rank.get(r.rid, len(rank)), oldest.get(r.rid, r.arrival_step))
-            return (1, r.arrival_step, 0)
+                return (3, rank.get(r.rid, len(rank)), oldest.get(r.rid, r.arrival_step))
+            return (2 if r.rid in blocked else 1, r.arrival_step, 0)
 
-        return sorted(candidates, key=key), new_jobs
+        def offered(r: Req) -> bool:
+            return not (self.under_pressure and r.warmup and waiters.get(r.rid)) or age(r) >= self.max_wait_steps
+
+        return sorted(filter(offered, candidates), key=key), new_jobs
+
+    def _staged_tokens(self) -> int:
+        """Tokens of the spans that some waiting request holds without waiting for their job: cached, and unlocked
+        until that request runs."""
+        return sum(tokens for holders, blocked, tokens in self._refs.values() if holders > blocked)
+
+    def _hold(self, req: Req, sizes: dict[tuple, int] | None) -> None:
+        """Record the spans of a waiting request (None: it left the queue)."""
+        for sid in self.span_sizes.pop(req.rid, {}):
+            ref = self._refs[sid]
+            ref[0] -= 1
+            if ref[0] == 0:
+                del self._refs[sid]
+        if sizes is not None:
+            self.span_sizes[req.rid] = sizes
+            for sid, n in sizes.items():
+                self._refs.setdefault(sid, [0, 0, n])[0] += 1
+
+    def _block(self, rid: str, jobs: list[Req] | None) -> list[Req] | None:
+        """Set (None: forget) the jobs a waiting request waits for; returns `jobs`."""
+        for job in self.blocked_on.pop(rid, ()):
+            ref = self._refs.get(job.span_id)
+            if ref is not None:
+                ref[1] -= 1
+        if jobs is not None:
+            self.blocked_on[rid] = jobs
+            for job in jobs:
+                ref = self._refs.get(job.span_id)
+                if ref is not None:
+                    ref[1] += 1
+        return jobs
 
     def _job_ranks(self, waiting: list[Req], waiters: dict[str, int]) -> dict[str, int]:
         """Span job rid -> its place in the order that completes waiting requests soonest."""

@@ -85,6 +85,7 @@ class Req:
     input_logprobs_done: bool = False
     # A span prefill job (ISPS or warm-up): computes its span's KV into the tree, samples nothing.
     warmup: bool = False
+    span_id: tuple | None = None  # a span job's (namespace, tokens): what identifies the KV it computes
     arrival_step: int = 0
 
     # ---- derived views -------------------------------------------------------------------------------------

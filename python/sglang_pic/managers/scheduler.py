@@ -216,7 +216,8 @@ class Scheduler:
                 self.finished_early.append(req)
                 continue
             if self.kv.waits_for_inflight_span(req) or (
-                self.isps and not req.warmup and self.kv.has_shareable_uncached_span(req)
+                self.isps and not req.warmup and not self.planner.under_pressure
+                and self.kv.has_shareable_uncached_span(req)
             ):
                 self.kv.release(req)  # its span is being computed elsewhere: match again next step
                 self.planner.recheck(req)
