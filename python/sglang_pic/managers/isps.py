@@ -1,8 +1,9 @@
 """Interleaved span-prefill scheduling (ISPS): the order in which queued prefill work is offered each step.
 
 Requests whose spans are not cached do not compute those spans themselves (but see memory pressure below): each
-such span becomes one span prefill job (a warm-up request holding only the span, at offset 0 — its KV is position-free), shared by every
-request that needs it. Each step the scheduler fills its token budget, next to the running decodes, in this order:
+such span becomes one span prefill job (a warm-up request holding only the span, at offset 0 — its KV is
+position-free), shared by every request that needs it. Each step the scheduler fills its token budget, next to
+the running decodes, in this order:
   1. work that has waited `max_wait_steps` or more (oldest first), so nothing starves;
   2. requests whose spans are all cached (only their own prefix/PDEP tokens left), first come first served: their
      extends are short and start decodes that then ride along with the span prefills still to come;
