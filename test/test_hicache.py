@@ -28,6 +28,7 @@ from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.radix_ext import RadixCache, RadixKey, TreeNode
 from test_radix_cache import (
+    check_sizes,
     keys,  # the same key space the plain tree's property test draws from
 )
 
@@ -83,7 +84,7 @@ def put(s: Setup, tags: Tags, key: RadixKey) -> torch.Tensor:
 
 def check_accounting(s: Setup, running_slots: int = 0) -> None:
     tree = s.tree
-    assert tree.evictable_size() + tree.protected_size() == tree.total_size() == tree.all_slots().numel()
+    check_sizes(tree)
     assert s.allocator.available_size() + tree.total_size() + running_slots == s.allocator.size
     assert s.host.available_size() + tree.host_size() == s.host.size
 

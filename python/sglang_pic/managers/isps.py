@@ -35,16 +35,17 @@ def _span_id(seg: ReqSegment) -> tuple:
     return (seg.extra_key, tuple(seg.tokens))
 
 
-def make_span_job(extra_key: str | None, tokens: list[int], rid: str, arrival_step: int) -> Req:
-    seg = ReqSegment("span", list(tokens), extra_key, start=0)
+def make_span_job(span_id: tuple, rid: str, arrival_step: int) -> Req:
+    """A prefill-only request for the span `span_id` = (namespace, tokens)."""
+    extra_key, tokens = span_id
     return Req(
         rid=rid,
-        segments=[seg],
+        segments=[ReqSegment("span", list(tokens), extra_key, start=0)],
         sampling_params=SamplingParams(max_new_tokens=0),
         prompt_len=len(tokens),
         warmup=True,
         arrival_step=arrival_step,
-        span_id=_span_id(seg),
+        span_id=span_id,
     )
 
 
@@ -60,7 +61,7 @@ class SpanPrefillPlanner:
         # once, and again only when admission finds one missing (evicted), so a long queue costs no tree lookups
         # per step; finished jobs just leave the list.
         self.blocked_on: dict[str, list[Req]] = {}
-        self.span_sizes: dict[str, dict[tuple, int]] = {}  # rid -> its spans (span id -> tokens) while it waits
+        self.held: dict[str, tuple[tuple, ...]] = {}  # rid -> the span ids of a waiting request
         # span id -> [waiting requests holding it, those of them blocked on its job, its tokens]: kept up to date as
         # requests come and go, so counting the staged spans walks distinct spans rather than requests.
         self._refs: dict[tuple, list[int]] = {}
@@ -74,7 +75,7 @@ class SpanPrefillPlanner:
         if job is not None:
             return job, False
         self._next_id += 1
-        job = make_span_job(seg.extra_key, seg.tokens, f"span-job-{self._next_id}", arrival_step)
+        job = make_span_job(sid, f"span-job-{self._next_id}", arrival_step)
         self.jobs[sid] = job
         return job, True
 
@@ -133,7 +134,7 @@ class SpanPrefillPlanner:
                     job, created = self.job_for(seg, req.arrival_step)
                     if created:
                         new_jobs.append(job)
-                        self.owner[_span_id(seg)] = req.rid
+                        self.owner[job.span_id] = req.rid
                     jobs.append(job)
                 self._hold(req, {_span_id(s): len(s.tokens) for s in req.segments if s.kind == "span"})
                 self._block(req.rid, jobs)
@@ -169,14 +170,14 @@ class SpanPrefillPlanner:
         return sum(tokens for holders, blocked, tokens in self._refs.values() if holders > blocked)
 
     def _hold(self, req: Req, sizes: dict[tuple, int] | None) -> None:
-        """Record the spans of a waiting request (None: it left the queue)."""
-        for sid in self.span_sizes.pop(req.rid, {}):
+        """Record the spans (span id -> tokens) of a waiting request (None: it left the queue)."""
+        for sid in self.held.pop(req.rid, ()):
             ref = self._refs[sid]
             ref[0] -= 1
             if ref[0] == 0:
                 del self._refs[sid]
         if sizes is not None:
-            self.span_sizes[req.rid] = sizes
+            self.held[req.rid] = tuple(sizes)
             for sid, n in sizes.items():
                 self._refs.setdefault(sid, [0, 0, n])[0] += 1
 
@@ -199,9 +200,8 @@ class SpanPrefillPlanner:
         blocked = []
         for req in waiting:
             jobs = self.blocked_on.get(req.rid)
-            if jobs:
-                missing = sum(job.prompt_len for job in jobs if not job.finished())
-                blocked.append((missing, req.arrival_step, req.rid))
+            if jobs:  # order() has just dropped the finished ones
+                blocked.append((sum(job.prompt_len for job in jobs), req.arrival_step, req.rid))
         rank: dict[str, int] = {}
         for _, _, rid in sorted(blocked):
             for job in sorted(self.blocked_on[rid], key=lambda j: -waiters[j.rid]):
