@@ -192,6 +192,16 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
     return kwargs
 
 
+def args_json(args: argparse.Namespace) -> dict[str, Any]:
+    """The command-line arguments as JSON values (paths as strings), for a result file's record of its run."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))
+
+
 def free_engine(engine: Engine) -> None:
     """Drop an engine's weights and KV pool before the next one is built, so modes never share memory."""
     engine.shutdown()
@@ -468,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hf = run_hf_reference(args, model_dir, tokenizer_dir,
                               [workload.plain_prompt(s) for s in workload.samples[: args.hf_subset]])
     result = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": args_json(args),
         "device": device_name(),
         "torch": torch.__version__,
         "model_dir": model_dir,
@@ -476,8 +486,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "modes": {m.mode: dict(asdict(m), reused_prefill_tokens=m.reused_prefill_tokens) for m in modes},
         "hf_reference": [asdict(h) for h in hf],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rag_spans.json").write_text(json.dumps(result, indent=2, default=str))
+    write_json(args.out / "rag_spans.json", result)
     plot(modes, hf, args.out / "rag_spans.png")
     print_table(modes, hf)
     print(f"wrote {args.out / 'rag_spans.json'} and {args.out / 'rag_spans.png'}")

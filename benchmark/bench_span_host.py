@@ -15,7 +15,6 @@ Usage: python benchmark/bench_span_host.py [--span-lengths 512,2048,8192,16384,3
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_rag_spans import DEFAULT_OUT  # noqa: E402
+from bench_rag_spans import DEFAULT_OUT, args_json, write_json  # noqa: E402
 from bench_span_ttft import OTHER_SYSTEM_PROMPT, QUESTION, make_span  # noqa: E402
 from make_config import write_config  # noqa: E402
 from rag_workload import SYSTEM_PROMPT, rag_prompt  # noqa: E402
@@ -134,13 +133,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         engine.shutdown()
     result = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": args_json(args),
         "torch": torch.__version__,
         "model_dir": str(model),
         "lengths": [asdict(r) for r in results],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "span_host.json").write_text(json.dumps(result, indent=2))
+    write_json(args.out / "span_host.json", result)
     print(f"{'span tokens':>12}{'tokenize ms':>13}{'schedule ms':>13}{'host ms':>10}{'forward ms':>12}")
     for r in results:
         print(f"{r.span_tokens:>12}{r.tokenize_ms:>13.2f}{r.schedule_ms:>13.2f}{r.host_ms:>10.2f}{r.forward_ms:>12.2f}")

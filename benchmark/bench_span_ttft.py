@@ -11,7 +11,6 @@ Usage: python benchmark/bench_span_ttft.py --quick
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,11 +25,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_rag_spans import (  # noqa: E402
     DEFAULT_OUT,
     add_engine_args,
+    args_json,
     device_name,
     engine_kwargs,
     free_engine,
     resolve_paths,
     warm_up,
+    write_json,
 )
 from rag_workload import SYSTEM_PROMPT, WorkloadConfig, build_workload, rag_prompt  # noqa: E402
 
@@ -147,14 +148,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         free_engine(engine)
     result = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": args_json(args),
         "device": device_name(),
         "torch": torch.__version__,
         "model_dir": model_dir,
         "lengths": [asdict(r) for r in results],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "span_ttft.json").write_text(json.dumps(result, indent=2))
+    write_json(args.out / "span_ttft.json", result)
     plot(results, args.out / "span_ttft.png")
     print(f"{'span tokens':>12}{'cold s':>10}{'cached s':>10}{'speedup':>9}")
     for r in results:

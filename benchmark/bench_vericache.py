@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_engine_e2e import LLAMA3_8B, TINY, rand_prompts, write_config  # noqa: E402
+from bench_rag_spans import args_json  # noqa: E402
 from sglang_pic import Engine  # noqa: E402
 from sglang_pic.managers.io_struct import GenerateReqInput  # noqa: E402
 from sglang_pic.managers.req import Req  # noqa: E402
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(0)
     parts = _strs(args.parts)
-    result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    result: dict = {"args": args_json(args)}
     accept_lengths = list(args.assume_accept_length or [])
     if "acceptance" in parts:
         result["acceptance"] = bench_acceptance(args)
