@@ -198,12 +198,12 @@ class SpanPrefillPlanner:
     def _job_ranks(self, waiting: list[Req], waiters: dict[str, int]) -> dict[str, int]:
         """Span job rid -> its place in the order that completes waiting requests soonest."""
         blocked = []
-        for req in waiting:
+        for place, req in enumerate(waiting):  # queue place breaks ties (rids are random: ties must not use them)
             jobs = self.blocked_on.get(req.rid)
             if jobs:  # order() has just dropped the finished ones
-                blocked.append((sum(job.prompt_len for job in jobs), req.arrival_step, req.rid))
+                blocked.append((sum(job.prompt_len for job in jobs), req.arrival_step, place, req.rid))
         rank: dict[str, int] = {}
-        for _, _, rid in sorted(blocked):
+        for *_, rid in sorted(blocked):
             for job in sorted(self.blocked_on[rid], key=lambda j: -waiters[j.rid]):
                 rank.setdefault(job.rid, len(rank))
         return rank
