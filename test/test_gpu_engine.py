@@ -7,6 +7,7 @@ import torch
 
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
+from sglang_pic.model_executor.forward_batch import ForwardMode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -32,3 +33,20 @@ def test_cuda_engine_matches_cpu_float32(tiny_model, page_size):
         again = [o["output_ids"] for o in gpu.generate(PROMPTS, GREEDY)]
     assert got == expected
     assert again == expected
+
+
+def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):
+    """Prompts sent one at a time are one-request extends: whole short prompts first, then (spans cached) a new
+    prefix and a few tokens each. Both replay the extend graphs and keep the CPU float32 engine's tokens."""
+    common = dict(model_path=str(tiny_model), dtype="float32", page_size=16, max_total_tokens=4096)
+    later = ["Now: " + p for p in PROMPTS[2:]]
+    with Engine(device="cpu", **common) as cpu:
+        expected = [cpu.generate(p, GREEDY)["output_ids"] for p in PROMPTS + later]
+    with Engine(device="cuda", attention_backend="triton", **common) as gpu:
+        replays = gpu.runner.graph_runner.num_replays
+        got = [gpu.generate(p, GREEDY)["output_ids"] for p in PROMPTS]
+        first = replays[ForwardMode.EXTEND]
+        got += [gpu.generate(p, GREEDY)["output_ids"] for p in later]
+        cached = replays[ForwardMode.EXTEND] - first
+    assert got == expected
+    assert first >= len(PROMPTS) and cached == len(later)

@@ -95,6 +95,43 @@ def _child_main() -> None:
             outs.append(layer(q, k, v, fb))
         return {"dtype": "float32", "nan": bool(outs[0].isnan().any()), "vs_torch_native": relative_errors(*outs)}
 
+    def graph_padding_case():
+        """A one-request extend padded as its CUDA graph replays it: the backend is sized for a long context and
+        the padded count, the live rows keep their output and the padded rows write only the dummy slot 0."""
+        from sglang_pic.layers.attention_backend import create_attention_backend
+        from sglang_pic.layers.radix_attention import RadixAttention
+        from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+        from sglang_pic.model_executor.cuda_graph_runner import StaticInputs
+        from sglang_pic.model_executor.forward_batch import ForwardMode
+
+        hq, hkv, dim, padded, context_len = 4, 2, 32, 32, 4096
+        batch = pb.make_paged_batch([pb.spans(50, [(8, 20)], 4)], hq, hkv, dim, torch.float32, "cpu", page_size=16)
+        layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=RotaryEmbedding(dim, context_len))
+        q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
+        native = pb.forward_batch_for(batch, create_attention_backend("torch_native"), decode=False)
+        native.attn_backend.init_forward_metadata(native)
+        expected = layer(q, k, v, native)
+
+        live = pb.forward_batch_for(batch, create_attention_backend("triton"), decode=False)
+        static = StaticInputs.allocate(padded, 1, live.req_to_token_pool.padding_row, torch.device("cpu"))
+        static.load(live, padded, live.req_to_token_pool.padding_row)
+        graph_batch = static.batch(ForwardMode.EXTEND, padded, context_len, live)
+        graph_batch.attn_backend.init_forward_metadata(graph_batch)
+        rows = q.shape[0]
+        garbage = [torch.randn(padded - rows, t.shape[1]) for t in (q, k, v)]
+        k_pool = live.token_to_kv_pool.k_buffer[0]
+        before = k_pool.clone()
+        out = layer(*(torch.cat([t, g]) for t, g in zip((q, k, v), garbage)), graph_batch)
+        same = (k_pool == before) | (k_pool.isnan() & before.isnan())
+        written = set((~same.flatten(1).all(1)).nonzero().flatten().tolist())
+        return {
+            "dtype": "float32",
+            "nan": bool(out[:rows].isnan().any()),
+            "vs_torch_native": relative_errors(out[:rows], expected),
+            "writes_only_own_and_dummy_slots": written <= set(batch.out_cache_loc.tolist()) | {0},
+            "key_splits": graph_batch.attn_metadata["max_seq_len"] == context_len,
+        }
+
     P, E, D, S = pb.prefill, pb.extend, pb.decode, pb.spans
     span_specs = [S(60, [(5, 15), (30, 36)], 10), S(45, [(0, 20)], 1), P(9), S(80, [(40, 70)], 3)]
     cases: dict[str, Callable[[], dict]] = {
@@ -137,6 +174,7 @@ def _child_main() -> None:
         "backend_extend_page16": lambda: backend_case(decode=False, page=16),
         "backend_decode_page1": lambda: backend_case(decode=True, page=1),
         "backend_mixed_page16": lambda: backend_case(decode=False, page=16, mixed=True),
+        "backend_graph_padded_extend": graph_padding_case,
     }
     report = {}
     for name, run in cases.items():
@@ -271,10 +309,11 @@ def test_attention_kernel(report: dict, name: str) -> None:
 STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
 STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
 BACKEND_CASES = ["backend_extend_page16", "backend_decode_page1", "backend_mixed_page16"]
+GRAPH_CASES = ["backend_graph_padded_extend"]
 
 
 def test_every_case_is_checked(report: dict) -> None:
-    assert set(report) == set(ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES)
+    assert set(report) == set(ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES)
 
 
 @pytest.mark.parametrize("name", STORE_CASES)
@@ -295,6 +334,12 @@ def test_store_kv_rotated(report: dict, name: str) -> None:
 def test_backend_matches_torch_native(report: dict, name: str) -> None:
     entry = _entry(report, name)
     _assert_close(name, "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
+
+
+def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:
+    entry = _entry(report, "backend_graph_padded_extend")
+    _assert_close("padded extend", "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
+    assert entry["writes_only_own_and_dummy_slots"] and entry["key_splits"]
 
 
 def test_kernels_compile_for_sm90() -> None:

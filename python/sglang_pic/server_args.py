@@ -81,8 +81,13 @@ class ServerArgs:
 
     # Kernels.
     attention_backend: str | None = _arg(None, "torch_native or triton; default: triton on GPU, torch_native on CPU.")
-    disable_cuda_graph: bool = _arg(False, "Do not capture CUDA graphs for decoding.")
+    disable_cuda_graph: bool = _arg(False, "Do not capture CUDA graphs.")
     cuda_graph_max_bs: int = _arg(160, "Largest decode batch captured in a CUDA graph.")
+    cuda_graph_max_extend_tokens: int = _arg(
+        256,
+        "Largest one-request extend (new tokens, e.g. a prompt whose spans are cached) replayed from a CUDA graph; "
+        "0 captures none.",
+    )
 
     # Parallelism.
     tp_size: int = _arg(

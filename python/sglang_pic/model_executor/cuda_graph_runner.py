@@ -1,8 +1,14 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, replayed with the batch copied into static inputs.
+"""CUDA graphs for decode steps and for small one-request extends, replayed with the batch copied into static inputs.
 
-Padded rows point at the request table's padding row (every slot 0, the dummy KV slot) with seq_len 1, so they
-attend to one harmless key and write their KV into slot 0. The attention backend's decode grid depends only on the
-batch size, so one capture serves every context length.
+Decode: one graph per padded batch size. Padded rows point at the request table's padding row (every slot 0, the
+dummy KV slot) with seq_len 1, so they attend to one harmless key and write their KV into slot 0. The attention
+backend's decode grid depends only on the batch size, so one capture serves every context length.
+
+Extend: one graph per padded token count for a single request, the step of a prompt whose spans and prefix are
+cached. Eager, that step launches ~1,700 kernels for a few dozen new tokens and its launch time exceeds its GPU time.
+The request's extend_seq_len holds the true count, so the kernel masks the padded rows out of attention; they write
+their KV into slot 0. The grid is sized for the padded count and the model's context length (the most key chunks),
+and each chunk's key range is derived on the device from the true positions, so one capture serves every context.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -23,46 +30,105 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return [bs for bs in sizes if bs <= max_bs] or [1]
 
 
+def capture_extend_sizes(max_tokens: int) -> list[int]:
+    """Padded token counts of one-request extend graphs (none when max_tokens < 16)."""
+    return [n for n in (16, 32, 64, 128, 256, 512) if n <= max_tokens]
+
+
+@dataclass
+class StaticInputs:
+    """Device tensors a captured graph reads; a replay copies the live batch into their leading rows."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_lo: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+
+    @classmethod
+    def allocate(cls, tokens: int, reqs: int, padding_row: int, device: torch.device) -> StaticInputs:
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=zeros(tokens),
+            positions=zeros(tokens),
+            attn_lo=zeros(tokens),
+            out_cache_loc=zeros(tokens),
+            req_pool_indices=torch.full((reqs,), padding_row, dtype=torch.int64, device=device),
+            seq_lens=torch.ones(reqs, dtype=torch.int64, device=device),
+            extend_seq_lens=torch.ones(reqs, dtype=torch.int64, device=device),
+            extend_start_loc=torch.arange(reqs, dtype=torch.int64, device=device),
+        )
+
+    def load(self, batch: ForwardBatch, padded: int, padding_row: int) -> None:
+        """Copy the live batch into the leading rows. Token rows up to `padded` become token 0 at position 0
+        writing slot 0; in decode (one token per request) the padded requests read the padding row of the request
+        table with seq_len 1. An extend graph serves one request, so it pads tokens only."""
+        tokens, reqs = batch.input_ids.shape[0], batch.batch_size
+        for static, live in (
+            (self.input_ids, batch.input_ids),
+            (self.positions, batch.positions),
+            (self.attn_lo, batch.attn_lo),
+            (self.out_cache_loc, batch.out_cache_loc),
+        ):
+            static[:tokens].copy_(live)
+            static[tokens:padded].zero_()
+        self.req_pool_indices[:reqs].copy_(batch.req_pool_indices)
+        self.seq_lens[:reqs].copy_(batch.seq_lens)
+        self.extend_seq_lens[:reqs].copy_(batch.extend_seq_lens)
+        if batch.forward_mode.is_decode():
+            self.req_pool_indices[reqs:padded].fill_(padding_row)
+            self.seq_lens[reqs:padded].fill_(1)
+
+    def batch(self, mode: ForwardMode, size: int, context_len: int, runner) -> ForwardBatch:
+        """The batch a graph captures: `size` requests for decode, or `size` tokens of one request for extend,
+        whose host-side lengths ask the backend for the widest grid (every key chunk a context_len context has).
+        `runner` supplies the pools and the attention backend."""
+        if mode.is_decode():
+            reqs, seq_lens_cpu, extend_lens_cpu = size, [1] * size, [1] * size
+        else:
+            reqs, seq_lens_cpu, extend_lens_cpu = 1, [context_len], [size]
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=reqs,
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            attn_lo=self.attn_lo[:size],
+            out_cache_loc=self.out_cache_loc[:size],
+            req_pool_indices=self.req_pool_indices[:reqs],
+            seq_lens=self.seq_lens[:reqs],
+            extend_seq_lens=self.extend_seq_lens[:reqs],
+            extend_start_loc=self.extend_start_loc[:reqs],
+            seq_lens_cpu=seq_lens_cpu,
+            extend_seq_lens_cpu=extend_lens_cpu,
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool=runner.token_to_kv_pool,
+            attn_backend=runner.attn_backend,
+        )
+
+
 class CudaGraphRunner:
     def __init__(self, runner) -> None:
         self.runner = runner
-        self.device = runner.device
-        max_bs = min(runner.server_args.cuda_graph_max_bs, runner.server_args.max_running_requests)
+        args = runner.server_args
+        max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
         self.batch_sizes = capture_batch_sizes(max_bs)
-        self.max_bs = self.batch_sizes[-1]
-        n, dev = self.max_bs, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.attn_lo = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.req_pool_indices = torch.full((n,), runner.req_to_token_pool.padding_row, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
-        self.extend_seq_lens = torch.ones(n, dtype=torch.int64, device=dev)
-        self.extend_start_loc = torch.arange(n, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.extend_sizes = capture_extend_sizes(args.cuda_graph_max_extend_tokens)
+        pad, dev = runner.req_to_token_pool.padding_row, runner.device
+        self.decode_inputs = StaticInputs.allocate(self.batch_sizes[-1], self.batch_sizes[-1], pad, dev)
+        self.extend_inputs = StaticInputs.allocate(max(self.extend_sizes, default=0), 1, pad, dev)
+        self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
+        self.num_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}
         self.pool = None
         self._capture_all()
 
-    def _batch(self, bs: int) -> ForwardBatch:
-        r = self.runner
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=bs,
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
-            attn_lo=self.attn_lo[:bs],
-            out_cache_loc=self.out_cache_loc[:bs],
-            req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs],
-            extend_seq_lens=self.extend_seq_lens[:bs],
-            extend_start_loc=self.extend_start_loc[:bs],
-            seq_lens_cpu=[1] * bs,
-            extend_seq_lens_cpu=[1] * bs,
-            req_to_token_pool=r.req_to_token_pool,
-            token_to_kv_pool=r.token_to_kv_pool,
-            attn_backend=r.attn_backend,
-        )
+    def _inputs(self, mode: ForwardMode) -> StaticInputs:
+        return self.decode_inputs if mode.is_decode() else self.extend_inputs
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -71,46 +137,57 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         gc.disable()
         try:
-            self._capture_each()
+            keys = [(ForwardMode.DECODE, bs) for bs in self.batch_sizes]
+            keys += [(ForwardMode.EXTEND, n) for n in self.extend_sizes]
+            stream = torch.cuda.Stream()
+            for key in reversed(keys):
+                self._capture(key, stream)
+            torch.cuda.synchronize()
         finally:
             gc.enable()
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s and one-request extends of %s tokens",
+            self.batch_sizes,
+            self.extend_sizes,
+        )
 
-    def _capture_each(self) -> None:
-        stream = torch.cuda.Stream()
-        for bs in reversed(self.batch_sizes):
-            batch = self._batch(bs)
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the kernels and settle the allocator before capture
-                    self.runner.attn_backend.init_forward_metadata(batch)
-                    self.runner.model(batch.input_ids, batch.positions, batch)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            self.runner.attn_backend.init_forward_metadata(batch)
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self.runner.model(batch.input_ids, batch.positions, batch)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
-        torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+    def _capture(self, key: tuple[ForwardMode, int], stream: torch.cuda.Stream) -> None:
+        mode, size = key
+        inputs = self._inputs(mode)
+        if not mode.is_decode():
+            inputs.extend_seq_lens.fill_(size)  # the warm-up runs attend with every row
+        batch = inputs.batch(mode, size, self.runner.model_config.context_len, self.runner)
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the kernels and settle the allocator before capture
+                self.runner.attn_backend.init_forward_metadata(batch)
+                self.runner.model(batch.input_ids, batch.positions, batch)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        self.runner.attn_backend.init_forward_metadata(batch)
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            out = self.runner.model(batch.input_ids, batch.positions, batch)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[key] = graph
+        self.outputs[key] = out
+
+    def _padded_key(self, batch: ForwardBatch) -> tuple[ForwardMode, int] | None:
+        if batch.forward_mode.is_decode():
+            sizes, raw = self.batch_sizes, batch.batch_size
+        elif batch.batch_size == 1 and batch.num_decode_tail == 0:
+            sizes, raw = self.extend_sizes, batch.input_ids.shape[0]
+        else:
+            return None
+        i = bisect.bisect_left(sizes, raw)
+        return (batch.forward_mode, sizes[i]) if i < len(sizes) else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.forward_mode.is_decode() and batch.batch_size <= self.max_bs
+        return self._padded_key(batch) is not None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        raw = batch.batch_size
-        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, raw)]
-        self.input_ids[:raw].copy_(batch.input_ids)
-        self.positions[:raw].copy_(batch.positions)
-        self.out_cache_loc[:raw].copy_(batch.out_cache_loc)
-        self.req_pool_indices[:raw].copy_(batch.req_pool_indices)
-        self.seq_lens[:raw].copy_(batch.seq_lens)
-        if bs > raw:
-            self.input_ids[raw:bs].zero_()
-            self.positions[raw:bs].zero_()
-            self.out_cache_loc[raw:bs].zero_()
-            self.req_pool_indices[raw:bs].fill_(self.runner.req_to_token_pool.padding_row)
-            self.seq_lens[raw:bs].fill_(1)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:raw]
+        key = self._padded_key(batch)
+        mode, padded = key
+        self._inputs(mode).load(batch, padded, self.runner.req_to_token_pool.padding_row)
+        self.graphs[key].replay()
+        self.num_replays[mode] += 1
+        return self.outputs[key][: batch.input_ids.shape[0]]
