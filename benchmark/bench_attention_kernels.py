@@ -3,7 +3,9 @@
 Every case times both variants on one pool and one set of inputs: `position_free` (keys stored unrotated and
 rotated inside attention from their index) and `prerotated` (the standard engine layout: keys rotated once at
 store time, only queries rotated in attention). Both are the same kernel body compiled with ROTATE_KEYS on and
-off. Kernel cost does not depend on the key values, so the baseline reads the same buffer.
+off. Kernel cost does not depend on the key values, so the baseline reads the same buffer. For extends with many
+queries per key the engine stages keys instead (rotated once into a workspace, see kernels/stage_keys.py); there
+`position_free` includes the staging pass and `in_kernel_ms` times in-kernel rotation as well.
 
 Cases: decode (flash-decoding, batch x context grid), extend (prefill, prefix extends, span prefills), and the
 KV store. Each call is captured in a CUDA graph and timed by triton.testing.do_bench on its replays (L2 flushed
@@ -148,12 +150,17 @@ def extend_cases(prefill_lens: list[int]) -> dict[str, list]:
         cases[f"prefill_{requests}x{n}"] = [prefill(n)] * requests
     cases["extend_1k_on_8k_prefix"] = [extend(9216, 1024)] * 4
     cases["extend_1k_on_31k_prefix"] = [extend(32768, 1024)]
+    cases["extend_64_on_32k_prefix"] = [extend(32768 + 64, 64)]  # a prompt whose 32K span is cached
     span_list = [(i * 1024, i * 1024 + 1000) for i in range(8)]
     cases["spans_8x1000_plus_512_pdep"] = [spans(8192 + 512, span_list, 512)] * 2
     return cases
 
 
 def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) -> dict:
+    """Position-free is the engine's path: keys staged (rotated once into a workspace, timed with it) where the
+    engine would stage them, else rotated in-kernel; `in_kernel_ms` also times in-kernel rotation for every case."""
+    from sglang_pic.kernels.stage_keys import should_stage_keys
+
     batch = _make_batch(args, specs, seed=len(name))
     out = batch.poisoned_output()
 
@@ -161,6 +168,11 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
         return lambda: batch.run_extend(keys_rotated, out=out, config=config)
 
     result = pair(variant, args.rep_ms)
+    key_bytes = args.kv_heads * args.head_dim * DTYPES[args.dtype].itemsize
+    result["staged"] = should_stage_keys(sum(batch.seq_lens_cpu), key_bytes)
+    in_kernel = graph_time_ms(lambda: batch.run_extend(False, out=out, config=config, stage=False), args.rep_ms)
+    result["in_kernel_ms"] = in_kernel
+    result["in_kernel_overhead_pct"] = 100.0 * (in_kernel / result["prerotated_ms"] - 1.0)
     pairs = sum(p - lo + 1 for s in specs for p, lo in zip(s.positions, s.attn_lo))
     flops = 4 * args.heads * args.head_dim * pairs  # q.k and p.v over visible pairs
     result.update(
@@ -305,11 +317,13 @@ def print_summary(report: dict) -> None:
         times = f"{r['position_free_ms']:9.4f} {r['prerotated_ms']:9.4f}"
         rates = f"{r['position_free_gbps']:10.0f} {r['prerotated_gbps']:9.0f}"
         print(f"{shape:>14s} {times} {rates} {r['overhead_pct']:+8.1f}%")
-    print(f"{'extend':>34s} {'free ms':>9s} {'pre ms':>9s} {'free TF/s':>10s} {'pre TF/s':>9s} {'overhead':>9s}")
+    head = f"{'free ms':>9s} {'pre ms':>9s} {'free TF/s':>10s} {'pre TF/s':>9s} {'overhead':>9s}"
+    print(f"{'extend':>34s} {head} {'staged':>7s} {'in-kernel rotation':>19s}")
     for r in report["extend"]:
         times = f"{r['position_free_ms']:9.3f} {r['prerotated_ms']:9.3f}"
         rates = f"{r['position_free_tflops']:10.0f} {r['prerotated_tflops']:9.0f}"
-        print(f"{r['case']:>34s} {times} {rates} {r['overhead_pct']:+8.1f}%")
+        in_kernel = f"{r['in_kernel_ms']:9.3f} {r['in_kernel_overhead_pct']:+8.1f}%"
+        print(f"{r['case']:>34s} {times} {rates} {r['overhead_pct']:+8.1f}% {str(r['staged']):>7s} {in_kernel}")
     if report["decode"]:
         geo = math.exp(sum(math.log1p(r["overhead_pct"] / 100) for r in report["decode"]) / len(report["decode"]))
         print(f"decode overhead, geometric mean: {100 * (geo - 1):+.1f}%")

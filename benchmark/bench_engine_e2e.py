@@ -149,10 +149,19 @@ def main() -> None:
     ap.add_argument("--decode-prompt-len", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument(
+        "--rotate-keys-in-kernel",
+        action="store_true",
+        help="A/B of key staging: a staging bound of 0 makes every extend rotate keys inside the attention kernel",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny model, tiny sizes (CPU smoke run)")
     ap.add_argument("--out", default="benchmark/results/engine_e2e.json")
     args = ap.parse_args()
     from sglang_pic import Engine
+    from sglang_pic.kernels import stage_keys
+
+    if args.rotate_keys_in_kernel:
+        stage_keys.STAGE_MAX_BYTES = 0
 
     cfg = TINY if args.quick else LLAMA3_8B
     if args.quick:

@@ -28,6 +28,7 @@ from sglang_pic.kernels.rope import (
     rotate_halves,
     rotate_keys,
 )
+from sglang_pic.kernels.stage_keys import StagedKeys
 
 LOG2E = 1.0 / math.log(2.0)
 MAX_SPLITS = 32
@@ -74,6 +75,7 @@ def _extend_attention_kernel(
     extend_seq_lens_ptr,
     positions_ptr,
     attn_lo_ptr,
+    key_row_start_ptr,
     qk_scale,
     num_positions,
     num_splits,
@@ -96,6 +98,7 @@ def _extend_attention_kernel(
     V_DIM: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ROTATE_KEYS: tl.constexpr,
+    KEYS_STAGED: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -144,6 +147,8 @@ def _extend_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
     k_head = k_buf_ptr + kvh * HEAD_DIM
+    if KEYS_STAGED:  # k_buf is a staging workspace: key j of this request is row key_row_start[b] + j
+        k_head += tl.load(key_row_start_ptr + b) * stride_kbs
     v_head = v_buf_ptr + kvh * V_DIM
     r2t_row = req_to_token_ptr + req_row * stride_r2t
     offs_b = tl.arange(0, BLOCK_N)
@@ -158,7 +163,10 @@ def _extend_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_hi
         slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
-        k_rows = k_head + slots[:, None] * stride_kbs
+        if KEYS_STAGED:
+            k_rows = k_head + offs_n[:, None] * stride_kbs
+        else:
+            k_rows = k_head + slots[:, None] * stride_kbs
         k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
         k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
         k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
@@ -245,15 +253,19 @@ def extend_kernel_params(
     keys_rotated: bool,
     config: ExtendConfig | None = None,
     split_keys: bool = False,
+    keys_staged: bool = False,
 ) -> dict:
-    """Constexprs and launch options of the extend kernel (the sm_90 build test compiles exactly these)."""
+    """Constexprs and launch options of the extend kernel (the sm_90 build test compiles exactly these).
+    Staged keys (see stage_keys) are rotated already, so they get the pre-rotated tiles."""
     group = num_heads // num_kv_heads
-    cfg = config or default_extend_config(split.head_dim, dtype, device, keys_rotated)
+    rotated = keys_rotated or keys_staged
+    cfg = config or default_extend_config(split.head_dim, dtype, device, rotated)
     return {
         "GROUP": group,
         "BLOCK_M": max(cfg.block_m, triton.next_power_of_2(group)),
         "BLOCK_N": cfg.block_n,
-        "ROTATE_KEYS": not keys_rotated,
+        "ROTATE_KEYS": not rotated,
+        "KEYS_STAGED": keys_staged,
         "SPLIT": split_keys,
         "DOT_DTYPE": dot_operand_dtype(dtype, device),
         "DOT_PRECISION": dot_precision(dtype),
@@ -282,6 +294,7 @@ def extend_attention_fwd(
     num_splits: int | None = None,
     max_seq_len: int = 0,
     num_sms: int = 1,
+    staged_keys: StagedKeys | None = None,
 ) -> None:
     """out [T, Hq, Dv] = attention of q [T, Hq, D] (unrotated) over the pool.
 
@@ -290,7 +303,9 @@ def extend_attention_fwd(
 
     Keys are rotated in the dtype of `cos_sin_cache` (pass it in the pool's dtype, see RotaryEmbedding.kernel_table).
     keys_rotated=True is the baseline: the pool holds keys already rotated by their position, so only queries
-    are rotated. `max_extend_len` (a host int) sizes the grid; it may exceed the true maximum.
+    are rotated. With `staged_keys` (from stage_keys over the same requests) keys are read, rotated, from its
+    workspace instead of k_buffer; values still come from the pool. `max_extend_len` (a host int) sizes the grid;
+    it may exceed the true maximum.
     """
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0 or max_extend_len == 0:
@@ -298,7 +313,12 @@ def extend_attention_fwd(
     check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
     num_kv_heads = k_buffer.shape[1]
     split = head_split(head_dim, cos_sin_cache, v_buffer.shape[-1])
-    params = extend_kernel_params(num_heads, num_kv_heads, split, k_buffer.dtype, q.device, keys_rotated, config)
+    staged = staged_keys is not None
+    if staged:
+        k_buffer = staged_keys.workspace
+    params = extend_kernel_params(
+        num_heads, num_kv_heads, split, k_buffer.dtype, q.device, keys_rotated, config, keys_staged=staged
+    )
     q_blocks = triton.cdiv(max_extend_len, params["BLOCK_M"] // params["GROUP"])
     if num_splits is None:
         num_splits = num_extend_splits(req_pool_indices.shape[0] * num_kv_heads * q_blocks, max_seq_len, num_sms)
@@ -321,6 +341,7 @@ def extend_attention_fwd(
         extend_seq_lens,
         positions,
         attn_lo,
+        staged_keys.row_start if staged else req_pool_indices,  # any int64 pointer when unused
         sm_scale * LOG2E,
         cos_sin_cache.shape[0],
         num_splits,

@@ -86,6 +86,7 @@ class PagedBatch:
     page_size: int = 1
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    key_row_start: torch.Tensor | None = None  # staging rows (stage_keys), built by the first staged run
 
     def attention_args(self) -> tuple:
         """Positional arguments shared by attention_reference and paged_attention_torch."""
@@ -116,15 +117,36 @@ class PagedBatch:
         out: torch.Tensor | None = None,
         config: "ExtendConfig | None" = None,
         num_splits: int | None = None,
+        stage: bool | None = None,
     ) -> torch.Tensor:
         """The extend kernel over this batch (k_buffer defaults to the batch's own pool; `num_splits` key-range
-        chunks, by default as many as the engine would pick on this device)."""
+        chunks, by default as many as the engine would pick on this device). Position-free keys are staged
+        (rotated once into a workspace, see stage_keys) if `stage`, by default when the engine would."""
         from sglang_pic.kernels.extend_attention import extend_attention_fwd
+        from sglang_pic.kernels.stage_keys import key_row_starts, should_stage_keys, stage_keys
 
         out = self.poisoned_output() if out is None else out
+        k_buffer = self.k_buffer if k_buffer is None else k_buffer
+        if stage is None:
+            key_bytes = k_buffer.shape[1] * k_buffer.shape[2] * k_buffer.dtype.itemsize
+            stage = should_stage_keys(sum(self.seq_lens_cpu), key_bytes)
+        staged = None
+        if stage and not keys_rotated:
+            if self.key_row_start is None:  # once per batch, as the engine does once per forward
+                self.key_row_start = key_row_starts(self.seq_lens)
+            staged = stage_keys(
+                k_buffer,
+                self.req_to_token,
+                self.req_pool_indices,
+                self.seq_lens,
+                self.key_row_start,
+                self.kernel_cos_sin,
+                sum(self.seq_lens_cpu),
+                max(self.seq_lens_cpu),
+            )
         extend_attention_fwd(
             self.q,
-            self.k_buffer if k_buffer is None else k_buffer,
+            k_buffer,
             self.v_buffer,
             out,
             self.req_to_token,
@@ -141,6 +163,7 @@ class PagedBatch:
             num_splits=num_splits,
             max_seq_len=max(self.seq_lens_cpu),
             num_sms=_num_sms(self.q.device),
+            staged_keys=staged,
         )
         return out
 

@@ -100,6 +100,39 @@ def rotate_keys(k1, k2, cos, sin):
 
 
 @triton.jit
+def copy_key_rows(
+    src,
+    dst,
+    row_mask,
+    pos,
+    cos_sin_ptr,
+    stride_cs,
+    ROTATE: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+):
+    """Copy key heads from `src` to `dst` (pointer columns [rows, 1] at each head's first element), rotating the
+    rotary halves by `pos` (float32 math) when ROTATE; the unrotated tail is copied as is."""
+    dtype = dst.dtype.element_ty
+    offs_r = tl.arange(0, BLOCK_HALF)
+    mask = row_mask[:, None] & (offs_r[None, :] < HALF)
+    k1 = tl.load(src + offs_r[None, :], mask=mask, other=0.0)
+    k2 = tl.load(src + HALF + offs_r[None, :], mask=mask, other=0.0)
+    if ROTATE:
+        cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, row_mask, HALF)
+        k1, k2 = rotate_halves(k1, k2, cos, sin)
+    tl.store(dst + offs_r[None, :], k1.to(dtype), mask=mask)
+    tl.store(dst + HALF + offs_r[None, :], k2.to(dtype), mask=mask)
+    if TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_mask = row_mask[:, None] & (offs_t[None, :] < TAIL)
+        tail = tl.load(src + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0)
+        tl.store(dst + 2 * HALF + offs_t[None, :], tail.to(dtype), mask=tail_mask)
+
+
+@triton.jit
 def merge_chunk(m, denom, acc, lse, o):
     """Fold one key chunk's normalized output `o` and base-2 log-sum-exp `lse` into a running merge (m, denom,
     acc); the result is acc / denom. A chunk with lse = -inf adds nothing."""

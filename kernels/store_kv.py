@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_pic.kernels.rope import HeadSplit, check_dense_heads, load_cos_sin, rotate_halves
+from sglang_pic.kernels.rope import HeadSplit, check_dense_heads, copy_key_rows
 
 
 @triton.jit
@@ -43,25 +43,10 @@ def _store_kv_kernel(
     slot = tl.load(loc_ptr + t)
     offs_h = tl.arange(0, BLOCK_HEADS)
     head_mask = offs_h < NUM_KV_HEADS
-    offs_r = tl.arange(0, BLOCK_HALF)
-    rot_mask = head_mask[:, None] & (offs_r[None, :] < HALF)
-    dtype = k_buf_ptr.dtype.element_ty
-
     k_row = k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM
     kb_row = k_buf_ptr + slot * stride_kbs + offs_h[:, None] * HEAD_DIM
-    k1 = tl.load(k_row + offs_r[None, :], mask=rot_mask, other=0.0)
-    k2 = tl.load(k_row + HALF + offs_r[None, :], mask=rot_mask, other=0.0)
-    if ROTATE_KEYS:
-        pos = tl.zeros([BLOCK_HEADS], tl.int64) + tl.load(positions_ptr + t)
-        cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, head_mask, HALF)
-        k1, k2 = rotate_halves(k1, k2, cos, sin)
-    tl.store(kb_row + offs_r[None, :], k1.to(dtype), mask=rot_mask)
-    tl.store(kb_row + HALF + offs_r[None, :], k2.to(dtype), mask=rot_mask)
-    if TAIL > 0:
-        offs_t = tl.arange(0, BLOCK_TAIL)
-        tail_mask = head_mask[:, None] & (offs_t[None, :] < TAIL)
-        tail = tl.load(k_row + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0)
-        tl.store(kb_row + 2 * HALF + offs_t[None, :], tail.to(dtype), mask=tail_mask)
+    pos = tl.zeros([BLOCK_HEADS], tl.int64) + tl.load(positions_ptr + t)
+    copy_key_rows(k_row, kb_row, head_mask, pos, cos_sin_ptr, stride_cs, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL)
 
     offs_v = tl.arange(0, BLOCK_V)
     v_mask = head_mask[:, None] & (offs_v[None, :] < V_DIM)

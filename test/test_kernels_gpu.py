@@ -95,24 +95,25 @@ def _extend_specs(case: str) -> list:
 
 
 EXTEND_CASES = ["prefill_8k", "prefill_ragged", "prefix_extend", "chunked_prefill", "spans_and_pdep"]
-EXTEND_RUNS = [(case, torch.bfloat16, False) for case in EXTEND_CASES] + [
-    (case, dtype, rotated)
+# (case, dtype, keys_rotated, stage): position-free keys both rotated in-kernel and staged (rotated once).
+EXTEND_RUNS = [(case, torch.bfloat16, False, stage) for case in EXTEND_CASES for stage in (False, True)] + [
+    (case, dtype, rotated, False)
     for case in ("prefix_extend", "spans_and_pdep")
     for dtype, rotated in ((torch.float16, False), (torch.bfloat16, True))
 ]
 
 
 @pytest.mark.parametrize(
-    "case,dtype,keys_rotated",
+    "case,dtype,keys_rotated,stage",
     EXTEND_RUNS,
-    ids=[f"{c}-{str(d).split('.')[-1]}-{_variant(r)}" for c, d, r in EXTEND_RUNS],
+    ids=[f"{c}-{str(d).split('.')[-1]}-{_variant(r)}{'-staged' if st else ''}" for c, d, r, st in EXTEND_RUNS],
 )
-def test_extend(case: str, dtype: torch.dtype, keys_rotated: bool) -> None:
+def test_extend(case: str, dtype: torch.dtype, keys_rotated: bool, stage: bool) -> None:
     from sglang_pic.kernels.reference import attention_reference
 
     batch = _batch(_extend_specs(case), dtype, seed=EXTEND_CASES.index(case))
     k_buffer = batch.rotated_pool() if keys_rotated else batch.k_buffer
-    out = batch.run_extend(keys_rotated=keys_rotated, k_buffer=k_buffer)
+    out = batch.run_extend(keys_rotated=keys_rotated, k_buffer=k_buffer, stage=stage)
     args = list(batch.attention_args())
     args[1] = k_buffer
     _check(out, attention_reference(*args, keys_rotated=keys_rotated), dtype)

@@ -36,7 +36,19 @@ def _child_main() -> None:
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
     def attention_case(
-        specs, hq, hkv, dim, dtype, *, page=1, decode=False, keys_rotated=False, splits=4, extend_splits=None, **kw
+        specs,
+        hq,
+        hkv,
+        dim,
+        dtype,
+        *,
+        page=1,
+        decode=False,
+        keys_rotated=False,
+        splits=4,
+        extend_splits=None,
+        stage=False,
+        **kw,
     ):
         batch = pb.make_paged_batch(specs, hq, hkv, dim, dtypes[dtype], "cpu", page_size=page, **kw)
         if keys_rotated:
@@ -44,7 +56,7 @@ def _child_main() -> None:
         if decode:
             out = batch.run_decode(splits, keys_rotated=keys_rotated)
         else:
-            out = batch.run_extend(keys_rotated=keys_rotated, num_splits=extend_splits)
+            out = batch.run_extend(keys_rotated=keys_rotated, num_splits=extend_splits, stage=stage)
         args = batch.attention_args()
         return {
             "dtype": dtype,
@@ -132,6 +144,18 @@ def _child_main() -> None:
             "key_splits": graph_batch.attn_metadata["max_seq_len"] == context_len,
         }
 
+    def stage_decision_case():
+        from sglang_pic.kernels.stage_keys import STAGE_MAX_BYTES, should_stage_keys
+
+        key = 8 * 128 * 2  # one key row of 8 kv heads x 128 dims in bf16
+        bound = STAGE_MAX_BYTES // key
+        return {
+            "no_keys": should_stage_keys(0, key),
+            "prefill_8k": should_stage_keys(8192, key),
+            "at_bound": should_stage_keys(bound, key),
+            "over_bound": should_stage_keys(bound + 1, key),
+        }
+
     P, E, D, S = pb.prefill, pb.extend, pb.decode, pb.spans
     span_specs = [S(60, [(5, 15), (30, 36)], 10), S(45, [(0, 20)], 1), P(9), S(80, [(40, 70)], 3)]
     cases: dict[str, Callable[[], dict]] = {
@@ -151,6 +175,10 @@ def _child_main() -> None:
         "spans_key_splits3_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16, extend_splits=3),
         "extend_key_splits5_bf16": lambda: attention_case(
             [E(90, 4), E(33, 1), P(20)], 4, 2, 32, "bfloat16", extend_splits=5
+        ),
+        "spans_staged_keys_page16_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16, stage=True),
+        "extend_staged_keys_splits3_partial_rotary_bf16": lambda: attention_case(
+            [E(90, 40), P(33), S(50, [(8, 20)], 4)], 4, 2, 32, "bfloat16", extend_splits=3, stage=True, rotary_dim=16
         ),
         "decode_splits_gqa_page16_fp32": lambda: attention_case(
             [D(n) for n in (1, 17, 100, 250, 64)], 4, 2, 32, "float32", page=16, decode=True, splits=4
@@ -175,6 +203,7 @@ def _child_main() -> None:
         "backend_decode_page1": lambda: backend_case(decode=True, page=1),
         "backend_mixed_page16": lambda: backend_case(decode=False, page=16, mixed=True),
         "backend_graph_padded_extend": graph_padding_case,
+        "stage_decision": stage_decision_case,
     }
     report = {}
     for name, run in cases.items():
@@ -195,11 +224,12 @@ def _compile_main() -> None:
 
     from sglang_pic.kernels import decode_attention as da
     from sglang_pic.kernels import extend_attention as ea
+    from sglang_pic.kernels import stage_keys as st
     from sglang_pic.kernels import store_kv as sk
     from sglang_pic.kernels.rope import HeadSplit
 
     cuda = torch.device("cuda")
-    float_ptrs = {"q_ptr", "k_ptr", "v_ptr", "k_buf_ptr", "v_buf_ptr", "out_ptr"}
+    float_ptrs = {"q_ptr", "k_ptr", "v_ptr", "k_buf_ptr", "v_buf_ptr", "out_ptr", "ws_ptr"}
     fp32_ptrs = {"cos_sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
 
     def build(kernel, params: dict, dtype: str) -> None:
@@ -235,6 +265,10 @@ def _compile_main() -> None:
                 "decode_merge": (da._decode_merge_kernel, merge),
                 "store_kv": (sk._store_kv_kernel, sk.store_kernel_params(8, split, rotate=rotated)),
             }
+            if not rotated:
+                staged = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, keys_staged=True)
+                variants["extend_staged"] = (ea._extend_attention_kernel, staged)
+                variants["stage_keys"] = (st._stage_keys_kernel, st.stage_kernel_params(split))
             for name, (kernel, params) in variants.items():
                 key = f"{name}_{dtype}_{'prerotated' if rotated else 'position_free'}"
                 try:
@@ -278,6 +312,8 @@ ATTENTION_CASES = [
     "spans_baseline_rotated_keys_fp32",
     "spans_key_splits3_fp32",
     "extend_key_splits5_bf16",
+    "spans_staged_keys_page16_fp32",
+    "extend_staged_keys_splits3_partial_rotary_bf16",
     "decode_splits_gqa_page16_fp32",
     "decode_splits_mqa_dim16_page1_bf16",
     "decode_group3_partial_rotary_fp16",
@@ -309,7 +345,7 @@ def test_attention_kernel(report: dict, name: str) -> None:
 STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
 STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
 BACKEND_CASES = ["backend_extend_page16", "backend_decode_page1", "backend_mixed_page16"]
-GRAPH_CASES = ["backend_graph_padded_extend"]
+GRAPH_CASES = ["backend_graph_padded_extend", "stage_decision"]
 
 
 def test_every_case_is_checked(report: dict) -> None:
@@ -340,6 +376,10 @@ def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:
     entry = _entry(report, "backend_graph_padded_extend")
     _assert_close("padded extend", "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
     assert entry["writes_only_own_and_dummy_slots"] and entry["key_splits"]
+
+
+def test_keys_are_staged_while_the_workspace_fits(report: dict) -> None:
+    assert report["stage_decision"] == {"no_keys": False, "prefill_8k": True, "at_bound": True, "over_bound": False}
 
 
 def test_kernels_compile_for_sm90() -> None:

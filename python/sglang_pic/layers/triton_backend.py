@@ -1,5 +1,6 @@
 """GPU attention backend: fused store of unrotated k/v, then Triton extend or flash-decoding kernels with RoPE
-applied inside attention from logical positions.
+applied inside attention from logical positions. Extends first stage their keys, rotated once, in a per-call
+workspace (kernels/stage_keys.py) when it fits its bound; decodes rotate each key in-kernel.
 
 Per-batch sizes come from the host-side lists of the ForwardBatch, so `forward` never synchronizes. In decode
 the grid depends only on the batch size and the pool's kv-head count (see `num_kv_splits`), which keeps a captured
@@ -14,6 +15,7 @@ import torch
 
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, decode_attention_fwd, num_kv_splits
 from sglang_pic.kernels.extend_attention import extend_attention_fwd
+from sglang_pic.kernels.stage_keys import key_row_starts, should_stage_keys, stage_keys
 from sglang_pic.kernels.store_kv import store_kv
 from sglang_pic.layers.attention_backend import AttentionBackend
 
@@ -46,8 +48,14 @@ class TritonAttnBackend(AttentionBackend):
             meta["decode_buffers"] = None  # allocated by the first layer, shared by all layers of the batch
         if not forward_batch.forward_mode.is_decode():
             extends = forward_batch.batch_size - decodes
+            seq_lens = forward_batch.seq_lens_cpu[:extends]
             meta["max_extend_len"] = max(forward_batch.extend_seq_lens_cpu[:extends], default=0)
-            meta["max_seq_len"] = max(forward_batch.seq_lens_cpu[:extends], default=0)
+            meta["max_seq_len"] = max(seq_lens, default=0)
+            meta["total_keys"] = sum(seq_lens)
+            pool = forward_batch.token_to_kv_pool
+            key_bytes = pool.head_num * pool.head_dim * pool.dtype.itemsize
+            meta["stage_keys"] = should_stage_keys(meta["total_keys"], key_bytes)
+            meta["key_row_start"] = None  # computed by the first layer (inside a graph capture when there is one)
 
     def forward(
         self,
@@ -73,6 +81,20 @@ class TritonAttnBackend(AttentionBackend):
         decodes = fb.batch_size if fb.forward_mode.is_decode() else fb.num_decode_tail
         extends, rows = fb.batch_size - decodes, q3.shape[0] - decodes
         if extends:
+            staged = None
+            if fb.attn_metadata["stage_keys"]:
+                if fb.attn_metadata["key_row_start"] is None:
+                    fb.attn_metadata["key_row_start"] = key_row_starts(fb.seq_lens[:extends])
+                staged = stage_keys(
+                    k_buf,
+                    fb.req_to_token_pool.req_to_token,
+                    fb.req_pool_indices[:extends],
+                    fb.seq_lens[:extends],
+                    fb.attn_metadata["key_row_start"],
+                    cos_sin,
+                    fb.attn_metadata["total_keys"],
+                    fb.attn_metadata["max_seq_len"],
+                )
             # A mixed batch's decodes go to the decode kernel below: in extend tiles each would fill one row.
             extend_attention_fwd(
                 q3[:rows],
@@ -90,6 +112,7 @@ class TritonAttnBackend(AttentionBackend):
                 fb.attn_metadata["max_extend_len"],
                 max_seq_len=fb.attn_metadata["max_seq_len"],
                 num_sms=self._sm_count(q.device),
+                staged_keys=staged,
             )
         if decodes:
             mid_o, mid_lse = self._decode_buffers(fb, decodes, layer, q.device)
