@@ -50,3 +50,30 @@ def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):
         cached = replays[ForwardMode.EXTEND] - first
     assert got == expected
     assert first >= len(PROMPTS) and cached == len(later)
+
+
+@pytest.mark.parametrize("full_kv", ["gpu", "host"])
+@pytest.mark.parametrize("compressor", ["streaming", "kivi"])
+def test_vericache_on_cuda_matches_cpu_float32(tiny_llama, compressor, full_kv):
+    """Drafts over a hard-compressed cache and verification over the full KV (streamed from host memory for
+    `host`), through the Triton backend, keep plain decoding's greedy tokens."""
+    common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096)
+    prompts = [
+        "Once upon a time there was a little town by the sea where fishermen told stories every night. " * 2,
+        "def add(a, b): return a + b  # a tiny Python function that adds two numbers together " * 4,
+    ]
+    params = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    with Engine(device="cpu", **common) as cpu:
+        expected = [o["output_ids"] for o in cpu.generate(prompts, params)]
+    spec = dict(
+        speculative_algorithm="vericache",
+        speculative_num_draft_tokens=8,
+        vericache_compressor=compressor,
+        vericache_budget=24,
+        vericache_full_kv=full_kv,
+    )
+    with Engine(device="cuda", attention_backend="triton", **common, **spec) as gpu:
+        got = [o["output_ids"] for o in gpu.generate(prompts, params)]
+        stats = gpu.scheduler.spec_worker.stats
+    assert got == expected
+    assert 0 < stats.accepted_drafts < stats.draft_tokens

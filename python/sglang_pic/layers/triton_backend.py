@@ -15,7 +15,7 @@ import torch
 
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, decode_attention_fwd, num_kv_splits
 from sglang_pic.kernels.extend_attention import extend_attention_fwd
-from sglang_pic.kernels.stage_keys import key_row_starts, should_stage_keys, stage_keys
+from sglang_pic.kernels.stage_keys import StagedKeys, key_row_starts, should_stage_keys, stage_keys
 from sglang_pic.kernels.store_kv import store_kv
 from sglang_pic.layers.attention_backend import AttentionBackend
 
@@ -52,10 +52,7 @@ class TritonAttnBackend(AttentionBackend):
             meta["max_extend_len"] = max(forward_batch.extend_seq_lens_cpu[:extends], default=0)
             meta["max_seq_len"] = max(seq_lens, default=0)
             meta["total_keys"] = sum(seq_lens)
-            pool = forward_batch.token_to_kv_pool
-            key_bytes = pool.head_num * pool.head_dim * pool.dtype.itemsize
-            meta["stage_keys"] = should_stage_keys(meta["total_keys"], key_bytes)
-            meta["key_row_start"] = None  # computed by the first layer (inside a graph capture when there is one)
+            meta["key_row_start"] = None  # computed by the first staging layer (inside a graph capture if any)
 
     def forward(
         self,
@@ -81,20 +78,6 @@ class TritonAttnBackend(AttentionBackend):
         decodes = fb.batch_size if fb.forward_mode.is_decode() else fb.num_decode_tail
         extends, rows = fb.batch_size - decodes, q3.shape[0] - decodes
         if extends:
-            staged = None
-            if fb.attn_metadata["stage_keys"]:
-                if fb.attn_metadata["key_row_start"] is None:
-                    fb.attn_metadata["key_row_start"] = key_row_starts(fb.seq_lens[:extends])
-                staged = stage_keys(
-                    k_buf,
-                    fb.req_to_token_pool.req_to_token,
-                    fb.req_pool_indices[:extends],
-                    fb.seq_lens[:extends],
-                    fb.attn_metadata["key_row_start"],
-                    cos_sin,
-                    fb.attn_metadata["total_keys"],
-                    fb.attn_metadata["max_seq_len"],
-                )
             # A mixed batch's decodes go to the decode kernel below: in extend tiles each would fill one row.
             extend_attention_fwd(
                 q3[:rows],
@@ -112,7 +95,7 @@ class TritonAttnBackend(AttentionBackend):
                 fb.attn_metadata["max_extend_len"],
                 max_seq_len=fb.attn_metadata["max_seq_len"],
                 num_sms=self._sm_count(q.device),
-                staged_keys=staged,
+                staged_keys=self._staged_keys(fb, extends, k_buf, cos_sin),
             )
         if decodes:
             mid_o, mid_lse = self._decode_buffers(fb, decodes, layer, q.device)
@@ -130,6 +113,28 @@ class TritonAttnBackend(AttentionBackend):
                 mid_lse,
             )
         return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
+
+    @staticmethod
+    def _staged_keys(
+        forward_batch: "ForwardBatch", extends: int, k_buf: torch.Tensor, cos_sin: torch.Tensor
+    ) -> StagedKeys | None:
+        """The extends' keys rotated once into a workspace (see stage_keys), or None when it would pass its bound
+        and the kernel rotates them itself."""
+        meta = forward_batch.attn_metadata
+        if not should_stage_keys(meta["total_keys"], k_buf.shape[1] * k_buf.shape[2] * k_buf.element_size()):
+            return None
+        if meta["key_row_start"] is None:
+            meta["key_row_start"] = key_row_starts(forward_batch.seq_lens[:extends])
+        return stage_keys(
+            k_buf,
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices[:extends],
+            forward_batch.seq_lens[:extends],
+            meta["key_row_start"],
+            cos_sin,
+            meta["total_keys"],
+            meta["max_seq_len"],
+        )
 
     @staticmethod
     def _decode_buffers(
