@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-compressor", default="streaming")
     p.add_argument("--max-total-tokens", type=int, help="(b) device KV tokens; default: enough for --batch")
     p.add_argument("--host-mem-gb", type=float, default=96.0, help="(b) host memory the host tier may use")
+    p.add_argument(
+        "--stagger-groups", type=int, default=1, help="(b) above 1, also VeriCache host full KV with staggered rounds"
+    )
     p.add_argument("--assume-accept-length", type=_floats, help="(b) accept lengths to project; default from (a)")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -251,12 +254,17 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
         device_tokens = args.max_total_tokens or args.batch * per_request
         host_batch = min(args.host_batch, int(args.host_mem_gb * 2**30 // (token_bytes * per_request)))
         modes = [
-            ("full_kv", None, args.batch), ("vericache_gpu", "gpu", args.batch), ("vericache_host", "host", host_batch)
+            ("full_kv", None, args.batch, 1),
+            ("vericache_gpu", "gpu", args.batch, 1),
+            ("vericache_host", "host", host_batch, 1),
         ]
-        for name, full_kv, batch in modes:
+        if args.stagger_groups > 1:
+            modes.append(("vericache_host_staggered", "host", host_batch, args.stagger_groups))
+        for name, full_kv, batch, groups in modes:
             spec = {} if full_kv is None else dict(
                 speculative_algorithm="vericache", vericache_full_kv=full_kv, vericache_budget=args.tp_budget,
-                speculative_num_draft_tokens=args.tp_draft, vericache_compressor=args.tp_compressor)
+                speculative_num_draft_tokens=args.tp_draft, vericache_compressor=args.tp_compressor,
+                vericache_stagger_groups=groups)
             engine = Engine(model_path=path, load_format="dummy", skip_tokenizer_init=True, disable_radix_cache=True,
                             max_total_tokens=device_tokens, context_length=cfg["max_position_embeddings"],
                             schedule_policy="fcfs", dtype=dtype, **spec)

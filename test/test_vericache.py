@@ -25,6 +25,7 @@ from sglang_pic.speculative.compress_kivi import (
 )
 from sglang_pic.speculative.compress_streaming import NUM_SINKS
 from sglang_pic.speculative.compressor_base import create_compressor, resolve_budget
+from sglang_pic.speculative.host_kv_tier import STAGING_BUDGET_BYTES, staging_depth
 from test_engine import assert_idle_accounting
 
 PROMPTS = [
@@ -100,6 +101,27 @@ def test_uncompressed_draft_is_always_accepted(references, compressor, full_kv):
         assert [o["output_ids"] for o in e.generate(PROMPTS, greedy())] == expected
         stats = e.scheduler.spec_worker.stats
         assert stats.accepted_drafts == stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("full_kv", ["gpu", "host"])
+@pytest.mark.parametrize("compressor", ["snapkv", "kivi"])
+def test_staggered_rounds_are_lossless(references, compressor, full_kv, groups):
+    """Requests drafted and verified group by group (each still once per round) keep full-KV decoding's tokens."""
+    path, expected = references["llama"]
+    with vericache(path, compressor, 8, full_kv, vericache_stagger_groups=groups) as e:
+        outs = e.generate(PROMPTS, greedy())
+        assert [o["output_ids"] for o in outs] == expected
+        stats = e.scheduler.spec_worker.stats
+        assert stats.verify_batches >= stats.rounds + 1  # rounds with several requests verified them in groups
+        assert 0 < stats.accepted_drafts < stats.draft_tokens
+        assert_idle_accounting(e)
+
+
+def test_staging_depth_fills_its_budget_within_the_layers():
+    assert staging_depth(100, 1000, 24) == 24  # small contexts: every layer staged before the forward starts
+    assert staging_depth(10**9, 1000, 24) == 2  # huge ones: still double-buffered
+    assert staging_depth(STAGING_BUDGET_BYTES // 5000, 1000, 24) == 5
 
 
 def test_prefix_cache_and_chunked_prefill(references):
@@ -291,3 +313,5 @@ def test_budget_resolution_and_bad_config(tiny_llama):
         vericache(tiny_llama, compressor="nope")
     with pytest.raises(ValueError, match="vericache_full_kv"):
         vericache(tiny_llama, full_kv="disk")
+    with pytest.raises(ValueError, match="vericache_stagger_groups"):
+        vericache(tiny_llama, vericache_stagger_groups=0)

@@ -126,6 +126,11 @@ class ServerArgs:
         "KV kept for drafting: below 1 a fraction of the context, else a number of tokens.",
     )
     vericache_full_kv: str = _arg("gpu", "Where VeriCache keeps the full KV: gpu or host.")
+    vericache_stagger_groups: int = _arg(
+        1,
+        "Requests per VeriCache round go in this many groups, drafted and verified in turn: with host full KV, "
+        "one group's transfer runs while the next group drafts and the previous one verifies.",
+    )
 
     # Server.
     host: str = _arg("127.0.0.1", "Address the HTTP server listens on.")
@@ -165,6 +170,8 @@ class ServerArgs:
             raise ValueError(
                 f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio} and {self.hicache_size}"
             )
+        if self.vericache_stagger_groups < 1:
+            raise ValueError(f"vericache_stagger_groups must be >= 1, got {self.vericache_stagger_groups}")
         if self.tp_size > 1 and self.speculative_algorithm is not None:
             raise ValueError("speculative decoding does not support tp_size > 1")
         if self.load_balance_method not in ("round_robin", "shortest_queue"):

@@ -6,10 +6,12 @@ are asynchronous DMA); the device keeps only its draft cache. Each request owns 
 copy per request and layer.
 
 `HostStreamingBackend` runs a forward (verification, or an observation for compressor scores) over that tier:
-before layer l attends, layer l's full KV of every request is in a device staging buffer. Two staging buffers
-alternate, and the copy of layer l+2 is issued on a copy stream right after layer l's attention is queued, so
-transfers overlap the next layer's compute. On the CPU the "host" tier is a separate tensor pool and the copies
-are plain, so the same path runs in tests.
+before layer l attends, layer l's full KV of every request is in a device staging buffer. A ring of `depth`
+staging buffers (as many layers as STAGING_BUDGET_BYTES holds, at least two) is filled on a copy stream as soon as
+the backend is set up, and the copy of layer l+depth is issued right after layer l's attention is queued, so
+transfers overlap compute: the next layers' within the forward, and with staggered rounds (vericache_worker) the
+drafting of the next group of requests before it. On the CPU the "host" tier is a separate tensor pool and the
+copies are plain, so the same path runs in tests.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from sglang_pic.layers.attention_backend import AttentionBackend
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.speculative.draft_cache import TokenTable
 from sglang_pic.speculative.spec_stats import SpecStats
+
+STAGING_BUDGET_BYTES = 2 * 2**30  # device memory for one forward's staged layers of the host tier
+
+
+def staging_depth(tokens: int, layer_bytes: int, num_layers: int) -> int:
+    """Layers staged ahead for a forward over `tokens` host-tier tokens: what the budget holds, 2 to num_layers."""
+    return max(2, min(num_layers, STAGING_BUDGET_BYTES // max(tokens * layer_bytes, 1)))
 
 
 @dataclass
@@ -162,14 +171,9 @@ class CopyStream:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
-    def join(self) -> None:
-        """Make compute wait for every copy issued so far."""
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)
-
 
 class StagingPool:
-    """Stands in for the KV pool in a staged batch: layer l reads staging buffer l % 2."""
+    """Stands in for the KV pool in a staged batch: layer l reads staging buffer l % depth."""
 
     def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], head_num: int, dtype: torch.dtype) -> None:
         self.buffers = buffers
@@ -177,17 +181,19 @@ class StagingPool:
         self.dtype = dtype
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.buffers[layer_id % 2]
+        return self.buffers[layer_id % len(self.buffers)]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.buffers[layer_id % 2][0]
+        return self.get_kv_buffer(layer_id)[0]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.buffers[layer_id % 2][1]
+        return self.get_kv_buffer(layer_id)[1]
 
 
 class HostStreamingBackend(AttentionBackend):
-    """Runs `inner` with each request's keys 0..old-1 staged from the host tier, one layer at a time.
+    """Runs `inner` with each request's keys 0..old-1 staged from the host tier, one layer at a time. Layer l's
+    attention waits for layer l's copies, so by the last layer compute is ordered after every copy into the
+    staging buffers, which may then be freed; copies of other forwards (a staggered group's) keep running.
 
     Staging row 0 is a dummy. Request b occupies rows off_b .. off_b + seq_len_b - 1, key j at off_b + j; a new
     token at position p >= old_b is stored at its staging row (so later tokens of the batch see it), a new token
@@ -215,12 +221,13 @@ class HostStreamingBackend(AttentionBackend):
             offsets.append(total)
             total += max(old, n)
         p = self.pool
+        self.depth = staging_depth(total, self.layer_bytes, p.layer_num)
         self.buffers = [
             (
                 torch.empty((total, p.head_num, p.head_dim), dtype=p.dtype, device=device),
                 torch.empty((total, p.head_num, p.v_head_dim), dtype=p.dtype, device=device),
             )
-            for _ in range(2)
+            for _ in range(self.depth)
         ]
         for k_stage, v_stage in self.buffers:  # the dummy row backs padded reads: keep it finite
             k_stage[0].zero_()
@@ -242,13 +249,13 @@ class HostStreamingBackend(AttentionBackend):
         )
         self.inner.init_forward_metadata(self.staged)
         self.events: list[torch.cuda.Event | None] = [None] * p.layer_num
-        self._prefetch(0)
-        self._prefetch(1)
+        for layer in range(self.depth):
+            self._prefetch(layer)
 
     def _prefetch(self, layer: int) -> None:
         if layer >= self.pool.layer_num:
             return
-        k_stage, v_stage = self.buffers[layer % 2]
+        k_stage, v_stage = self.buffers[layer % self.depth]
         with self.copier.after_compute():
             for src, off, old in zip(self.sources, self.offsets, self.olds):
                 k_stage[off : off + old].copy_(src.k[layer, :old], non_blocking=True)
@@ -264,7 +271,5 @@ class HostStreamingBackend(AttentionBackend):
             lid, forward_batch.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
             v.view(-1, layer.num_kv_heads, layer.v_head_dim),
         )
-        self._prefetch(lid + 2)
-        if lid == self.pool.layer_num - 1:
-            self.copier.join()
+        self._prefetch(lid + self.depth)
         return out

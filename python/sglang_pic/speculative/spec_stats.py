@@ -36,7 +36,8 @@ class ReqSpecStats:
 class SpecStats:
     """Engine-wide totals since start."""
 
-    rounds: int = 0  # draft+verify rounds (each verifies a batch of requests)
+    rounds: int = 0  # draft+verify rounds over the running requests
+    verify_batches: int = 0  # verification forwards (one per round, or one per group with staggered rounds)
     verify_ct: int = 0  # request-rounds
     draft_tokens: int = 0
     accepted_drafts: int = 0

@@ -12,6 +12,12 @@ One decode round for all running requests:
      the full KV keeps exactly the accepted tokens' entries and frees the rest (full_kv.py).
 Greedy output is token-identical to full-KV decoding and sampled output has the same distribution; compression
 only changes how many drafts are accepted.
+
+Staggered rounds (vericache_stagger_groups > 1) split the requests into groups and pipeline steps 3-5 over them:
+group i's verification is set up (its host-tier KV starts streaming to the device on the copy stream) right
+after it drafts, then group i+1 drafts while those copies run, then group i verifies while group i+1's copies run.
+Drafting reads HBM, the transfers use PCIe, so each hides the other; every request still drafts and verifies once
+per round, so outputs do not change.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from sglang_pic.managers.req import Req
 from sglang_pic.managers.scheduler import MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY
-from sglang_pic.model_executor.forward_batch import ForwardMode
+from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.sampling.logprobs import compute_logprobs
 from sglang_pic.speculative.attn_scores import ScoreCapture
 from sglang_pic.speculative.compressor_base import create_compressor, resolve_budget
@@ -69,6 +75,7 @@ class VeriCacheWorker:
         self.vocab_size = scheduler.vocab_size
         self.num_layers = self.runner.model_config.num_hidden_layers
         self.cuda = self.device.type == "cuda"
+        self.stagger_groups = args.vericache_stagger_groups
 
     # ---- scheduler hooks ------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
@@ -84,14 +91,29 @@ class VeriCacheWorker:
         reqs, ks, slots = self._reserve()
         if not reqs:
             return []
+        updated: list[Req] = []
+        pending = None  # the group drafted last, its verification set up and its copies in flight
+        for group in self._groups(len(reqs)):
+            start = self._now()
+            g_reqs, g_ks, g_slots = [reqs[b] for b in group], [ks[b] for b in group], [slots[b] for b in group]
+            tokens, q = self._draft(g_reqs, g_ks, g_slots)
+            mid = self._now()
+            verify = (g_reqs, g_ks, g_slots, tokens, q, self._prepare_verify(g_reqs, g_ks, g_slots, tokens))
+            if pending is not None:
+                updated += self._verify_and_accept(*pending)
+            pending = verify
+            self.stats.draft_time_s += mid - start
+            self.stats.verify_time_s += self._now() - mid
         start = self._now()
-        tokens, q = self._draft(reqs, ks, slots)
-        mid = self._now()
-        updated = self._verify_and_accept(reqs, ks, slots, tokens, q)
-        self.stats.draft_time_s += mid - start
-        self.stats.verify_time_s += self._now() - mid
+        updated += self._verify_and_accept(*pending)
+        self.stats.verify_time_s += self._now() - start
         self.stats.rounds += 1
         return updated
+
+    def _groups(self, n: int) -> list[list[int]]:
+        """Request indices of each staggered group: contiguous, sizes differing by at most one."""
+        count = min(self.stagger_groups, n)
+        return [list(range(i * n // count, (i + 1) * n // count)) for i in range(count)]
 
     # ---- 1. drafts --------------------------------------------------------------------------------------------
     def _prepare_drafts(self) -> None:
@@ -224,17 +246,26 @@ class VeriCacheWorker:
         return [(reqs[b], known.get(b, [0] * i)) for b in active]
 
     # ---- 4 + 5. verify and accept -----------------------------------------------------------------------------
-    def _verify_and_accept(
-        self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor], tokens: torch.Tensor,
-        q: list[list[torch.Tensor]],
-    ) -> list[Req]:
+    def _prepare_verify(
+        self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor], tokens: torch.Tensor
+    ) -> ForwardBatch:
+        """The verification batch of [last token, drafts] per request, its backend set up (host-tier copies
+        start here)."""
         runs = []
         for b, (req, k) in enumerate(zip(reqs, ks)):
             first = torch.tensor([req.tail.tokens[-1]], dtype=torch.int64, device=self.device)
             runs.append(Run(self.full_kv.row(req), req.seq_len() - 1, torch.cat([first, tokens[b, :k]])))
         backend = self.full_kv.wrap(reqs, self.runner.attn_backend)
         batch = make_batch(self.runner, runs, torch.cat(slots), self.runner.req_to_token_pool, backend, logits=True)
-        logits = run_forward(self.runner, batch)[:, : self.vocab_size]
+        backend.init_forward_metadata(batch)
+        return batch
+
+    def _verify_and_accept(
+        self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor], tokens: torch.Tensor,
+        q: list[list[torch.Tensor]], batch: ForwardBatch,
+    ) -> list[Req]:
+        logits = run_forward(self.runner, batch, prepared=True)[:, : self.vocab_size]
+        self.stats.verify_batches += 1
 
         drafted = tokens.tolist()
         rows = [(req, drafted[b][:i]) for b, (req, k) in enumerate(zip(reqs, ks)) for i in range(k + 1)]
@@ -286,8 +317,9 @@ class VeriCacheWorker:
         self.sched.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.sched.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
 
     def _now(self) -> float:
+        """Wall time once the compute stream is idle; host-tier copies in flight on the copy stream keep running."""
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
 
