@@ -7,8 +7,9 @@ backend's decode grid depends only on the batch size, so one capture serves ever
 Extend: one graph per padded token count for a single request, the step of a prompt whose spans and prefix are
 cached. Eager, that step launches ~1,700 kernels for a few dozen new tokens and its launch time exceeds its GPU time.
 The request's extend_seq_len holds the true count, so the kernel masks the padded rows out of attention; they write
-their KV into slot 0. The grid is sized for the padded count and the model's context length (the most key chunks),
-and each chunk's key range is derived on the device from the true positions, so one capture serves every context.
+their KV into slot 0. The grid is sized for the padded count and the model's context length (the most key chunks,
+and a key-staging workspace of that many keys when it fits its bound), and each chunk's key range is derived on
+the device from the true positions, so one capture serves every context.
 """
 
 from __future__ import annotations
