@@ -118,6 +118,33 @@ def test_staggered_rounds_are_lossless(references, compressor, full_kv, groups):
         assert_idle_accounting(e)
 
 
+def test_staggered_round_order_overlaps_transfers_with_drafting(references, monkeypatch):
+    """A group's verification is set up (host copies start) before the next group drafts, and verified only after
+    that group's own setup, so every transfer has another group's compute queued beside it."""
+    path, expected = references["llama"]
+    with vericache(path, "kivi", 8, "host", vericache_stagger_groups=2) as e:
+        worker = e.scheduler.spec_worker
+        calls: list[tuple[str, tuple[str, ...]]] = []
+
+        def record(name, fn):
+            def wrapped(reqs, *args):
+                calls.append((name, tuple(r.rid for r in reqs)))
+                return fn(reqs, *args)
+
+            monkeypatch.setattr(worker, name, wrapped)
+
+        for name in ("_draft", "_prepare_verify", "_verify_and_accept"):
+            record(name, getattr(worker, name))
+        assert [o["output_ids"] for o in e.generate(PROMPTS, greedy())] == expected
+    first_round = calls[:6]
+    a, b = first_round[0][1], first_round[2][1]
+    assert first_round == [
+        ("_draft", a), ("_prepare_verify", a), ("_draft", b), ("_prepare_verify", b),
+        ("_verify_and_accept", a), ("_verify_and_accept", b),
+    ]
+    assert a and b and not set(a) & set(b)
+
+
 def test_staging_depth_fills_its_budget_within_the_layers():
     assert staging_depth(100, 1000, 24) == 24  # small contexts: every layer staged before the forward starts
     assert staging_depth(10**9, 1000, 24) == 2  # huge ones: still double-buffered
