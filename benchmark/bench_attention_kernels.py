@@ -168,8 +168,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
         return lambda: batch.run_extend(keys_rotated, out=out, config=config)
 
     result = pair(variant, args.rep_ms)
-    key_bytes = args.kv_heads * args.head_dim * DTYPES[args.dtype].itemsize
-    result["staged"] = should_stage_keys(sum(batch.seq_lens_cpu), key_bytes)
+    result["staged"] = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer)
     in_kernel = graph_time_ms(lambda: batch.run_extend(False, out=out, config=config, stage=False), args.rep_ms)
     result["in_kernel_ms"] = in_kernel
     result["in_kernel_overhead_pct"] = 100.0 * (in_kernel / result["prerotated_ms"] - 1.0)

@@ -128,8 +128,7 @@ class PagedBatch:
         out = self.poisoned_output() if out is None else out
         k_buffer = self.k_buffer if k_buffer is None else k_buffer
         if stage is None:
-            key_bytes = k_buffer.shape[1] * k_buffer.shape[2] * k_buffer.dtype.itemsize
-            stage = should_stage_keys(sum(self.seq_lens_cpu), key_bytes)
+            stage = should_stage_keys(sum(self.seq_lens_cpu), k_buffer)
         staged = None
         if stage and not keys_rotated:
             if self.key_row_start is None:  # once per batch, as the engine does once per forward

@@ -23,10 +23,10 @@ STAGE_MAX_BYTES = 512 * 2**20  # workspace bound: beyond it (many long contexts 
 BLOCK_KEYS = 64
 
 
-def should_stage_keys(total_keys: int, bytes_per_key: int) -> bool:
+def should_stage_keys(total_keys: int, k_buffer: torch.Tensor) -> bool:
     """Whether an extend batch's `total_keys` (its requests' context lengths summed) are staged: when their
-    workspace (`bytes_per_key`: one key row of a layer, all kv heads) fits STAGE_MAX_BYTES."""
-    return 0 < total_keys * bytes_per_key <= STAGE_MAX_BYTES
+    workspace, rows like those of the layer's key buffer [slots, Hkv, D], fits STAGE_MAX_BYTES."""
+    return 0 < total_keys * k_buffer[0].numel() * k_buffer.element_size() <= STAGE_MAX_BYTES
 
 
 def key_row_starts(seq_lens: torch.Tensor) -> torch.Tensor:

@@ -147,8 +147,8 @@ def _child_main() -> None:
     def stage_decision_case():
         from sglang_pic.kernels.stage_keys import STAGE_MAX_BYTES, should_stage_keys
 
-        key = 8 * 128 * 2  # one key row of 8 kv heads x 128 dims in bf16
-        bound = STAGE_MAX_BYTES // key
+        key = torch.empty((1, 8, 128), dtype=torch.bfloat16, device="meta")  # rows of 8 kv heads x 128 dims
+        bound = STAGE_MAX_BYTES // (8 * 128 * 2)
         return {
             "no_keys": should_stage_keys(0, key),
             "prefill_8k": should_stage_keys(8192, key),

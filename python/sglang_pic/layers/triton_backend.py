@@ -40,7 +40,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         meta = forward_batch.attn_metadata
-        decodes = forward_batch.batch_size if forward_batch.forward_mode.is_decode() else forward_batch.num_decode_tail
+        decodes = forward_batch.num_decodes
         if decodes:
             device = forward_batch.seq_lens.device
             kv_heads = forward_batch.token_to_kv_pool.head_num
@@ -75,7 +75,7 @@ class TritonAttnBackend(AttentionBackend):
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
         fb = forward_batch
-        decodes = fb.batch_size if fb.forward_mode.is_decode() else fb.num_decode_tail
+        decodes = fb.num_decodes
         extends, rows = fb.batch_size - decodes, q3.shape[0] - decodes
         if extends:
             # A mixed batch's decodes go to the decode kernel below: in extend tiles each would fill one row.
@@ -121,7 +121,7 @@ class TritonAttnBackend(AttentionBackend):
         """The extends' keys rotated once into a workspace (see stage_keys), or None when it would pass its bound
         and the kernel rotates them itself."""
         meta = forward_batch.attn_metadata
-        if not should_stage_keys(meta["total_keys"], k_buf.shape[1] * k_buf.shape[2] * k_buf.element_size()):
+        if not should_stage_keys(meta["total_keys"], k_buf):
             return None
         if meta["key_row_start"] is None:
             meta["key_row_start"] = key_row_starts(forward_batch.seq_lens[:extends])

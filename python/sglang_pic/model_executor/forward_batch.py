@@ -53,3 +53,8 @@ class ForwardBatch:
     # seq_len - 1, seeing every key), which a backend may hand to its decode kernel.
     num_decode_tail: int = 0
     attn_metadata: dict = field(default_factory=dict)  # backend-private, filled by init_forward_metadata
+
+    @property
+    def num_decodes(self) -> int:
+        """Requests decoding one token: every request of a DECODE batch, the riding tail of an EXTEND batch."""
+        return self.batch_size if self.forward_mode.is_decode() else self.num_decode_tail
