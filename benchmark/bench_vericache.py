@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--stagger-groups", type=int, default=1, help="(b) above 1, also VeriCache host full KV with staggered rounds"
     )
+    p.add_argument("--modes", type=_strs, help="(b) only these modes (default: all)")
     p.add_argument("--assume-accept-length", type=_floats, help="(b) accept lengths to project; default from (a)")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -250,20 +251,26 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (2 if device == "cuda" else 4)
     for context in args.contexts:
-        per_request = context + args.decode_steps + args.tp_draft + 2
+        per_request = context + args.decode_steps + args.tp_draft + 4
         device_tokens = args.max_total_tokens or args.batch * per_request
         host_batch = min(args.host_batch, int(args.host_mem_gb * 2**30 // (token_bytes * per_request)))
+        # (name, full KV, batch, draft length, groups). full_kv_host is full-KV decoding of the host batch with
+        # its KV in host memory (VeriCache with no drafts: every step streams the whole KV), the baseline that
+        # serves the batch VeriCache's host mode serves within the same device memory.
         modes = [
-            ("full_kv", None, args.batch, 1),
-            ("vericache_gpu", "gpu", args.batch, 1),
-            ("vericache_host", "host", host_batch, 1),
+            ("full_kv", None, args.batch, 0, 1),
+            ("vericache_gpu", "gpu", args.batch, args.tp_draft, 1),
+            ("full_kv_host", "host", host_batch, 0, 1),
+            ("vericache_host", "host", host_batch, args.tp_draft, 1),
         ]
         if args.stagger_groups > 1:
-            modes.append(("vericache_host_staggered", "host", host_batch, args.stagger_groups))
-        for name, full_kv, batch, groups in modes:
+            modes.append(("vericache_host_staggered", "host", host_batch, args.tp_draft, args.stagger_groups))
+        for name, full_kv, batch, draft, groups in modes:
+            if args.modes and name not in args.modes:
+                continue
             spec = {} if full_kv is None else dict(
                 speculative_algorithm="vericache", vericache_full_kv=full_kv, vericache_budget=args.tp_budget,
-                speculative_num_draft_tokens=args.tp_draft, vericache_compressor=args.tp_compressor,
+                speculative_num_draft_tokens=draft, vericache_compressor=args.tp_compressor,
                 vericache_stagger_groups=groups)
             engine = Engine(model_path=path, load_format="dummy", skip_tokenizer_init=True, disable_radix_cache=True,
                             max_total_tokens=device_tokens, context_length=cfg["max_position_embeddings"],
@@ -271,9 +278,9 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
             case = _decode_case(engine, args, context, batch, accept_lengths)
             case.update(mode=name, context=context, device_kv_tokens=device_tokens)
             result["cases"].append(case)
-            print(f"(b) {name:15s} ctx={context:<7d} batch={batch:<3d} {case['decode_tokens_per_s']:.1f} tok/s"
+            print(f"(b) {name:24s} ctx={context:<7d} batch={batch:<3d} {case['decode_tokens_per_s']:.1f} tok/s"
                   + (f" round={case['round_s'] * 1e3:.1f}ms projected={case['projected_tokens_per_s']}"
-                     if full_kv else ""), flush=True)
+                     if draft else ""), flush=True)
             engine.shutdown()
             del engine
             if device == "cuda":
@@ -282,29 +289,38 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
 
 
 def _decode_case(engine: Engine, args, context: int, batch: int, accept_lengths: list[float]) -> dict:
+    """Steady-state decode: every request has finished prefill and its first decode step or round (host-tier
+    adoption, first draft build) before the clock starts; then the tokens all requests output until they finish."""
     vocab = engine.model_config.vocab_size
-    prompts = rand_prompts(batch, context, vocab, context)
-    one = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
-    many = {"max_new_tokens": args.decode_steps + 1, "temperature": 0, "ignore_eos": True}
-    engine.generate(input_ids=rand_prompts(1, 64, vocab, 1), sampling_params={**one, "max_new_tokens": 4})
-    prefill = _timed(lambda: engine.generate(input_ids=prompts, sampling_params=one))
+    engine.generate(input_ids=rand_prompts(1, 64, vocab, 1), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    params = {"max_new_tokens": args.decode_steps + 2, "temperature": 0, "ignore_eos": True}
+    reqs = engine.tokenizer_manager.build_requests(
+        GenerateReqInput(input_ids=rand_prompts(batch, context, vocab, context), sampling_params=params))
+    for req in reqs:
+        engine.scheduler.add_request(req)
+    prefill = _timed(lambda: _step_until(engine, lambda: all(len(r.output_ids) >= 2 for r in reqs)))
     worker = engine.scheduler.spec_worker
     if worker is not None:
         worker.stats.__init__()
-    total = _timed(lambda: engine.generate(input_ids=prompts, sampling_params=many))
-    decode_s = max(total - prefill, 1e-9)
+    before = sum(len(r.output_ids) for r in reqs)
+    decode_s = _timed(lambda: _step_until(engine, lambda: all(r.finished() for r in reqs)))
+    tokens = sum(len(r.output_ids) for r in reqs) - before
     case = {"batch": batch, "decode_steps": args.decode_steps, "prefill_s": prefill, "decode_s": decode_s,
-            "decode_tokens_per_s": batch * args.decode_steps / decode_s,
+            "decode_tokens": tokens, "decode_tokens_per_s": tokens / decode_s,
             "retractions": engine.scheduler.stats.num_retractions}
-    if worker is not None:
+    if worker is not None and worker.num_draft:
         stats = worker.stats.to_dict()
-        busy = stats["draft_time_s"] + stats["verify_time_s"] + stats["build_time_s"]
-        round_s = busy / max(stats["rounds"], 1)
+        round_s = decode_s / max(stats["rounds"], 1)
         requests_per_round = stats["verify_ct"] / max(stats["rounds"], 1)
-        case.update(spec=stats, round_s=round_s, draft_share=stats["draft_time_s"] / max(busy, 1e-9),
+        case.update(spec=stats, round_s=round_s, draft_share=stats["draft_time_s"] / decode_s,
             requests_per_round=requests_per_round,
             projected_tokens_per_s={f"{a:g}": requests_per_round * a / round_s for a in accept_lengths})
     return case
+
+
+def _step_until(engine: Engine, done) -> None:
+    while not done():
+        engine.scheduler.step()
 
 
 def _timed(fn) -> float:

@@ -127,7 +127,9 @@ def _child_main() -> None:
         live = pb.forward_batch_for(batch, create_attention_backend("triton"), decode=False)
         static = StaticInputs.allocate(padded, 1, live.req_to_token_pool.padding_row, torch.device("cpu"))
         static.load(live, padded, live.req_to_token_pool.padding_row)
-        graph_batch = static.batch(ForwardMode.EXTEND, padded, context_len, live)
+        graph_batch = static.batch(
+            ForwardMode.EXTEND, padded, context_len, live.req_to_token_pool, live.token_to_kv_pool, live.attn_backend
+        )
         graph_batch.attn_backend.init_forward_metadata(graph_batch)
         rows = q.shape[0]
         garbage = [torch.randn(padded - rows, t.shape[1]) for t in (q, k, v)]

@@ -25,7 +25,8 @@ from sglang_pic.speculative.compress_kivi import (
 )
 from sglang_pic.speculative.compress_streaming import NUM_SINKS
 from sglang_pic.speculative.compressor_base import create_compressor, resolve_budget
-from sglang_pic.speculative.host_kv_tier import STAGING_BUDGET_BYTES, staging_depth
+from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
+from sglang_pic.speculative.host_kv_tier import STAGING_BUDGET_BYTES, HostKVTier, staging_depth
 from test_engine import assert_idle_accounting
 
 PROMPTS = [
@@ -143,6 +144,22 @@ def test_staggered_round_order_overlaps_transfers_with_drafting(references, monk
         ("_verify_and_accept", a), ("_verify_and_accept", b),
     ]
     assert a and b and not set(a) & set(b)
+
+
+def test_host_tier_reuses_freed_buffers():
+    """Freed buffers serve the next requests that fit them (the smallest that fits), since pinning is slow; the
+    bytes in use count only live requests."""
+    tier = HostKVTier(MHATokenToKVPool(64, 1, torch.float32, 2, 4, 3, "cpu"), torch.device("cpu"))
+    small, large = tier.alloc(10), tier.alloc(40)
+    ptrs = {10: small.k.data_ptr(), 40: large.k.data_ptr()}
+    tier.free(large)
+    tier.free(small)
+    assert tier.bytes_in_use == 0
+    again = tier.alloc(8)
+    assert again.k.data_ptr() == ptrs[10] and again.capacity == 10
+    assert tier.alloc(20).k.data_ptr() == ptrs[40]
+    assert tier.alloc(5).k.data_ptr() not in ptrs.values()  # none left
+    assert tier.bytes_in_use == (10 + 40 + 5) * tier.token_bytes()
 
 
 def test_staging_depth_fills_its_budget_within_the_layers():

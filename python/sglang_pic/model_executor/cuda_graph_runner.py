@@ -10,6 +10,9 @@ The request's extend_seq_len holds the true count, so the kernel masks the padde
 their KV into slot 0. The grid is sized for the padded count and the model's context length (the most key chunks,
 and a key-staging workspace of that many keys when it fits its bound), and each chunk's key range is derived on
 the device from the true positions, so one capture serves every context.
+
+The engine holds one runner over its request table and backend; VeriCache holds another over its draft tables
+(draft_graphs.py). Both may share one memory pool: their graphs never run at the same time.
 """
 
 from __future__ import annotations
@@ -85,10 +88,10 @@ class StaticInputs:
             self.req_pool_indices[reqs:padded].fill_(padding_row)
             self.seq_lens[reqs:padded].fill_(1)
 
-    def batch(self, mode: ForwardMode, size: int, context_len: int, runner) -> ForwardBatch:
+    def batch(self, mode: ForwardMode, size: int, context_len: int, req_to_token_pool, token_to_kv_pool,
+              attn_backend) -> ForwardBatch:
         """The batch a graph captures: `size` requests for decode, or `size` tokens of one request for extend,
-        whose host-side lengths ask the backend for the widest grid (every key chunk a context_len context has).
-        `runner` supplies the pools and the attention backend."""
+        whose host-side lengths ask the backend for the widest grid (every key chunk a context_len context has)."""
         if mode.is_decode():
             reqs, seq_lens_cpu, extend_lens_cpu = size, [1] * size, [1] * size
         else:
@@ -106,27 +109,51 @@ class StaticInputs:
             extend_start_loc=self.extend_start_loc[:reqs],
             seq_lens_cpu=seq_lens_cpu,
             extend_seq_lens_cpu=extend_lens_cpu,
-            req_to_token_pool=runner.req_to_token_pool,
-            token_to_kv_pool=runner.token_to_kv_pool,
-            attn_backend=runner.attn_backend,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool=token_to_kv_pool,
+            attn_backend=attn_backend,
         )
 
 
 class CudaGraphRunner:
-    def __init__(self, runner) -> None:
+    """Captures the model's forward over one request table (`req_to_token_pool`, whose `padding_row` padded
+    requests read) and one attention backend, for decode batch sizes and one-request extend sizes."""
+
+    def __init__(
+        self,
+        runner,
+        batch_sizes: list[int],
+        extend_sizes: list[int],
+        req_to_token_pool,
+        attn_backend,
+        pool=None,
+    ) -> None:
         self.runner = runner
-        args = runner.server_args
-        max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-        self.batch_sizes = capture_batch_sizes(max_bs)
-        self.extend_sizes = capture_extend_sizes(args.cuda_graph_max_extend_tokens)
-        pad, dev = runner.req_to_token_pool.padding_row, runner.device
-        self.decode_inputs = StaticInputs.allocate(self.batch_sizes[-1], self.batch_sizes[-1], pad, dev)
-        self.extend_inputs = StaticInputs.allocate(max(self.extend_sizes, default=0), 1, pad, dev)
+        self.batch_sizes = batch_sizes
+        self.extend_sizes = extend_sizes
+        self.req_to_token_pool = req_to_token_pool
+        self.attn_backend = attn_backend
+        pad, dev = req_to_token_pool.padding_row, runner.device
+        self.decode_inputs = StaticInputs.allocate(max(batch_sizes, default=0), max(batch_sizes, default=0), pad, dev)
+        self.extend_inputs = StaticInputs.allocate(max(extend_sizes, default=0), 1, pad, dev)
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
         self.num_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}
-        self.pool = None
+        self.pool = pool
         self._capture_all()
+
+    @classmethod
+    def for_engine(cls, runner) -> CudaGraphRunner:
+        """The engine's graphs: decode up to --cuda-graph-max-bs requests, extends up to
+        --cuda-graph-max-extend-tokens tokens, over the engine's request table and backend."""
+        args = runner.server_args
+        return cls(
+            runner,
+            capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests)),
+            capture_extend_sizes(args.cuda_graph_max_extend_tokens),
+            runner.req_to_token_pool,
+            runner.attn_backend,
+        )
 
     def _inputs(self, mode: ForwardMode) -> StaticInputs:
         return self.decode_inputs if mode.is_decode() else self.extend_inputs
@@ -147,9 +174,10 @@ class CudaGraphRunner:
         finally:
             gc.enable()
         logger.info(
-            "captured CUDA graphs for decode batch sizes %s and one-request extends of %s tokens",
+            "captured CUDA graphs for decode batch sizes %s and one-request extends of %s tokens (%s)",
             self.batch_sizes,
             self.extend_sizes,
+            type(self.attn_backend).__name__,
         )
 
     def _capture(self, key: tuple[ForwardMode, int], stream: torch.cuda.Stream) -> None:
@@ -157,14 +185,21 @@ class CudaGraphRunner:
         inputs = self._inputs(mode)
         if not mode.is_decode():
             inputs.extend_seq_lens.fill_(size)  # the warm-up runs attend with every row
-        batch = inputs.batch(mode, size, self.runner.model_config.context_len, self.runner)
+        batch = inputs.batch(
+            mode,
+            size,
+            self.runner.model_config.context_len,
+            self.req_to_token_pool,
+            self.runner.token_to_kv_pool,
+            self.attn_backend,
+        )
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the kernels and settle the allocator before capture
-                self.runner.attn_backend.init_forward_metadata(batch)
+                self.attn_backend.init_forward_metadata(batch)
                 self.runner.model(batch.input_ids, batch.positions, batch)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        self.runner.attn_backend.init_forward_metadata(batch)
+        self.attn_backend.init_forward_metadata(batch)
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             out = self.runner.model(batch.input_ids, batch.positions, batch)
         if self.pool is None:
@@ -188,7 +223,7 @@ class CudaGraphRunner:
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         key = self._padded_key(batch)
         mode, padded = key
-        self._inputs(mode).load(batch, padded, self.runner.req_to_token_pool.padding_row)
+        self._inputs(mode).load(batch, padded, self.req_to_token_pool.padding_row)
         self.graphs[key].replay()
         self.num_replays[mode] += 1
         return self.outputs[key][: batch.input_ids.shape[0]]

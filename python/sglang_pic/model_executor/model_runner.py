@@ -45,7 +45,7 @@ class ModelRunner:
         if self.device.type == "cuda" and use_graphs:
             from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
 
-            self.graph_runner = CudaGraphRunner(self)
+            self.graph_runner = CudaGraphRunner.for_engine(self)
         self.broadcaster = BatchBroadcaster(self) if self.tp.size > 1 and self.tp.rank == 0 else None
 
     def _init_memory_pools(self) -> None:

@@ -135,6 +135,7 @@ class KiviPrefix:
 @register
 class KiviCompressor(Compressor):
     name = "kivi"
+    drafts_on_engine_backend = False
 
     def max_draft_tokens(self, num_tokens: int, budget: int) -> int:
         return min(num_tokens, budget + GROUP - 1)

@@ -48,6 +48,11 @@ class KVSource(Protocol):
         ...
 
 
+def refresh_threshold(budget: int) -> int:
+    """Tokens a draft may append after its last compression before it is compressed again."""
+    return max(MIN_REFRESH, int(budget * REFRESH_FRACTION))
+
+
 def resolve_budget(budget: float, num_tokens: int) -> int:
     """Tokens a draft keeps for a context of `num_tokens`: a ratio below 1, a token count from 1 up."""
     if budget <= 0:
@@ -57,6 +62,8 @@ def resolve_budget(budget: float, num_tokens: int) -> int:
 
 class Compressor:
     name: ClassVar[str]
+    # Drafts run on the engine's attention backend over draft tables (so CUDA graphs can replay them).
+    drafts_on_engine_backend: ClassVar[bool] = True
 
     def new_state(self) -> Any:
         """Per-request state kept across compressions (e.g. H2O's accumulated scores)."""
@@ -86,7 +93,7 @@ class Compressor:
         return DraftCache.from_rows(rows, covered=src.num_tokens, state=state)
 
     def needs_refresh(self, draft: DraftCache, budget: int) -> bool:
-        return draft.appended >= max(MIN_REFRESH, int(budget * REFRESH_FRACTION))
+        return draft.appended >= refresh_threshold(budget)
 
     def refresh(
         self, draft: DraftCache, src: KVSource, budget: int, scores: torch.Tensor | None, device: torch.device

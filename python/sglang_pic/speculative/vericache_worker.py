@@ -31,8 +31,9 @@ from sglang_pic.managers.scheduler import MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_D
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.sampling.logprobs import compute_logprobs
 from sglang_pic.speculative.attn_scores import ScoreCapture
-from sglang_pic.speculative.compressor_base import create_compressor, resolve_budget
+from sglang_pic.speculative.compressor_base import create_compressor, refresh_threshold, resolve_budget
 from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache, TokenTable
+from sglang_pic.speculative.draft_runner import DraftRunner
 from sglang_pic.speculative.full_kv import DeviceFullKV, HostFullKV
 from sglang_pic.speculative.spec_batches import Run, make_batch, run_forward
 from sglang_pic.speculative.spec_sampling import (
@@ -76,6 +77,16 @@ class VeriCacheWorker:
         self.num_layers = self.runner.model_config.num_hidden_layers
         self.cuda = self.device.type == "cuda"
         self.stagger_groups = args.vericache_stagger_groups
+        self.draft_runner = self._draft_runner()
+
+    def _draft_runner(self) -> DraftRunner | None:
+        """Static draft tables (and graphs over them on CUDA) when the compressor drafts on the engine's backend.
+        They are as wide as a draft can get: the budget at the longest context, the tokens appended before the
+        next compression, and the scratch slots of a round's drafts."""
+        if not self.compressor.drafts_on_engine_backend:
+            return None
+        budget = resolve_budget(self.budget, self.sched.context_len)
+        return DraftRunner(self.runner, budget + refresh_threshold(budget) + self.num_draft)
 
     # ---- scheduler hooks ------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
@@ -213,8 +224,13 @@ class VeriCacheWorker:
         if k_max == 0:
             return tokens, q
         batch = DraftBatch.build([self.drafts[r.rid] for r in reqs], [s[:k] for s, k in zip(slots, ks)], self.device)
-        backend = self.compressor.draft_backend(self.runner.attn_backend, batch, self.runner.token_to_kv_pool)
-        table = TokenTable(batch.tables[0])
+        static = self.draft_runner
+        if static is not None and static.tables.fits(batch):
+            static.tables.load(batch)
+            table, backend, replayer = static.tables, static.backend, static.graph_runner
+        else:
+            backend = self.compressor.draft_backend(self.runner.attn_backend, batch, self.runner.token_to_kv_pool)
+            table, replayer = TokenTable(batch.tables[0]), None
         current = torch.tensor([r.tail.tokens[-1] for r in reqs], dtype=torch.int64, device=self.device)
         for i in range(k_max):
             active = [b for b, k in enumerate(ks) if k > i]
@@ -224,7 +240,7 @@ class VeriCacheWorker:
                 runs.append(Run(b, batch.pos_offsets[b] + n, current[b : b + 1], seq_len=n + 1))
             loc = torch.stack([slots[b][i] for b in active])
             fb = make_batch(self.runner, runs, loc, table, backend, logits=True, mode=ForwardMode.DECODE)
-            logits = run_forward(self.runner, fb)[:, : self.vocab_size]
+            logits = run_forward(self.runner, fb, graphs=replayer)[:, : self.vocab_size]
             history = self._histories(reqs, tokens, active, i)
             dist = distributions(logits, sampling_info(history, self.vocab_size, self.device))
             picked = draft_tokens(dist, [reqs[b].generator for b in active])
