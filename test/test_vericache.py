@@ -120,8 +120,8 @@ def test_staggered_rounds_are_lossless(references, compressor, full_kv, groups):
 
 
 def test_staggered_round_order_overlaps_transfers_with_drafting(references, monkeypatch):
-    """A group's verification is set up (host copies start) before the next group drafts, and verified only after
-    that group's own setup, so every transfer has another group's compute queued beside it."""
+    """A group's verification is set up (host copies start) before it drafts, and verified only after the next
+    group's setup and drafts, so every transfer has drafting queued beside it."""
     path, expected = references["llama"]
     with vericache(path, "kivi", 8, "host", vericache_stagger_groups=2) as e:
         worker = e.scheduler.spec_worker
@@ -140,7 +140,7 @@ def test_staggered_round_order_overlaps_transfers_with_drafting(references, monk
     first_round = calls[:6]
     a, b = first_round[0][1], first_round[2][1]
     assert first_round == [
-        ("_draft", a), ("_prepare_verify", a), ("_draft", b), ("_prepare_verify", b),
+        ("_prepare_verify", a), ("_draft", a), ("_prepare_verify", b), ("_draft", b),
         ("_verify_and_accept", a), ("_verify_and_accept", b),
     ]
     assert a and b and not set(a) & set(b)

@@ -28,7 +28,7 @@ from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.speculative.draft_cache import TokenTable
 from sglang_pic.speculative.spec_stats import SpecStats
 
-STAGING_BUDGET_BYTES = 2 * 2**30  # device memory for one forward's staged layers of the host tier
+STAGING_BUDGET_BYTES = 4 * 2**30  # device memory for one forward's staged layers of the host tier
 
 
 def staging_depth(tokens: int, layer_bytes: int, num_layers: int) -> int:

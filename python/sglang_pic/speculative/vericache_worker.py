@@ -7,15 +7,18 @@ One decode round for all running requests:
   3. draft: k decode forwards of the same model over the draft caches, sampling each token from the draft
      distribution q; the drafted tokens' KV goes to the reserved slots as scratch;
   4. verify: one extend forward of [last token, d_1..d_k] over the full KV with normal causal attention, which
-     overwrites the reserved slots with the real entries and gives the target distributions p_0..p_k;
+     overwrites the reserved slots with the real entries and gives the target distributions p_0..p_k. Its batch
+     is set up before step 3 (the drafts are written into it afterwards), so a host-tier full KV starts copying
+     to the device while the model drafts;
   5. accept: greedy or rejection sampling (spec_sampling.py) commits the accepted drafts and one more token;
      the full KV keeps exactly the accepted tokens' entries and frees the rest (full_kv.py).
 Greedy output is token-identical to full-KV decoding and sampled output has the same distribution; compression
 only changes how many drafts are accepted.
 
 Staggered rounds (vericache_stagger_groups > 1) split the requests into groups and pipeline steps 3-5 over them:
-group i's verification is set up (its host-tier KV starts streaming to the device on the copy stream) right
-after it drafts, then group i+1 drafts while those copies run, then group i verifies while group i+1's copies run.
+group i's verification is set up (its host-tier KV starts streaming to the device on the copy stream) and group
+i drafts, then group i+1 is set up and drafts while those copies run, then group i verifies while group i+1's
+copies run.
 Drafting reads HBM, the transfers use PCIe, so each hides the other; every request still drafts and verifies once
 per round, so outputs do not change.
 """
@@ -107,9 +110,11 @@ class VeriCacheWorker:
         for group in self._groups(len(reqs)):
             start = self._now()
             g_reqs, g_ks, g_slots = [reqs[b] for b in group], [ks[b] for b in group], [slots[b] for b in group]
+            batch = self._prepare_verify(g_reqs, g_ks, g_slots)
             tokens, q = self._draft(g_reqs, g_ks, g_slots)
+            self._place_drafts(batch, tokens, g_ks)
             mid = self._now()
-            verify = (g_reqs, g_ks, g_slots, tokens, q, self._prepare_verify(g_reqs, g_ks, g_slots, tokens))
+            verify = (g_reqs, g_ks, g_slots, tokens, q, batch)
             if pending is not None:
                 updated += self._verify_and_accept(*pending)
             pending = verify
@@ -262,19 +267,29 @@ class VeriCacheWorker:
         return [(reqs[b], known.get(b, [0] * i)) for b in active]
 
     # ---- 4 + 5. verify and accept -----------------------------------------------------------------------------
-    def _prepare_verify(
-        self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor], tokens: torch.Tensor
-    ) -> ForwardBatch:
-        """The verification batch of [last token, drafts] per request, its backend set up (host-tier copies
-        start here)."""
-        runs = []
-        for b, (req, k) in enumerate(zip(reqs, ks)):
-            first = torch.tensor([req.tail.tokens[-1]], dtype=torch.int64, device=self.device)
-            runs.append(Run(self.full_kv.row(req), req.seq_len() - 1, torch.cat([first, tokens[b, :k]])))
+    def _prepare_verify(self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor]) -> ForwardBatch:
+        """The verification batch of [last token, k drafts] per request, set up before drafting: its shape does not
+        depend on the drafted tokens (placed into input_ids afterwards), so host-tier copies start here and run
+        while the group drafts."""
+        runs = [Run(self.full_kv.row(req), req.seq_len() - 1, [req.tail.tokens[-1]] + [0] * k)
+                for req, k in zip(reqs, ks)]
         backend = self.full_kv.wrap(reqs, self.runner.attn_backend)
         batch = make_batch(self.runner, runs, torch.cat(slots), self.runner.req_to_token_pool, backend, logits=True)
         backend.init_forward_metadata(batch)
         return batch
+
+    def _place_drafts(self, batch: ForwardBatch, tokens: torch.Tensor, ks: list[int]) -> None:
+        """Write the drafted tokens into the verification batch behind each request's last token (on the device,
+        stream-ordered after drafting)."""
+        src_b, src_i, dst, start = [], [], [], 0
+        for b, k in enumerate(ks):
+            src_b += [b] * k
+            src_i += range(k)
+            dst += range(start + 1, start + 1 + k)
+            start += k + 1
+        if dst:
+            index = torch.tensor([src_b, src_i, dst], dtype=torch.int64, device=self.device)
+            batch.input_ids[index[2]] = tokens[index[0], index[1]]
 
     def _verify_and_accept(
         self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor], tokens: torch.Tensor,
