@@ -151,6 +151,8 @@ def extend_cases(prefill_lens: list[int]) -> dict[str, list]:
     cases["extend_1k_on_8k_prefix"] = [extend(9216, 1024)] * 4
     cases["extend_1k_on_31k_prefix"] = [extend(32768, 1024)]
     cases["extend_64_on_32k_prefix"] = [extend(32768 + 64, 64)]  # a prompt whose 32K span is cached
+    cases["extend_30_on_8k_prefix"] = [extend(8192 + 30, 30)]  # a short question behind a cached 8K span
+    cases["verify_32x9_on_16k"] = [extend(16384 + 9, 9)] * 32  # a VeriCache verification of 8 drafts
     span_list = [(i * 1024, i * 1024 + 1000) for i in range(8)]
     cases["spans_8x1000_plus_512_pdep"] = [spans(8192 + 512, span_list, 512)] * 2
     return cases
@@ -168,7 +170,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
         return lambda: batch.run_extend(keys_rotated, out=out, config=config)
 
     result = pair(variant, args.rep_ms)
-    result["staged"] = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer)
+    result["staged"] = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer, batch.query_rows())
     in_kernel = graph_time_ms(lambda: batch.run_extend(False, out=out, config=config, stage=False), args.rep_ms)
     result["in_kernel_ms"] = in_kernel
     result["in_kernel_overhead_pct"] = 100.0 * (in_kernel / result["prerotated_ms"] - 1.0)

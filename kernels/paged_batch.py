@@ -110,6 +110,10 @@ class PagedBatch:
         shape = (self.q.shape[0], self.q.shape[1], self.v_buffer.shape[-1])
         return torch.full(shape, float("nan"), dtype=self.q.dtype, device=self.q.device)
 
+    def query_rows(self) -> int:
+        """The longest request's new tokens times the query heads per kv head (see should_stage_keys)."""
+        return max(self.extend_seq_lens_cpu) * (self.q.shape[1] // self.k_buffer.shape[1])
+
     def run_extend(
         self,
         keys_rotated: bool = False,
@@ -128,7 +132,7 @@ class PagedBatch:
         out = self.poisoned_output() if out is None else out
         k_buffer = self.k_buffer if k_buffer is None else k_buffer
         if stage is None:
-            stage = should_stage_keys(sum(self.seq_lens_cpu), k_buffer)
+            stage = should_stage_keys(sum(self.seq_lens_cpu), k_buffer, self.query_rows())
         staged = None
         if stage and not keys_rotated:
             if self.key_row_start is None:  # once per batch, as the engine does once per forward

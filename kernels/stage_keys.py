@@ -2,9 +2,12 @@
 in the request, in a per-call workspace that the extend kernel then reads as pre-rotated keys.
 
 Rotating inside the extend kernel costs a register -> shared-memory round trip per (query block, key block), which
-Triton cannot overlap with the tensor-core work; staging moves each key twice instead (read, write). On the H200
-staging was as fast or faster for every extend shape measured, from 64 queries over 32K keys to 8K-token prefills
-(benchmark/results/attention_kernels_h200.log), so the backend stages whenever the workspace fits its bound.
+Triton cannot overlap with the tensor-core work; staging moves each key twice instead (read, write). That pays off
+when many query rows meet each key: on the H200 staging was as fast or faster for every extend shape from 1K-token
+extends to 8K-token prefills (benchmark/results/attention_kernels_h200.log). With few query rows (a verification
+of 9 tokens, a cached-span prompt of 30) each key is used by one small tile, the in-kernel round trip is cheap next
+to the staging pass, and small tiles rotate in-kernel faster (benchmark/results/few_query_extend_h200.log). So the
+backend stages when a request has more than FEW_QUERY_ROWS query rows and the workspace fits its bound.
 The pool itself is never written: the workspace is scratch of one attention call, shared position-free slots stay
 untouched, and a batch too large for the bound rotates in-kernel.
 """
@@ -20,13 +23,16 @@ import triton.language as tl
 from sglang_pic.kernels.rope import HeadSplit, check_dense_heads, copy_key_rows
 
 STAGE_MAX_BYTES = 512 * 2**20  # workspace bound: beyond it (many long contexts in one batch) keys rotate in-kernel
+FEW_QUERY_ROWS = 256  # query rows (new tokens x GQA group) per request up to which keys rotate in-kernel
 BLOCK_KEYS = 64
 
 
-def should_stage_keys(total_keys: int, k_buffer: torch.Tensor) -> bool:
-    """Whether an extend batch's `total_keys` (its requests' context lengths summed) are staged: when their
-    workspace, rows like those of the layer's key buffer [slots, Hkv, D], fits STAGE_MAX_BYTES."""
-    return 0 < total_keys * k_buffer[0].numel() * k_buffer.element_size() <= STAGE_MAX_BYTES
+def should_stage_keys(total_keys: int, k_buffer: torch.Tensor, query_rows: int) -> bool:
+    """Whether an extend batch's `total_keys` (its requests' context lengths summed) are staged: when its longest
+    request has more than FEW_QUERY_ROWS `query_rows` (new tokens x query heads per kv head) and the workspace,
+    rows like those of the layer's key buffer [slots, Hkv, D], fits STAGE_MAX_BYTES."""
+    workspace = total_keys * k_buffer[0].numel() * k_buffer.element_size()
+    return query_rows > FEW_QUERY_ROWS and 0 < workspace <= STAGE_MAX_BYTES
 
 
 def key_row_starts(seq_lens: torch.Tensor) -> torch.Tensor:

@@ -85,13 +85,17 @@ def _child_main() -> None:
             "vs_reference": relative_errors(k_buf[loc], k_exp[loc]),
         }
 
-    def backend_case(decode: bool, page: int, mixed: bool = False):
+    def backend_case(decode: bool, page: int, mixed: bool = False, long_prefill: bool = False):
+        """`long_prefill` adds a 160-token prefill: 320 query rows per kv head, past FEW_QUERY_ROWS, so the backend
+        stages the batch's keys; the other extend batches have few rows and rotate keys in-kernel."""
         from sglang_pic.layers.attention_backend import create_attention_backend
         from sglang_pic.layers.radix_attention import RadixAttention
         from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
         hq, hkv, dim = 4, 2, 32
         specs = [pb.decode(n) for n in (3, 40, 77)] if decode else [pb.extend(30, 9), pb.spans(50, [(8, 20)], 4)]
+        if long_prefill:
+            specs.append(pb.prefill(160))
         decode_tail = 3 if mixed else 0
         if mixed:  # running decodes riding along with prefills: the backend gives them to the decode kernel
             specs += [pb.decode(n) for n in (5, 64, 33)]
@@ -99,13 +103,18 @@ def _child_main() -> None:
         rotary = RotaryEmbedding(dim, batch.cos_sin_cache.shape[0])
         layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=rotary)
         q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
-        outs = []
+        outs, batches = [], []
         for name in ("triton", "torch_native"):
             backend = create_attention_backend(name)
-            fb = pb.forward_batch_for(batch, backend, decode, decode_tail)
-            backend.init_forward_metadata(fb)
-            outs.append(layer(q, k, v, fb))
-        return {"dtype": "float32", "nan": bool(outs[0].isnan().any()), "vs_torch_native": relative_errors(*outs)}
+            batches.append(pb.forward_batch_for(batch, backend, decode, decode_tail))
+            backend.init_forward_metadata(batches[-1])
+            outs.append(layer(q, k, v, batches[-1]))
+        return {
+            "dtype": "float32",
+            "nan": bool(outs[0].isnan().any()),
+            "vs_torch_native": relative_errors(*outs),
+            "staged": batches[0].attn_metadata.get("key_row_start") is not None,
+        }
 
     def graph_padding_case():
         """A one-request extend padded as its CUDA graph replays it: the backend is sized for a long context and
@@ -147,15 +156,17 @@ def _child_main() -> None:
         }
 
     def stage_decision_case():
-        from sglang_pic.kernels.stage_keys import STAGE_MAX_BYTES, should_stage_keys
+        from sglang_pic.kernels.stage_keys import FEW_QUERY_ROWS, STAGE_MAX_BYTES, should_stage_keys
 
         key = torch.empty((1, 8, 128), dtype=torch.bfloat16, device="meta")  # rows of 8 kv heads x 128 dims
         bound = STAGE_MAX_BYTES // (8 * 128 * 2)
+        many = FEW_QUERY_ROWS + 1
         return {
-            "no_keys": should_stage_keys(0, key),
-            "prefill_8k": should_stage_keys(8192, key),
-            "at_bound": should_stage_keys(bound, key),
-            "over_bound": should_stage_keys(bound + 1, key),
+            "no_keys": should_stage_keys(0, key, many),
+            "prefill_8k": should_stage_keys(8192, key, many),
+            "at_bound": should_stage_keys(bound, key, many),
+            "over_bound": should_stage_keys(bound + 1, key, many),
+            "few_queries": should_stage_keys(8192, key, FEW_QUERY_ROWS),
         }
 
     P, E, D, S = pb.prefill, pb.extend, pb.decode, pb.spans
@@ -202,6 +213,7 @@ def _child_main() -> None:
         "store_kv_rotated_fp32": lambda: store_case("float32", rotate=True, page=16),
         "store_kv_rotated_bf16": lambda: store_case("bfloat16", rotate=True, page=1),
         "backend_extend_page16": lambda: backend_case(decode=False, page=16),
+        "backend_long_prefill_page16": lambda: backend_case(decode=False, page=16, long_prefill=True),
         "backend_decode_page1": lambda: backend_case(decode=True, page=1),
         "backend_mixed_page16": lambda: backend_case(decode=False, page=16, mixed=True),
         "backend_graph_padded_extend": graph_padding_case,
@@ -271,6 +283,9 @@ def _compile_main() -> None:
                 staged = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, keys_staged=True)
                 variants["extend_staged"] = (ea._extend_attention_kernel, staged)
                 variants["stage_keys"] = (st._stage_keys_kernel, st.stage_kernel_params(split))
+                for tokens in (9, 30):  # few-query tiles (a verification, a cached-span prompt)
+                    few = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, max_extend_len=tokens)
+                    variants[f"extend_{tokens}_tokens"] = (ea._extend_attention_kernel, few)
             for name, (kernel, params) in variants.items():
                 key = f"{name}_{dtype}_{'prerotated' if rotated else 'position_free'}"
                 try:
@@ -346,7 +361,7 @@ def test_attention_kernel(report: dict, name: str) -> None:
 
 STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
 STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
-BACKEND_CASES = ["backend_extend_page16", "backend_decode_page1", "backend_mixed_page16"]
+BACKEND_CASES = ["backend_extend_page16", "backend_long_prefill_page16", "backend_decode_page1", "backend_mixed_page16"]
 GRAPH_CASES = ["backend_graph_padded_extend", "stage_decision"]
 
 
@@ -372,6 +387,7 @@ def test_store_kv_rotated(report: dict, name: str) -> None:
 def test_backend_matches_torch_native(report: dict, name: str) -> None:
     entry = _entry(report, name)
     _assert_close(name, "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
+    assert entry["staged"] == (name == "backend_long_prefill_page16")
 
 
 def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:
@@ -381,7 +397,9 @@ def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:
 
 
 def test_keys_are_staged_while_the_workspace_fits(report: dict) -> None:
-    assert report["stage_decision"] == {"no_keys": False, "prefill_8k": True, "at_bound": True, "over_bound": False}
+    assert report["stage_decision"] == {
+        "no_keys": False, "prefill_8k": True, "at_bound": True, "over_bound": False, "few_queries": False
+    }
 
 
 def test_kernels_compile_for_sm90() -> None:

@@ -95,7 +95,7 @@ class TritonAttnBackend(AttentionBackend):
                 fb.attn_metadata["max_extend_len"],
                 max_seq_len=fb.attn_metadata["max_seq_len"],
                 num_sms=self._sm_count(q.device),
-                staged_keys=self._staged_keys(fb, extends, k_buf, cos_sin),
+                staged_keys=self._staged_keys(fb, extends, k_buf, cos_sin, layer.num_heads // layer.num_kv_heads),
             )
         if decodes:
             mid_o, mid_lse = self._decode_buffers(fb, decodes, layer, q.device)
@@ -116,12 +116,12 @@ class TritonAttnBackend(AttentionBackend):
 
     @staticmethod
     def _staged_keys(
-        forward_batch: "ForwardBatch", extends: int, k_buf: torch.Tensor, cos_sin: torch.Tensor
+        forward_batch: "ForwardBatch", extends: int, k_buf: torch.Tensor, cos_sin: torch.Tensor, group: int
     ) -> StagedKeys | None:
-        """The extends' keys rotated once into a workspace (see stage_keys), or None when it would pass its bound
-        and the kernel rotates them itself."""
+        """The extends' keys rotated once into a workspace (see stage_keys), or None when the kernel rotates them
+        itself (few query rows per request, or a workspace past its bound). `group`: query heads per kv head."""
         meta = forward_batch.attn_metadata
-        if not should_stage_keys(meta["total_keys"], k_buf):
+        if not should_stage_keys(meta["total_keys"], k_buf, meta["max_extend_len"] * group):
             return None
         if meta["key_row_start"] is None:
             meta["key_row_start"] = key_row_starts(forward_batch.seq_lens[:extends])
