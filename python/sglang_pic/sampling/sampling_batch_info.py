@@ -23,6 +23,7 @@ class SamplingBatchInfo:
     top_ks: torch.Tensor  # [B] int64, -1 replaced by vocab_size
     min_ps: torch.Tensor  # [B] float32
     greedy_mask: torch.Tensor  # [B] bool
+    greedy_rows: list[bool]  # the same on the host, read without a device sync
     is_all_greedy: bool
     need_top_k_top_p: bool  # some sampled row truncates by rank or nucleus
     max_top_k: int  # largest top_k below vocab_size among sampled rows, 0 if none
@@ -75,6 +76,7 @@ class SamplingBatchInfo:
             top_ks=ints[0],
             min_ps=floats[2],
             greedy_mask=ints[1].bool(),
+            greedy_rows=greedy,
             is_all_greedy=all(greedy),
             need_top_k_top_p=any(
                 not g and (k < vocab_size or p < 1.0) for g, k, p in zip(greedy, top_ks, top_ps)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.utils_tensor import upload
 
 
 @dataclass
@@ -39,7 +40,7 @@ def make_batch(
 ) -> ForwardBatch:
     """`logits`: compute logits for every new token (otherwise none)."""
     device = runner.device
-    positions, attn_lo, seq_lens, ext_lens, starts, ids = [], [], [], [], [], []
+    positions, attn_lo, seq_lens, ext_lens, starts = [], [], [], [], []
     for run in runs:
         n = len(run)
         starts.append(sum(ext_lens))
@@ -47,31 +48,40 @@ def make_batch(
         positions.extend(range(run.first, run.first + n))
         attn_lo.extend(run.attn_lo or [0] * n)
         seq_lens.append(run.first + n if run.seq_len is None else run.seq_len)
-        ids.append(torch.as_tensor(run.ids, dtype=torch.int64).to(device))
-    total = sum(ext_lens)
-
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
+    total, size = sum(ext_lens), len(runs)
+    rows = [r.table_row for r in runs]
+    # One copy for all the integers (a copy per list from pageable memory would wait for every queued kernel).
+    packed = upload(positions, attn_lo, rows, seq_lens, ext_lens, starts, device=device)
+    cuts = [total, total, size, size, size, size]
+    positions_t, attn_lo_t, rows_t, seq_lens_t, ext_lens_t, starts_t = packed.split(cuts)
     return ForwardBatch(
         forward_mode=mode,
-        batch_size=len(runs),
-        input_ids=torch.cat(ids) if ids else t([]),
-        positions=t(positions),
-        attn_lo=t(attn_lo),
+        batch_size=size,
+        input_ids=_input_ids(runs, device),
+        positions=positions_t,
+        attn_lo=attn_lo_t,
         out_cache_loc=out_cache_loc.to(device),
-        req_pool_indices=t([r.table_row for r in runs]),
-        seq_lens=t(seq_lens),
-        extend_seq_lens=t(ext_lens),
-        extend_start_loc=t(starts),
+        req_pool_indices=rows_t,
+        seq_lens=seq_lens_t,
+        extend_seq_lens=ext_lens_t,
+        extend_start_loc=starts_t,
         seq_lens_cpu=seq_lens,
         extend_seq_lens_cpu=ext_lens,
         req_to_token_pool=req_to_token_pool,
         token_to_kv_pool=runner.token_to_kv_pool,
         attn_backend=attn_backend,
-        logits_indices=torch.arange(total, device=device) if logits else t([]),
-        attn_metadata={"draft_rows": [r.table_row for r in runs]},
+        logits_indices=torch.arange(total if logits else 0, device=device),
+        attn_metadata={"draft_rows": rows},
     )
+
+
+def _input_ids(runs: list[Run], device: torch.device) -> torch.Tensor:
+    """The runs' token ids in one tensor: host lists in one upload, device tensors (drafted tokens) as they are."""
+    if not any(isinstance(run.ids, torch.Tensor) for run in runs):
+        return upload(*(list(run.ids) for run in runs), device=device)
+    return torch.cat([
+        run.ids if isinstance(run.ids, torch.Tensor) else upload(list(run.ids), device=device) for run in runs
+    ])
 
 
 @torch.inference_mode()

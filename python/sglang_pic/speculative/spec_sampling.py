@@ -57,7 +57,7 @@ class Distributions:
 def distributions(logits: torch.Tensor, info: SamplingBatchInfo) -> Distributions:
     adjusted = adjust_logits(logits.float(), info)
     argmax = adjusted.argmax(dim=-1)
-    greedy = info.greedy_mask.tolist()
+    greedy = info.greedy_rows
     if info.is_all_greedy:
         return Distributions(argmax, None, greedy)
     probs = filter_probs(torch.softmax(adjusted / info.temperatures, dim=-1), info)

@@ -48,6 +48,7 @@ from sglang_pic.speculative.spec_sampling import (
     uses_history,
 )
 from sglang_pic.speculative.spec_stats import ReqSpecStats, SpecStats
+from sglang_pic.utils_tensor import upload
 
 DEFAULT_NUM_DRAFT_TOKENS = 16
 
@@ -236,7 +237,7 @@ class VeriCacheWorker:
         else:
             backend = self.compressor.draft_backend(self.runner.attn_backend, batch, self.runner.token_to_kv_pool)
             table, replayer = TokenTable(batch.tables[0]), None
-        current = torch.tensor([r.tail.tokens[-1] for r in reqs], dtype=torch.int64, device=self.device)
+        current = upload([r.tail.tokens[-1] for r in reqs], device=self.device)
         for i in range(k_max):
             active = [b for b, k in enumerate(ks) if k > i]
             runs = []
@@ -249,7 +250,7 @@ class VeriCacheWorker:
             history = self._histories(reqs, tokens, active, i)
             dist = distributions(logits, sampling_info(history, self.vocab_size, self.device))
             picked = draft_tokens(dist, [reqs[b].generator for b in active])
-            index = torch.tensor(active, device=self.device)
+            index = upload(active, device=self.device)
             tokens[index, i] = picked
             current[index] = picked
             if dist.probs is not None:
@@ -288,7 +289,7 @@ class VeriCacheWorker:
             dst += range(start + 1, start + 1 + k)
             start += k + 1
         if dst:
-            index = torch.tensor([src_b, src_i, dst], dtype=torch.int64, device=self.device)
+            index = upload(src_b, src_i, dst, device=self.device).view(3, -1)
             batch.input_ids[index[2]] = tokens[index[0], index[1]]
 
     def _verify_and_accept(
