@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-budget", type=float, help="(b) VeriCache budget")
     p.add_argument("--tp-draft", type=int, help="(b) draft length")
     p.add_argument("--tp-compressor", default="streaming")
+    p.add_argument("--chunked-prefill-size", type=int, help="(a) prefill chunk; smaller bounds CPU attention memory")
     p.add_argument("--max-total-tokens", type=int, help="(b) device KV tokens; default: enough for --batch")
     p.add_argument("--host-mem-gb", type=float, default=96.0, help="(b) host memory the host tier may use")
     p.add_argument(
@@ -192,8 +193,9 @@ def bench_acceptance(args) -> dict:
     from sglang_pic.model_loader.default_model import default_model_path
 
     path = args.model_path or default_model_path()
+    chunk = {} if args.chunked_prefill_size is None else {"chunked_prefill_size": args.chunked_prefill_size}
     engine = Engine(model_path=path, max_total_tokens=max(65536, 4 * args.prompt_tokens), schedule_policy="fcfs",
-                    dtype=args.dtype, speculative_algorithm="vericache")
+                    dtype=args.dtype, speculative_algorithm="vericache", **chunk)
     prompts = code_prompts(engine.tokenizer, args.num_prompts, args.prompt_tokens)
     prompts += retrieval_prompts(engine.tokenizer, args.num_prompts, args.prompt_tokens)
     params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
