@@ -12,7 +12,7 @@ and a key-staging workspace of that many keys when it fits its bound), and each 
 the device from the true positions, so one capture serves every context.
 
 The engine holds one runner over its request table and backend; VeriCache holds another over its draft tables
-(draft_graphs.py). Both may share one memory pool: their graphs never run at the same time.
+(speculative/draft_runner.py). Both share one memory pool: their graphs never run at the same time.
 """
 
 from __future__ import annotations
