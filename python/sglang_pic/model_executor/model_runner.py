@@ -92,13 +92,23 @@ class ModelRunner:
             self.broadcaster.stop()
             self.broadcaster = None
 
-    @torch.inference_mode()
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
         """This rank's forward (its collectives included), without sending the batch anywhere."""
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            hidden = self.graph_runner.replay(batch)
+        return self.forward_with(batch, self.graph_runner)
+
+    @torch.inference_mode()
+    def forward_with(self, batch: ForwardBatch, graph_runner, prepared: bool = False) -> torch.Tensor:
+        """Logits of `batch`, replayed by `graph_runner` (None: never) when it holds a graph for the batch, else run
+        eagerly on the batch's attention backend, whose metadata is set up here unless `prepared`.
+
+        The graph runner must be one captured over the batch's own request table and backend: VeriCache passes
+        its draft graphs for draft steps and none for verification (the engine's graphs would replay any batch of
+        their shape over the engine's table and backend)."""
+        if graph_runner is not None and graph_runner.can_run(batch):
+            hidden = graph_runner.replay(batch)
         else:
-            self.attn_backend.init_forward_metadata(batch)
+            if not prepared:
+                batch.attn_backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions, batch)
         if batch.logits_indices is None or batch.logits_indices.numel() == 0:
             return torch.empty((0, self.model_config.vocab_size), dtype=torch.float32, device=self.device)

@@ -82,23 +82,3 @@ def _input_ids(runs: list[Run], device: torch.device) -> torch.Tensor:
     return torch.cat([
         run.ids if isinstance(run.ids, torch.Tensor) else upload(list(run.ids), device=device) for run in runs
     ])
-
-
-@torch.inference_mode()
-def run_forward(runner, batch: ForwardBatch, prepared: bool = False, graphs=None) -> torch.Tensor:
-    """Logits of the batch's logits rows, replayed by `graphs` (a CudaGraphRunner over the batch's own table and
-    backend) when it has a graph for the batch, else run eagerly on the batch's attention backend (whose metadata
-    is set up here unless `prepared`: a staggered round sets it up early, to start host-tier copies).
-
-    Not runner.forward: its CUDA graphs were captured for the engine's token table and backend, and it would
-    replay them for any decode-shaped batch, draft steps included.
-    """
-    if graphs is not None and graphs.can_run(batch):
-        hidden = graphs.replay(batch)
-    else:
-        if not prepared:
-            batch.attn_backend.init_forward_metadata(batch)
-        hidden = runner.model(batch.input_ids, batch.positions, batch)
-    if batch.logits_indices.numel() == 0:
-        return torch.empty((0, runner.model_config.vocab_size), dtype=torch.float32, device=runner.device)
-    return runner.model.compute_logits(hidden[batch.logits_indices]).float()

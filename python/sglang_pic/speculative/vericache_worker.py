@@ -38,7 +38,7 @@ from sglang_pic.speculative.compressor_base import create_compressor, refresh_th
 from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache, TokenTable
 from sglang_pic.speculative.draft_runner import DraftRunner
 from sglang_pic.speculative.full_kv import DeviceFullKV, HostFullKV
-from sglang_pic.speculative.spec_batches import Run, make_batch, run_forward
+from sglang_pic.speculative.spec_batches import Run, make_batch
 from sglang_pic.speculative.spec_sampling import (
     accept_greedy,
     accept_sampled,
@@ -192,7 +192,7 @@ class VeriCacheWorker:
         total = sum(len(r) for r in runs)
         loc = torch.zeros(total, dtype=torch.int64)  # the dummy slot: the tokens' KV is already stored
         batch = make_batch(self.runner, runs, loc, self.runner.req_to_token_pool, backend, logits=False)
-        run_forward(self.runner, batch)
+        self.runner.forward_with(batch, None)
         return {req.rid: capture.scores[i] for i, req in enumerate(observed)}
 
     # ---- 2. reserve -------------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ class VeriCacheWorker:
                 runs.append(Run(b, batch.pos_offsets[b] + n, current[b : b + 1], seq_len=n + 1))
             loc = torch.stack([slots[b][i] for b in active])
             fb = make_batch(self.runner, runs, loc, table, backend, logits=True, mode=ForwardMode.DECODE)
-            logits = run_forward(self.runner, fb, graphs=replayer)[:, : self.vocab_size]
+            logits = self.runner.forward_with(fb, replayer)[:, : self.vocab_size]
             history = self._histories(reqs, tokens, active, i)
             dist = distributions(logits, sampling_info(history, self.vocab_size, self.device))
             picked = draft_tokens(dist, [reqs[b].generator for b in active])
@@ -296,7 +296,7 @@ class VeriCacheWorker:
         self, reqs: list[Req], ks: list[int], slots: list[torch.Tensor], tokens: torch.Tensor,
         q: list[list[torch.Tensor]], batch: ForwardBatch,
     ) -> list[Req]:
-        logits = run_forward(self.runner, batch, prepared=True)[:, : self.vocab_size]
+        logits = self.runner.forward_with(batch, None, prepared=True)[:, : self.vocab_size]
         self.stats.verify_batches += 1
 
         drafted = tokens.tolist()
