@@ -13,16 +13,24 @@ import torch
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 
 
+def host_kv_buffers(pool: MHATokenToKVPool, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [layers, tokens, Hkv, D] in host memory, laid out like `pool`'s layers; pinned when the pool
+    lives on CUDA, so copies to and from it are DMA transfers."""
+    pin = torch.device(pool.device).type == "cuda"
+    shape = (pool.layer_num, tokens, pool.head_num)
+    return (
+        torch.empty((*shape, pool.head_dim), dtype=pool.dtype, pin_memory=pin),
+        torch.empty((*shape, pool.v_head_dim), dtype=pool.dtype, pin_memory=pin),
+    )
+
+
 class HostKVPool:
     def __init__(self, device_pool: MHATokenToKVPool, size: int) -> None:
         if size < 1:
             raise ValueError(f"the host KV pool needs at least one token, got {size}")
         self.device_pool = device_pool
         self.size = size
-        pin = torch.device(device_pool.device).type == "cuda"
-        p = device_pool
-        self.k = torch.empty((p.layer_num, size, p.head_num, p.head_dim), dtype=p.dtype, pin_memory=pin)
-        self.v = torch.empty((p.layer_num, size, p.head_num, p.v_head_dim), dtype=p.dtype, pin_memory=pin)
+        self.k, self.v = host_kv_buffers(device_pool, size)
         self.clear()
 
     @classmethod

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_pic.layers.attention_backend import AttentionBackend
+from sglang_pic.mem_cache.host_pool import host_kv_buffers
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.speculative.draft_cache import TokenTable
 from sglang_pic.speculative.spec_stats import SpecStats
@@ -76,12 +77,7 @@ class HostKVTier:
         fitting = [i for i, (k, _) in enumerate(self.spare) if k.shape[1] >= capacity]
         if fitting:
             return self.spare.pop(min(fitting, key=lambda i: self.spare[i][0].shape[1]))
-        p = self.pool
-        shape = (p.layer_num, capacity, p.head_num)
-        return (
-            torch.empty((*shape, p.head_dim), dtype=p.dtype, pin_memory=self.pin),
-            torch.empty((*shape, p.v_head_dim), dtype=p.dtype, pin_memory=self.pin),
-        )
+        return host_kv_buffers(self.pool, capacity)
 
     def alloc(self, capacity: int) -> HostKV:
         kv = HostKV(*self._buffers(max(capacity, 1)))
