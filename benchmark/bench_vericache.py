@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
-import json
 import os
 import sys
 import time
@@ -34,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_engine_e2e import LLAMA3_8B, TINY, rand_prompts, write_config  # noqa: E402
-from bench_rag_spans import args_json  # noqa: E402
+from bench_engine_e2e import LLAMA3_8B, TINY, rand_prompts, timed, write_config  # noqa: E402
+from bench_rag_spans import args_json, write_json  # noqa: E402
 from sglang_pic import Engine  # noqa: E402
 from sglang_pic.managers.io_struct import GenerateReqInput  # noqa: E402
 from sglang_pic.managers.req import Req  # noqa: E402
@@ -171,13 +170,23 @@ def retrieval_prompts(tokenizer, n: int, tokens: int) -> list[Prompt]:
 # ---- (a) acceptance -----------------------------------------------------------------------------------------
 
 
-def run_requests(engine: Engine, ids: list[list[int]], params: dict) -> list[Req]:
-    """Generate through the scheduler directly, keeping the requests (they carry their speculation records)."""
+def submit(engine: Engine, ids: list[list[int]], params: dict) -> list[Req]:
+    """Queue requests on the scheduler directly, keeping them (they carry their speculation records)."""
     reqs = engine.tokenizer_manager.build_requests(GenerateReqInput(input_ids=ids, sampling_params=params))
     for req in reqs:
         engine.scheduler.add_request(req)
-    while not all(r.finished() for r in reqs):
+    return reqs
+
+
+def step_until(engine: Engine, done) -> None:
+    while not done():
         engine.scheduler.step()
+
+
+def run_requests(engine: Engine, ids: list[list[int]], params: dict) -> list[Req]:
+    """Generate through the scheduler directly, returning the finished requests."""
+    reqs = submit(engine, ids, params)
+    step_until(engine, lambda: all(r.finished() for r in reqs))
     return reqs
 
 
@@ -298,16 +307,13 @@ def _decode_case(engine: Engine, args, context: int, batch: int, accept_lengths:
     vocab = engine.model_config.vocab_size
     engine.generate(input_ids=rand_prompts(1, 64, vocab, 1), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     params = {"max_new_tokens": args.decode_steps + 2, "temperature": 0, "ignore_eos": True}
-    reqs = engine.tokenizer_manager.build_requests(
-        GenerateReqInput(input_ids=rand_prompts(batch, context, vocab, context), sampling_params=params))
-    for req in reqs:
-        engine.scheduler.add_request(req)
-    prefill = _timed(lambda: _step_until(engine, lambda: all(len(r.output_ids) >= 2 for r in reqs)))
+    reqs = submit(engine, rand_prompts(batch, context, vocab, context), params)
+    prefill = timed(lambda: step_until(engine, lambda: all(len(r.output_ids) >= 2 for r in reqs)))
     worker = engine.scheduler.spec_worker
     if worker is not None:
         worker.stats.__init__()
     before = sum(len(r.output_ids) for r in reqs)
-    decode_s = _timed(lambda: _step_until(engine, lambda: all(r.finished() for r in reqs)))
+    decode_s = timed(lambda: step_until(engine, lambda: all(r.finished() for r in reqs)))
     tokens = sum(len(r.output_ids) for r in reqs) - before
     case = {"batch": batch, "decode_steps": args.decode_steps, "prefill_s": prefill, "decode_s": decode_s,
             "decode_tokens": tokens, "decode_tokens_per_s": tokens / decode_s,
@@ -322,19 +328,6 @@ def _decode_case(engine: Engine, args, context: int, batch: int, accept_lengths:
     return case
 
 
-def _step_until(engine: Engine, done) -> None:
-    while not done():
-        engine.scheduler.step()
-
-
-def _timed(fn) -> float:
-    _sync()
-    start = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - start
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(0)
@@ -347,8 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
             accept_lengths = sorted({round(r["accept_length"], 2) for r in result["acceptance"]["runs"]})
     if "throughput" in parts:
         result["throughput"] = bench_throughput(args, accept_lengths or [1.0, 2.0, 4.0])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return result
 
