@@ -46,7 +46,9 @@ def _store_kv_kernel(
     k_row = k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM
     kb_row = k_buf_ptr + slot * stride_kbs + offs_h[:, None] * HEAD_DIM
     pos = tl.zeros([BLOCK_HEADS], tl.int64) + tl.load(positions_ptr + t)
-    copy_key_rows(k_row, kb_row, head_mask, pos, cos_sin_ptr, stride_cs, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL)
+    copy_key_rows(
+        k_row, kb_row, head_mask, pos, cos_sin_ptr, stride_cs, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL
+    )
 
     offs_v = tl.arange(0, BLOCK_V)
     v_mask = head_mask[:, None] & (offs_v[None, :] < V_DIM)
