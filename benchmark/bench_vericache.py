@@ -12,7 +12,9 @@ prompts of 16K-128K tokens: full-KV decoding, VeriCache with the full KV in devi
 full KV in host memory streamed to the device for verification (the device then keeps only drafts, so more
 requests fit the same --max-total-tokens). Random weights make acceptance meaningless, so next to the measured
 tokens/s each VeriCache row gives the round time (draft and verify parts) and tokens/s projected for the
-acceptance lengths of (a) (or --assume-accept-length).
+acceptance lengths of (a) (or --assume-accept-length). With --tp-model-path a real model decodes (a)'s code and
+retrieval prompts instead, so the measured tokens/s carry its real acceptance, and each VeriCache row says
+whether its tokens equal those of full-KV decoding of the same prompts.
 
   python benchmark/bench_vericache.py --out benchmark/results/vericache_h200.json
   python benchmark/bench_vericache.py --quick        # CPU: small model settings, about a minute
@@ -23,10 +25,12 @@ from __future__ import annotations
 import argparse
 import ast
 import gc
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 import torch
@@ -45,6 +49,7 @@ FULL = dict(
     prompt_tokens=4096, new_tokens=64, num_prompts=4, contexts=[16384, 32768, 65536, 131072], batch=4,
     host_batch=16, decode_steps=64, tp_budget=2048, tp_draft=8, max_total_tokens=None,
 )
+WINDOW_HEADROOM = 4  # (b) requests may output this many times --decode-steps: early ones run ahead of late ones
 QUICK = dict(
     compressors=["streaming", "snapkv", "h2o", "kivi"], budgets=[64], draft_lengths=[4],
     prompt_tokens=256, new_tokens=8, num_prompts=1, contexts=[1024], batch=2, host_batch=4,
@@ -58,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small settings that run on a CPU in about a minute")
     p.add_argument("--parts", default="acceptance,throughput")
     p.add_argument("--model-path", help="model for (a); default: the embedded Qwen2.5-Coder-0.5B")
-    p.add_argument("--dtype", default="auto", help="(a) dtype; float32 makes `lossless` exact on GPU too")
+    p.add_argument("--dtype", default="auto", help="dtype; float32 makes `lossless` exact on GPU too; (b) defaults to bfloat16 on GPU")
     p.add_argument("--compressors", type=_strs)
     p.add_argument("--budgets", type=_floats, help="draft budgets: < 1 a share of the context, >= 1 tokens")
     p.add_argument("--draft-lengths", type=_ints)
@@ -71,9 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int)
     p.add_argument("--tp-budget", type=float, help="(b) VeriCache budget")
     p.add_argument("--tp-draft", type=int, help="(b) draft length")
-    p.add_argument("--tp-compressor", default="streaming")
+    p.add_argument("--tp-compressors", type=_strs, default=["streaming"], help="(b) VeriCache compressors")
+    p.add_argument("--tp-model-path", help="(b) a real model decoding (a)'s prompts instead of dummy Llama-3-8B")
     p.add_argument("--chunked-prefill-size", type=int, help="(a) prefill chunk; smaller bounds CPU attention memory")
     p.add_argument("--max-total-tokens", type=int, help="(b) device KV tokens; default: enough for --batch")
+    p.add_argument("--tp-staging-share", type=float, default=0.4,
+                   help="(b) share of the device KV memory that host-tier modes stage verification layers in")
     p.add_argument("--host-mem-gb", type=float, default=96.0, help="(b) host memory the host tier may use")
     p.add_argument(
         "--stagger-groups", type=int, default=1, help="(b) above 1, also VeriCache host full KV with staggered rounds"
@@ -254,44 +262,66 @@ def _task_acceptance(reqs: list[Req], prompts: list[Prompt], task: str) -> dict:
 
 def bench_throughput(args, accept_lengths: list[float]) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = dict(TINY if args.quick else LLAMA3_8B)
-    cfg["max_position_embeddings"] = max(max(args.contexts) + args.decode_steps + 64, cfg["max_position_embeddings"])
-    path = write_config(cfg)
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
+    if args.tp_model_path:
+        accept_lengths = []  # measured, not projected
+        model = dict(model_path=args.tp_model_path)
+        cfg = json.loads((Path(args.tp_model_path) / "config.json").read_text())
+    else:
+        cfg = dict(TINY if args.quick else LLAMA3_8B)
+        cfg["max_position_embeddings"] = max(max(args.contexts) + WINDOW_HEADROOM * args.decode_steps + 64,
+                                             cfg["max_position_embeddings"])
+        model = dict(model_path=write_config(cfg), load_format="dummy", skip_tokenizer_init=True,
+                     context_length=cfg["max_position_embeddings"])
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    "config": "tiny" if args.quick else "llama3-8b-dummy", "cases": []}
-    dtype = "bfloat16" if device == "cuda" else "float32"
+                    "config": args.tp_model_path or ("tiny" if args.quick else "llama3-8b-dummy"), "cases": []}
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (2 if device == "cuda" else 4)
+    token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (4 if "32" in dtype else 2)
     for context in args.contexts:
-        per_request = context + args.decode_steps + args.tp_draft + 4
+        per_request = context + WINDOW_HEADROOM * args.decode_steps + args.tp_draft + 4
         device_tokens = args.max_total_tokens or args.batch * per_request
+        # Host-tier modes get the same device memory: a share for staging verification layers, the rest for drafts.
+        staging_tokens = int(device_tokens * args.tp_staging_share)
+        staging = dict(vericache_staging_gb=staging_tokens * token_bytes / 2**30)
         host_batch = min(args.host_batch, int(args.host_mem_gb * 2**30 // (token_bytes * per_request)))
-        # (name, full KV, batch, draft length, groups). full_kv_host is full-KV decoding of the host batch with
-        # its KV in host memory (VeriCache with no drafts: every step streams the whole KV), the baseline that
-        # serves the batch VeriCache's host mode serves within the same device memory.
-        modes = [
-            ("full_kv", None, args.batch, 0, 1),
-            ("vericache_gpu", "gpu", args.batch, args.tp_draft, 1),
-            ("full_kv_host", "host", host_batch, 0, 1),
-            ("vericache_host", "host", host_batch, args.tp_draft, 1),
-        ]
-        if args.stagger_groups > 1:
-            modes.append(("vericache_host_staggered", "host", host_batch, args.tp_draft, args.stagger_groups))
-        for name, full_kv, batch, draft, groups in modes:
+        prompts = _throughput_prompts(args, model, cfg, context, max(host_batch, args.batch))
+        # (name, compressor, full KV, batch, draft length, groups). full_kv_host is full-KV decoding of the host
+        # batch with its KV in host memory (VeriCache with no drafts: every step streams the whole KV), the
+        # baseline that serves the batch VeriCache's host mode serves within the same device memory.
+        modes = [("full_kv", None, None, args.batch, 0, 1), ("full_kv_host", None, "host", host_batch, 0, 1)]
+        for c in args.tp_compressors:
+            modes += [("vericache_gpu", c, "gpu", args.batch, args.tp_draft, 1),
+                      ("vericache_host", c, "host", host_batch, args.tp_draft, 1)]
+            if args.stagger_groups > 1:
+                modes.append(("vericache_host_staggered", c, "host", host_batch, args.tp_draft, args.stagger_groups))
+        outputs: dict[str, list[list[int]]] = {}
+        for name, compressor, full_kv, batch, draft, groups in modes:
             if args.modes and name not in args.modes:
                 continue
             spec = {} if full_kv is None else dict(
                 speculative_algorithm="vericache", vericache_full_kv=full_kv, vericache_budget=args.tp_budget,
-                speculative_num_draft_tokens=draft, vericache_compressor=args.tp_compressor,
-                vericache_stagger_groups=groups)
-            engine = Engine(model_path=path, load_format="dummy", skip_tokenizer_init=True, disable_radix_cache=True,
-                            max_total_tokens=device_tokens, context_length=cfg["max_position_embeddings"],
-                            schedule_policy="fcfs", dtype=dtype, **spec)
-            case = _decode_case(engine, args, context, batch, accept_lengths)
-            case.update(mode=name, context=context, device_kv_tokens=device_tokens)
+                speculative_num_draft_tokens=draft, vericache_compressor=compressor or "streaming",
+                vericache_stagger_groups=groups, **(staging if full_kv == "host" else {}))
+            pool_tokens = device_tokens - (staging_tokens if full_kv == "host" else 0)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            engine = Engine(**model, disable_radix_cache=True, max_total_tokens=pool_tokens, schedule_policy="fcfs",
+                            dtype=dtype, **spec)
+            case, output_ids = _decode_case(engine, args, prompts[:batch], accept_lengths)
+            reference = outputs.get("full_kv_host" if full_kv == "host" else "full_kv")
+            if args.tp_model_path and draft and reference is not None:
+                case["identical_requests"] = sum(a == b for a, b in zip(output_ids, reference)) / batch
+            outputs.setdefault(name, output_ids)
+            if args.tp_model_path:
+                case["output_ids"] = output_ids
+            case.update(mode=name, compressor=compressor, context=context, device_kv_tokens=device_tokens,
+                        pool_tokens=pool_tokens, staging_gb=spec.get("vericache_staging_gb"),
+                        peak_device_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None)
             result["cases"].append(case)
-            print(f"(b) {name:24s} ctx={context:<7d} batch={batch:<3d} {case['decode_tokens_per_s']:.1f} tok/s"
-                  + (f" round={case['round_s'] * 1e3:.1f}ms projected={case['projected_tokens_per_s']}"
+            print(f"(b) {name:24s} {compressor or '':9s} ctx={context:<7d} batch={batch:<3d} "
+                  f"{case['decode_tokens_per_s']:.1f} tok/s"
+                  + (f" round={case['round_s'] * 1e3:.1f}ms accept_len={case['spec']['accept_length']:.2f}"
+                     f" identical={case.get('identical_requests')} projected={case.get('projected_tokens_per_s')}"
                      if draft else ""), flush=True)
             engine.shutdown()
             del engine
@@ -301,21 +331,46 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
     return result
 
 
-def _decode_case(engine: Engine, args, context: int, batch: int, accept_lengths: list[float]) -> dict:
-    """Steady-state decode: every request has finished prefill and its first decode step or round (host-tier
-    adoption, first draft build) before the clock starts; then the tokens all requests output until they finish."""
+def _throughput_prompts(args, model: dict, cfg: dict, context: int, n: int) -> list[list[int]]:
+    """Random ids for dummy weights; for a real model, (a)'s code and retrieval prompts of about `context` tokens."""
+    if not args.tp_model_path:
+        return rand_prompts(n, context, cfg["vocab_size"], context)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model["model_path"])
+    code = code_prompts(tokenizer, n // 2, context)
+    retrieval = retrieval_prompts(tokenizer, n - len(code), context)
+    mixed = [p for pair in zip_longest(code, retrieval) for p in pair if p is not None]
+    return [p.ids for p in mixed]
+
+
+def _decode_case(engine: Engine, args, prompts: list[list[int]], accept_lengths: list[float]) -> tuple[dict, list]:
+    """Steady-state decode of the whole batch. The clock starts once every request has finished prefill and its
+    first decode step or round (host-tier adoption, first draft build) and stops once each has output
+    --decode-steps more tokens: requests that prefill one after another (a device pool too small for them all at
+    once) decode in a batch that lacks the later ones until then, and finished ones would leave it shrinking."""
     vocab = engine.model_config.vocab_size
     engine.generate(input_ids=rand_prompts(1, 64, vocab, 1), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
-    params = {"max_new_tokens": args.decode_steps + 2, "temperature": 0, "ignore_eos": True}
-    reqs = submit(engine, rand_prompts(batch, context, vocab, context), params)
+    params = {"max_new_tokens": WINDOW_HEADROOM * args.decode_steps, "temperature": 0, "ignore_eos": True}
+    reqs = submit(engine, prompts, params)
     prefill = timed(lambda: step_until(engine, lambda: all(len(r.output_ids) >= 2 for r in reqs)))
     worker = engine.scheduler.spec_worker
     if worker is not None:
         worker.stats.__init__()
-    before = sum(len(r.output_ids) for r in reqs)
-    decode_s = timed(lambda: step_until(engine, lambda: all(r.finished() for r in reqs)))
-    tokens = sum(len(r.output_ids) for r in reqs) - before
-    case = {"batch": batch, "decode_steps": args.decode_steps, "prefill_s": prefill, "decode_s": decode_s,
+    start = [len(r.output_ids) for r in reqs]
+
+    def window_done() -> bool:
+        progress = [len(r.output_ids) - s for r, s in zip(reqs, start)]
+        return min(progress) >= args.decode_steps or any(r.finished() for r in reqs)
+
+    decode_s = timed(lambda: step_until(engine, window_done))
+    tokens = sum(len(r.output_ids) - s for r, s in zip(reqs, start))
+    complete = all(len(r.output_ids) - s >= args.decode_steps for r, s in zip(reqs, start))
+    for r in reqs:
+        if not r.finished():
+            engine.scheduler.abort_request(r.rid)
+    case = {"batch": len(prompts), "prompt_tokens": sum(map(len, prompts)) / len(prompts), "full_window": complete,
+            "decode_steps": args.decode_steps, "prefill_s": prefill, "decode_s": decode_s,
             "decode_tokens": tokens, "decode_tokens_per_s": tokens / decode_s,
             "retractions": engine.scheduler.stats.num_retractions}
     if worker is not None and worker.num_draft:
@@ -323,9 +378,10 @@ def _decode_case(engine: Engine, args, context: int, batch: int, accept_lengths:
         round_s = decode_s / max(stats["rounds"], 1)
         requests_per_round = stats["verify_ct"] / max(stats["rounds"], 1)
         case.update(spec=stats, round_s=round_s, draft_share=stats["draft_time_s"] / decode_s,
-            requests_per_round=requests_per_round,
-            projected_tokens_per_s={f"{a:g}": requests_per_round * a / round_s for a in accept_lengths})
-    return case
+            requests_per_round=requests_per_round)
+        if accept_lengths:
+            case["projected_tokens_per_s"] = {f"{a:g}": requests_per_round * a / round_s for a in accept_lengths}
+    return case, [r.output_ids[: args.decode_steps + 2] for r in reqs]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,7 +26,7 @@ from sglang_pic.speculative.compress_kivi import (
 from sglang_pic.speculative.compress_streaming import NUM_SINKS
 from sglang_pic.speculative.compressor_base import create_compressor, resolve_budget
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
-from sglang_pic.speculative.host_kv_tier import STAGING_BUDGET_BYTES, HostKVTier, staging_depth
+from sglang_pic.speculative.host_kv_tier import HostKVTier, staging_depth
 from test_engine import assert_idle_accounting
 
 PROMPTS = [
@@ -163,9 +163,10 @@ def test_host_tier_reuses_freed_buffers():
 
 
 def test_staging_depth_fills_its_budget_within_the_layers():
-    assert staging_depth(100, 1000, 24) == 24  # small contexts: every layer staged before the forward starts
-    assert staging_depth(10**9, 1000, 24) == 2  # huge ones: still double-buffered
-    assert staging_depth(STAGING_BUDGET_BYTES // 5000, 1000, 24) == 5
+    budget = 4 * 2**30
+    assert staging_depth(100, 1000, 24, budget) == 24  # small contexts: every layer staged before the forward starts
+    assert staging_depth(10**9, 1000, 24, budget) == 2  # huge ones: still double-buffered
+    assert staging_depth(budget // 5000, 1000, 24, budget) == 5
 
 
 def test_prefix_cache_and_chunked_prefill(references):

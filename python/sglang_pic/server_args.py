@@ -130,6 +130,11 @@ class ServerArgs:
         "KV kept for drafting: below 1 a fraction of the context, else a number of tokens.",
     )
     vericache_full_kv: str = _arg("gpu", "Where VeriCache keeps the full KV: gpu or host.")
+    vericache_staging_gb: float = _arg(
+        4.0,
+        "Device memory (GiB) for the layers of host-tier full KV staged during a verification; at least two "
+        "layers are staged whatever it says. More layers stage while the group drafts.",
+    )
     vericache_stagger_groups: int = _arg(
         1,
         "Requests per VeriCache round go in this many groups, drafted and verified in turn: with host full KV, "
@@ -174,6 +179,8 @@ class ServerArgs:
             raise ValueError(
                 f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio} and {self.hicache_size}"
             )
+        if self.vericache_staging_gb <= 0:
+            raise ValueError(f"vericache_staging_gb must be > 0, got {self.vericache_staging_gb}")
         if self.vericache_stagger_groups < 1:
             raise ValueError(f"vericache_stagger_groups must be >= 1, got {self.vericache_stagger_groups}")
         if self.tp_size > 1 and self.speculative_algorithm is not None:

@@ -128,6 +128,7 @@ class HostFullKV:
         self.tier = HostKVTier(self.pool, runner.device)
         self.copier = CopyStream(runner.device)
         self.stats = stats
+        self.staging_bytes = int(scheduler.server_args.vericache_staging_gb * 2**30)
         self.host: dict[str, HostKV] = {}
 
     def num_tokens(self, req: Req) -> int:
@@ -178,7 +179,8 @@ class HostFullKV:
         return slots
 
     def wrap(self, reqs: list[Req], inner):
-        return HostStreamingBackend(inner, self.pool, [self.host[r.rid] for r in reqs], self.copier, self.stats)
+        return HostStreamingBackend(inner, self.pool, [self.host[r.rid] for r in reqs], self.copier, self.stats,
+                                    self.staging_bytes)
 
     def keep(self, req: Req, slot: int) -> None:
         """Host-tier length and draft rows are updated once the round ends."""

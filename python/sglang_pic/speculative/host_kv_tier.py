@@ -7,7 +7,7 @@ copy per request and layer.
 
 `HostStreamingBackend` runs a forward (verification, or an observation for compressor scores) over that tier:
 before layer l attends, layer l's full KV of every request is in a device staging buffer. A ring of `depth`
-staging buffers (as many layers as STAGING_BUDGET_BYTES holds, at least two) is filled on a copy stream as soon as
+staging buffers (as many layers as --vericache-staging-gb holds, at least two) is filled on a copy stream as soon as
 the backend is set up, and the copy of layer l+depth is issued right after layer l's attention is queued, so
 transfers overlap compute: the next layers' within the forward, and with staggered rounds (vericache_worker) the
 drafting of the next group of requests before it. On the CPU the "host" tier is a separate tensor pool and the
@@ -29,12 +29,9 @@ from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.speculative.draft_cache import TokenTable
 from sglang_pic.speculative.spec_stats import SpecStats
 
-STAGING_BUDGET_BYTES = 4 * 2**30  # device memory for one forward's staged layers of the host tier
-
-
-def staging_depth(tokens: int, layer_bytes: int, num_layers: int) -> int:
+def staging_depth(tokens: int, layer_bytes: int, num_layers: int, budget_bytes: int) -> int:
     """Layers staged ahead for a forward over `tokens` host-tier tokens: what the budget holds, 2 to num_layers."""
-    return max(2, min(num_layers, STAGING_BUDGET_BYTES // max(tokens * layer_bytes, 1)))
+    return max(2, min(num_layers, budget_bytes // max(tokens * layer_bytes, 1)))
 
 
 @dataclass
@@ -208,9 +205,10 @@ class HostStreamingBackend(AttentionBackend):
 
     def __init__(
         self, inner: AttentionBackend, pool: MHATokenToKVPool, sources: list[HostKV], copier: CopyStream,
-        stats: SpecStats,
+        stats: SpecStats, staging_bytes: int,
     ) -> None:
         self.inner = inner
+        self.staging_bytes = staging_bytes
         self.pool = pool
         self.sources = sources
         self.copier = copier
@@ -226,7 +224,7 @@ class HostStreamingBackend(AttentionBackend):
             offsets.append(total)
             total += max(old, n)
         p = self.pool
-        self.depth = staging_depth(total, self.layer_bytes, p.layer_num)
+        self.depth = staging_depth(total, self.layer_bytes, p.layer_num, self.staging_bytes)
         self.buffers = [
             (
                 torch.empty((total, p.head_num, p.head_dim), dtype=p.dtype, device=device),
