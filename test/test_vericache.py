@@ -26,8 +26,10 @@ from sglang_pic.speculative.compress_kivi import (
 from sglang_pic.speculative.compress_streaming import NUM_SINKS
 from sglang_pic.speculative.compressor_base import create_compressor, resolve_budget
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
+from sglang_pic.server_args import ServerArgs
 from sglang_pic.speculative.host_kv_tier import HostKVTier, staging_depth
 from test_engine import assert_idle_accounting
+from tiny_models import build_tiny_model
 
 PROMPTS = [
     "The quick brown fox",
@@ -160,6 +162,34 @@ def test_host_tier_reuses_freed_buffers():
     assert tier.alloc(20).k.data_ptr() == ptrs[40]
     assert tier.alloc(5).k.data_ptr() not in ptrs.values()  # none left
     assert tier.bytes_in_use == (10 + 40 + 5) * tier.token_bytes()
+
+
+def test_host_tier_with_two_staged_layers_is_lossless(tmp_path):
+    """A staging budget below one layer leaves a ring of two buffers that the copies of 4 layers reuse in turn."""
+    path = str(build_tiny_model(tmp_path, "llama", num_hidden_layers=4))
+    with engine(path) as e:
+        expected = [o["output_ids"] for o in e.generate(PROMPTS, greedy())]
+    with vericache(path, "snapkv", 8, "host", vericache_staging_gb=1e-9) as e:
+        depths = []
+        real_wrap = e.scheduler.spec_worker.full_kv.wrap
+
+        def wrap(reqs, inner):
+            backend = real_wrap(reqs, inner)
+            real_init = backend.init_forward_metadata
+
+            def init(fb):
+                real_init(fb)
+                depths.append(backend.depth)
+
+            backend.init_forward_metadata = init
+            return backend
+
+        e.scheduler.spec_worker.full_kv.wrap = wrap
+        assert [o["output_ids"] for o in e.generate(PROMPTS, greedy())] == expected
+        assert depths and set(depths) == {2}
+        assert_idle_accounting(e)
+    with pytest.raises(ValueError, match="vericache_staging_gb"):
+        ServerArgs(model_path=path, vericache_staging_gb=0)
 
 
 def test_staging_depth_fills_its_budget_within_the_layers():
