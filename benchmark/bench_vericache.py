@@ -305,6 +305,7 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
             pool_tokens = device_tokens - (staging_tokens if full_kv == "host" else 0)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            held_before = torch.cuda.memory_allocated() if device == "cuda" else None
             engine = Engine(**model, disable_radix_cache=True, max_total_tokens=pool_tokens, schedule_policy="fcfs",
                             dtype=dtype, **spec)
             case, output_ids = _decode_case(engine, args, prompts[:batch], accept_lengths)
@@ -316,7 +317,8 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
                 case["output_ids"] = output_ids
             case.update(mode=name, compressor=compressor, context=context, device_kv_tokens=device_tokens,
                         pool_tokens=pool_tokens, staging_gb=spec.get("vericache_staging_gb"),
-                        peak_device_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None)
+                        peak_device_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None,
+                        held_before_bytes=held_before)
             result["cases"].append(case)
             print(f"(b) {name:24s} {compressor or '':9s} ctx={context:<7d} batch={batch:<3d} "
                   f"{case['decode_tokens_per_s']:.1f} tok/s"
