@@ -7,6 +7,9 @@ must follow the same distribution.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency
@@ -190,6 +193,31 @@ def test_host_tier_with_two_staged_layers_is_lossless(tmp_path):
         assert_idle_accounting(e)
     with pytest.raises(ValueError, match="vericache_staging_gb"):
         ServerArgs(model_path=path, vericache_staging_gb=0)
+
+
+def test_host_streaming_backends_are_freed_without_the_cycle_collector(references):
+    """A verification's staging buffers (GBs on a GPU) go when it ends, not whenever Python's cycle collector next
+    runs: nothing in a host-streaming backend may refer back to it."""
+    path, expected = references["llama"]
+    with vericache(path, "snapkv", 8, "host") as e:
+        alive: weakref.WeakSet = weakref.WeakSet()
+        created = []
+        real_wrap = e.scheduler.spec_worker.full_kv.wrap
+
+        def wrap(reqs, inner):
+            backend = real_wrap(reqs, inner)
+            alive.add(backend)
+            created.append(1)
+            return backend
+
+        e.scheduler.spec_worker.full_kv.wrap = wrap
+        gc.collect()
+        gc.disable()
+        try:
+            assert [o["output_ids"] for o in e.generate(PROMPTS, greedy())] == expected
+            assert len(created) > 2 and len(alive) == 0
+        finally:
+            gc.enable()
 
 
 def test_staging_depth_fills_its_budget_within_the_layers():

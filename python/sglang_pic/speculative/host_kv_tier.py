@@ -242,8 +242,11 @@ class HostStreamingBackend(AttentionBackend):
             table[b, : max(old, n)] = torch.arange(off, off + max(old, n))
             loc.extend(off + pos if pos >= old else 0 for pos in range(n - count, n))
         self.olds, self.offsets = olds, offsets
+        # The staged batch runs on `inner`: naming this backend there would make a reference cycle, and the
+        # staging buffers would stay until Python's cycle collector ran.
         self.staged = dataclasses.replace(
             fb,
+            attn_backend=self.inner,
             token_to_kv_pool=StagingPool(self.buffers, p.head_num, p.dtype),
             req_to_token_pool=TokenTable(table.to(device)),
             req_pool_indices=torch.arange(len(olds), device=device),
