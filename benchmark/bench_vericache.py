@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small settings that run on a CPU in about a minute")
     p.add_argument("--parts", default="acceptance,throughput")
     p.add_argument("--model-path", help="model for (a); default: the embedded Qwen2.5-Coder-0.5B")
-    p.add_argument("--dtype", default="auto", help="dtype; float32 makes `lossless` exact on GPU too; (b) defaults to bfloat16 on GPU")
+    p.add_argument("--dtype", default="auto",
+                   help="dtype; float32 makes (a)'s `lossless` exact on GPU too; (b) defaults to bfloat16 on GPU")
     p.add_argument("--compressors", type=_strs)
     p.add_argument("--budgets", type=_floats, help="draft budgets: < 1 a share of the context, >= 1 tokens")
     p.add_argument("--draft-lengths", type=_ints)
@@ -276,18 +277,19 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                     "config": args.tp_model_path or ("tiny" if args.quick else "llama3-8b-dummy"), "cases": []}
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (4 if "32" in dtype else 2)
+    elem_bytes = 4 if dtype in ("float32", "fp32", "float") else 2
+    token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * elem_bytes
     for context in args.contexts:
         per_request = context + WINDOW_HEADROOM * args.decode_steps + args.tp_draft + 4
         device_tokens = args.max_total_tokens or args.batch * per_request
-        # Host-tier modes get the same device memory: a share for staging verification layers, the rest for drafts.
+        # Host-tier modes get the same KV memory: a share for staging verification layers, the rest for drafts.
         staging_tokens = int(device_tokens * args.tp_staging_share)
         staging = dict(vericache_staging_gb=staging_tokens * token_bytes / 2**30)
         host_batch = min(args.host_batch, int(args.host_mem_gb * 2**30 // (token_bytes * per_request)))
         prompts = _throughput_prompts(args, model, cfg, context, max(host_batch, args.batch))
         # (name, compressor, full KV, batch, draft length, groups). full_kv_host is full-KV decoding of the host
         # batch with its KV in host memory (VeriCache with no drafts: every step streams the whole KV), the
-        # baseline that serves the batch VeriCache's host mode serves within the same device memory.
+        # baseline that serves the batch VeriCache's host mode serves within the same KV memory.
         modes = [("full_kv", None, None, args.batch, 0, 1), ("full_kv_host", None, "host", host_batch, 0, 1)]
         for c in args.tp_compressors:
             modes += [("vericache_gpu", c, "gpu", args.batch, args.tp_draft, 1),
