@@ -167,29 +167,29 @@ def test_host_tier_reuses_freed_buffers():
     assert tier.bytes_in_use == (10 + 40 + 5) * tier.token_bytes()
 
 
+def watch_streaming_backends(e: Engine, see) -> None:
+    """Call see(backend) with each host-streaming backend the engine's VeriCache worker makes."""
+    full_kv = e.scheduler.spec_worker.full_kv
+    make = full_kv.wrap
+
+    def wrap(reqs, inner):
+        backend = make(reqs, inner)
+        see(backend)
+        return backend
+
+    full_kv.wrap = wrap
+
+
 def test_host_tier_with_two_staged_layers_is_lossless(tmp_path):
     """A staging budget below one layer leaves a ring of two buffers that the copies of 4 layers reuse in turn."""
     path = str(build_tiny_model(tmp_path, "llama", num_hidden_layers=4))
     with engine(path) as e:
         expected = [o["output_ids"] for o in e.generate(PROMPTS, greedy())]
     with vericache(path, "snapkv", 8, "host", vericache_staging_gb=1e-9) as e:
-        depths = []
-        real_wrap = e.scheduler.spec_worker.full_kv.wrap
-
-        def wrap(reqs, inner):
-            backend = real_wrap(reqs, inner)
-            real_init = backend.init_forward_metadata
-
-            def init(fb):
-                real_init(fb)
-                depths.append(backend.depth)
-
-            backend.init_forward_metadata = init
-            return backend
-
-        e.scheduler.spec_worker.full_kv.wrap = wrap
+        backends = []
+        watch_streaming_backends(e, backends.append)
         assert [o["output_ids"] for o in e.generate(PROMPTS, greedy())] == expected
-        assert depths and set(depths) == {2}
+        assert backends and {b.depth for b in backends} == {2}
         assert_idle_accounting(e)
     with pytest.raises(ValueError, match="vericache_staging_gb"):
         ServerArgs(model_path=path, vericache_staging_gb=0)
@@ -202,15 +202,12 @@ def test_host_streaming_backends_are_freed_without_the_cycle_collector(reference
     with vericache(path, "snapkv", 8, "host") as e:
         alive: weakref.WeakSet = weakref.WeakSet()
         created = []
-        real_wrap = e.scheduler.spec_worker.full_kv.wrap
 
-        def wrap(reqs, inner):
-            backend = real_wrap(reqs, inner)
+        def see(backend) -> None:
             alive.add(backend)
             created.append(1)
-            return backend
 
-        e.scheduler.spec_worker.full_kv.wrap = wrap
+        watch_streaming_backends(e, see)
         gc.collect()
         gc.disable()
         try:
