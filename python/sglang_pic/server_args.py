@@ -119,7 +119,8 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = _arg(
         None,
         "Draft tokens per speculative step (VeriCache: 16 by default; on the real model 16 drafts gave more tokens "
-        "per round than 8 for every compressor, and with host full KV their drafting hides behind the transfer).",
+        "per round than 8 for every compressor; with host full KV, drafting runs while the first "
+        "--vericache-staging-gb of layers copy, so it hides behind the transfer when that budget holds enough).",
     )
     vericache_compressor: str = _arg(
         "streaming",
