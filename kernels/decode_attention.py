@@ -25,13 +25,14 @@ import triton.language as tl
 
 from sglang_pic.kernels.rope import (
     HeadSplit,
+    attend_block,
     check_dense_heads,
     dot_operand_dtype,
     dot_precision,
     head_split,
     load_cos_sin,
+    load_group_query,
     merge_chunk,
-    rotate_halves,
     rotate_keys,
 )
 
@@ -123,23 +124,13 @@ def _decode_split_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < GROUP
     head = kvh * GROUP + offs_h
-    pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
+    q1_dot, q2_dot, q_tail = load_group_query(
+        q_ptr, stride_qt, b, kvh, seq_len - 1, cos_sin_ptr, stride_cs, qk_scale, dtype,
+        GROUP, BLOCK_H, HEAD_DIM, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, DOT_DTYPE,
+    )
     offs_r = tl.arange(0, BLOCK_HALF)
-    q_rows = q_ptr + b * stride_qt + head[:, None] * HEAD_DIM
-    q_mask = h_mask[:, None] & (offs_r[None, :] < HALF)
-    q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
-    q2 = tl.load(q_rows + HALF + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
-    offs_b = tl.arange(0, BLOCK_N)
-    cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, h_mask, HALF)
-    q1_rot, q2_rot = rotate_halves(q1, q2, cos, sin)
-    q1_dot = q1_rot.to(dtype).to(DOT_DTYPE)
-    q2_dot = q2_rot.to(dtype).to(DOT_DTYPE)
     offs_t = tl.arange(0, BLOCK_TAIL)
-    if TAIL > 0:
-        tail_mask = h_mask[:, None] & (offs_t[None, :] < TAIL)
-        q_tail = tl.load(q_rows + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0)
-        q_tail = (q_tail.to(tl.float32) * qk_scale).to(dtype).to(DOT_DTYPE)
-
+    offs_b = tl.arange(0, BLOCK_N)
     offs_v = tl.arange(0, BLOCK_V)
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -167,14 +158,9 @@ def _decode_split_kernel(
             qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
 
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
         v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
-        acc = tl.dot(p.to(dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
 
     mid_o = mid_o_ptr + b * stride_mob + head[:, None] * stride_moh + split * stride_mos + offs_v[None, :]
     tl.store(mid_o, acc / l_i[:, None], mask=h_mask[:, None] & (offs_v[None, :] < V_DIM))
@@ -315,12 +301,19 @@ def decode_attention_fwd(
         mid_lse.stride(1),
         **split_params,
     )
-    _decode_merge_kernel[(batch_size, num_heads)](
+    merge_splits(mid_o, mid_lse, out, seq_lens, merge_params)
+
+
+def merge_splits(
+    mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor, merge_params: dict
+) -> None:
+    """out [B, Hq, Dv] from the chunk outputs of contexts seq_lens, split as the split kernel did."""
+    _decode_merge_kernel[(out.shape[0], out.shape[1])](
         mid_o,
         mid_lse,
         out,
         seq_lens,
-        max_splits,
+        mid_o.shape[2],
         mid_o.stride(0),
         mid_o.stride(1),
         mid_o.stride(2),

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from sglang_pic.kernels.rope import (
     HeadSplit,
+    attend_block,
     check_dense_heads,
     dot_operand_dtype,
     dot_precision,
@@ -192,14 +193,9 @@ def _extend_attention_kernel(
 
         visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
         v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
-        acc = tl.dot(p.to(dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_mask = row_mask[:, None] & (offs_v[None, :] < V_DIM)

@@ -140,3 +140,54 @@ def merge_chunk(m, denom, acc, lse, o):
     scale_old = tl.math.exp2(m - m_new)
     weight = tl.math.exp2(lse - m_new)
     return m_new, denom * scale_old + weight, acc * scale_old + o * weight
+
+
+@triton.jit
+def attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a key block: base-2 scores qk [M, N] (hidden keys at -inf) and values v [N, Dv]
+    fold into the running max m_i, sum l_i and output acc; probabilities are rounded to v's dtype for the dot."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def load_group_query(
+    q_ptr,
+    stride_qt,
+    row,
+    kvh,
+    pos,
+    cos_sin_ptr,
+    stride_cs,
+    qk_scale,
+    dtype: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """A decode query's heads that share kv head `kvh`, scaled and rotated by its position: the dot operands of the
+    two rotary halves and of the tail (zeros without one), rounded to the cache's dtype like keys are."""
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP
+    q_rows = q_ptr + row * stride_qt + (kvh * GROUP + offs_h)[:, None] * HEAD_DIM
+    offs_r = tl.arange(0, BLOCK_HALF)
+    q_mask = h_mask[:, None] & (offs_r[None, :] < HALF)
+    q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(q_rows + HALF + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, tl.zeros([BLOCK_H], tl.int32) + pos, offs_r, h_mask, HALF)
+    q1, q2 = rotate_halves(q1, q2, cos, sin)
+    q_tail = tl.zeros([BLOCK_H, BLOCK_TAIL], tl.float32)
+    if TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_mask = h_mask[:, None] & (offs_t[None, :] < TAIL)
+        q_tail = tl.load(q_rows + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0).to(tl.float32) * qk_scale
+    return q1.to(dtype).to(DOT_DTYPE), q2.to(dtype).to(DOT_DTYPE), q_tail.to(dtype).to(DOT_DTYPE)

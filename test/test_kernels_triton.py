@@ -169,6 +169,63 @@ def _child_main() -> None:
             "few_queries": should_stage_keys(8192, key, FEW_QUERY_ROWS),
         }
 
+    def kivi_case(dtype: str, hq: int, rotary_dim: int, v_dim: int):
+        """One draft step over KIVI caches (quantized prefixes of 0, 64 and 160 tokens, then exact rows): the fused
+        kernel against the torch path that dequantizes the prefix. Each query's own k/v is stored first."""
+        from sglang_pic.layers.radix_attention import RadixAttention
+        from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+        from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+        from sglang_pic.speculative.compress_kivi import KiviDraftBackend, KiviPrefix, KiviTritonDraftBackend
+        from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache
+        from sglang_pic.layers.triton_backend import TritonAttnBackend
+
+        torch.manual_seed(7)
+        hkv, dim, dt = 2, 32, dtypes[dtype]
+        prefixes, rows = [0, 64, 160], [5, 40, 17]  # rows include the query's own slot
+        pool = MHATokenToKVPool(256, 1, dt, hkv, dim, 1, "cpu", v_dim)
+        pool.k_buffer[0].normal_()
+        pool.v_buffer[0].normal_()
+        free = torch.randperm(255) + 1
+        drafts, scratch, start = [], [], 0
+        for n_prefix, n_rows in zip(prefixes, rows):
+            prefix = KiviPrefix(1, torch.device("cpu"))
+            k, v = torch.randn(n_prefix, hkv, dim) * 2, torch.randn(n_prefix, hkv, v_dim)
+            if n_prefix:
+                prefix.append(lambda layer: (k, v), n_prefix)
+            slots = free[start : start + n_rows]
+            start += n_rows
+            drafts.append(DraftCache.from_rows(slots[:-1], covered=n_prefix + n_rows - 1, pos_offset=n_prefix,
+                                               prefix=prefix))
+            scratch.append(slots[-1:])
+        batch = DraftBatch.build(drafts, scratch, torch.device("cpu"))
+        rotary = RotaryEmbedding(dim, 512, rotary_dim=rotary_dim)
+        layer = RadixAttention(hq, dim, dim**-0.5, hkv, layer_id=0, rotary=rotary, v_head_dim=v_dim)
+        q, k_new, v_new = torch.randn(3, hq * dim), torch.randn(3, hkv * dim), torch.randn(3, hkv * v_dim)
+        outs = []
+        for backend in (KiviTritonDraftBackend(pool, batch, TritonAttnBackend()), KiviDraftBackend(pool, batch)):
+            fb = ForwardBatch(
+                forward_mode=ForwardMode.DECODE,
+                batch_size=3,
+                input_ids=torch.zeros(3, dtype=torch.int64),
+                positions=torch.tensor([p + r - 1 for p, r in zip(prefixes, rows)]),
+                attn_lo=torch.zeros(3, dtype=torch.int64),
+                out_cache_loc=torch.cat(scratch),
+                req_pool_indices=torch.arange(3),
+                seq_lens=torch.tensor(rows),
+                extend_seq_lens=torch.ones(3, dtype=torch.int64),
+                extend_start_loc=torch.arange(3),
+                seq_lens_cpu=rows,
+                extend_seq_lens_cpu=[1, 1, 1],
+                req_to_token_pool=None,
+                token_to_kv_pool=pool,
+                attn_backend=backend,
+                attn_metadata={"draft_rows": [0, 1, 2]},
+            )
+            backend.init_forward_metadata(fb)
+            outs.append(layer(q.to(dt), k_new.to(dt), v_new.to(dt), fb).float())
+        return {"dtype": dtype, "nan": bool(outs[0].isnan().any()), "vs_torch_native": relative_errors(*outs)}
+
     P, E, D, S = pb.prefill, pb.extend, pb.decode, pb.spans
     span_specs = [S(60, [(5, 15), (30, 36)], 10), S(45, [(0, 20)], 1), P(9), S(80, [(40, 70)], 3)]
     cases: dict[str, Callable[[], dict]] = {
@@ -218,6 +275,8 @@ def _child_main() -> None:
         "backend_mixed_page16": lambda: backend_case(decode=False, page=16, mixed=True),
         "backend_graph_padded_extend": graph_padding_case,
         "stage_decision": stage_decision_case,
+        "kivi_gqa_fp32": lambda: kivi_case("float32", 4, 32, 32),
+        "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),
     }
     report = {}
     for name, run in cases.items():
@@ -238,6 +297,7 @@ def _compile_main() -> None:
 
     from sglang_pic.kernels import decode_attention as da
     from sglang_pic.kernels import extend_attention as ea
+    from sglang_pic.kernels import kivi_decode as kd
     from sglang_pic.kernels import stage_keys as st
     from sglang_pic.kernels import store_kv as sk
     from sglang_pic.kernels.rope import HeadSplit
@@ -283,6 +343,8 @@ def _compile_main() -> None:
                 staged = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, keys_staged=True)
                 variants["extend_staged"] = (ea._extend_attention_kernel, staged)
                 variants["stage_keys"] = (st._stage_keys_kernel, st.stage_kernel_params(split))
+                kivi = kd.kivi_kernel_params(32, 8, 128, 128, 128, 32, 32, torch_dtype, cuda)[0]
+                variants["kivi_decode"] = (kd._kivi_split_kernel, kivi)
                 for tokens in (9, 30):  # few-query tiles (a verification, a cached-span prompt)
                     few = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, max_extend_len=tokens)
                     variants[f"extend_{tokens}_tokens"] = (ea._extend_attention_kernel, few)
@@ -363,10 +425,11 @@ STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
 STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
 BACKEND_CASES = ["backend_extend_page16", "backend_long_prefill_page16", "backend_decode_page1", "backend_mixed_page16"]
 GRAPH_CASES = ["backend_graph_padded_extend", "stage_decision"]
+KIVI_CASES = ["kivi_gqa_fp32", "kivi_group3_partial_rotary_vdim16_bf16"]
 
 
 def test_every_case_is_checked(report: dict) -> None:
-    assert set(report) == set(ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES)
+    assert set(report) == set(ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES + KIVI_CASES)
 
 
 @pytest.mark.parametrize("name", STORE_CASES)
@@ -388,6 +451,12 @@ def test_backend_matches_torch_native(report: dict, name: str) -> None:
     entry = _entry(report, name)
     _assert_close(name, "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
     assert entry["staged"] == (name == "backend_long_prefill_page16")
+
+
+@pytest.mark.parametrize("name", KIVI_CASES)
+def test_kivi_draft_kernel_matches_torch_path(report: dict, name: str) -> None:
+    entry = _entry(report, name)
+    _assert_close(name, "vs the torch KIVI path", entry["vs_torch_native"], TOLERANCE[entry["dtype"]])
 
 
 def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:

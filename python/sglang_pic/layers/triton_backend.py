@@ -30,7 +30,7 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self) -> None:
         self._num_sms: int | None = None
 
-    def _sm_count(self, device: torch.device) -> int:
+    def sm_count(self, device: torch.device) -> int:
         if self._num_sms is None:
             if device.type == "cuda":
                 self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -44,7 +44,7 @@ class TritonAttnBackend(AttentionBackend):
         if decodes:
             device = forward_batch.seq_lens.device
             kv_heads = forward_batch.token_to_kv_pool.head_num
-            meta["max_kv_splits"] = num_kv_splits(decodes, kv_heads, self._sm_count(device))
+            meta["max_kv_splits"] = num_kv_splits(decodes, kv_heads, self.sm_count(device))
             meta["decode_buffers"] = None  # allocated by the first layer, shared by all layers of the batch
         if not forward_batch.forward_mode.is_decode():
             extends = forward_batch.batch_size - decodes
@@ -94,7 +94,7 @@ class TritonAttnBackend(AttentionBackend):
                 layer.scaling,
                 fb.attn_metadata["max_extend_len"],
                 max_seq_len=fb.attn_metadata["max_seq_len"],
-                num_sms=self._sm_count(q.device),
+                num_sms=self.sm_count(q.device),
                 staged_keys=self._staged_keys(fb, extends, k_buf, cos_sin, layer.num_heads // layer.num_kv_heads),
             )
         if decodes:

@@ -9,9 +9,10 @@ Every token is kept, so draft positions are the original ones: the quantized pre
 tokens, whole groups move from the rows into the prefix, so between budget and budget + GROUP - 1 tokens stay
 exact.
 
-Draft attention dequantizes on read in torch (`KiviDraftBackend`). On a GPU this is where a fused kernel goes:
-one that reads the packed codes and scales inside a flash-decoding loop over the prefix and merges the result
-with the exact rows, instead of materializing float keys for every layer and step.
+Draft attention with the Triton backend reads the packed codes and scales inside a flash-decoding loop over the
+prefix followed by the exact rows (kernels/kivi_decode.py); each request's tensors are reached through their
+addresses, so quantizing never copies into a shared pool. With torch_native, `KiviDraftBackend` dequantizes the
+prefix in torch, one request at a time: the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
+from sglang_pic.kernels.kivi_decode import QUANT_FIELDS, kivi_decode_fwd
 from sglang_pic.kernels.torch_native import rope_rotate
 from sglang_pic.layers.attention_backend import AttentionBackend
+from sglang_pic.layers.triton_backend import TritonAttnBackend
 from sglang_pic.speculative.compressor_base import Compressor, KVSource, register
 from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache
 
@@ -75,7 +79,7 @@ def quantize_keys(k: torch.Tensor) -> Quantized:
     groups = k.view(t // GROUP, GROUP, h, d).permute(0, 2, 3, 1)  # [T/G, H, D, G]
     codes, scale, zero = quantize_groups(groups)
     codes = codes.permute(0, 3, 1, 2).reshape(t, h, d)
-    return Quantized(pack(codes), scale.squeeze(-1), zero.squeeze(-1))
+    return Quantized(pack(codes), scale.squeeze(-1).contiguous(), zero.squeeze(-1).contiguous())
 
 
 def dequantize_keys(q: Quantized) -> torch.Tensor:
@@ -93,7 +97,7 @@ def quantize_values(v: torch.Tensor) -> Quantized:
     """v [T, H, D]: per token over groups of value_group(D) channels; scale [T, H, D / group]."""
     t, h, d = v.shape
     codes, scale, zero = quantize_groups(v.view(t, h, d // value_group(d), value_group(d)))
-    return Quantized(pack(codes.view(t, h, d)), scale.squeeze(-1), zero.squeeze(-1))
+    return Quantized(pack(codes.view(t, h, d)), scale.squeeze(-1).contiguous(), zero.squeeze(-1).contiguous())
 
 
 def dequantize_values(q: Quantized) -> torch.Tensor:
@@ -110,12 +114,14 @@ def _cat(a: Quantized | None, b: Quantized) -> Quantized:
 
 
 class KiviPrefix:
-    """The quantized tokens [0, length) of one request, per layer."""
+    """The quantized tokens [0, length) of one request, per layer; `addresses` [layers, 6] lists each layer's
+    six tensors (key codes, scale, zero, value codes, scale, zero) for the fused kernel, zeros while empty."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, device: torch.device) -> None:
         self.keys: list[Quantized | None] = [None] * num_layers
         self.values: list[Quantized | None] = [None] * num_layers
         self.length = 0
+        self.addresses = torch.zeros((num_layers, QUANT_FIELDS), dtype=torch.int64, device=device)
 
     def append(self, reads: Callable[[int], tuple[torch.Tensor, torch.Tensor]], count: int) -> None:
         """Quantize the next `count` tokens (a multiple of GROUP); reads(layer) gives their k, v [count, H, D]."""
@@ -125,6 +131,10 @@ class KiviPrefix:
             self.keys[layer] = _cat(self.keys[layer], quantize_keys(k))
             self.values[layer] = _cat(self.values[layer], quantize_values(v))
         self.length += count
+        tensors = [(q.codes, q.scale, q.zero) for layer in zip(self.keys, self.values) for q in layer]
+        assert all(t.is_contiguous() for parts in tensors for t in parts)
+        flat = [t.data_ptr() for parts in tensors for t in parts]
+        self.addresses.copy_(torch.tensor(flat, dtype=torch.int64).view(self.addresses.shape))
 
     def dequantize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.keys[layer] is None:
@@ -145,7 +155,7 @@ class KiviCompressor(Compressor):
     ) -> DraftCache:
         n = src.num_tokens
         quantized = max(n - budget, 0) // GROUP * GROUP
-        prefix = KiviPrefix(src.num_layers)
+        prefix = KiviPrefix(src.num_layers, device)
         self._quantize(prefix, src, 0, quantized, device)
         rows = src.rows_for(torch.arange(quantized, n, device=device)[None])
         return DraftCache.from_rows(rows, covered=n, pos_offset=quantized, prefix=prefix)
@@ -170,6 +180,8 @@ class KiviCompressor(Compressor):
         prefix.append(lambda layer: src.read(layer, index), count)
 
     def draft_backend(self, inner: AttentionBackend, batch: DraftBatch, pool) -> AttentionBackend:
+        if isinstance(inner, TritonAttnBackend):
+            return KiviTritonDraftBackend(pool, batch, inner)
         return KiviDraftBackend(pool, batch)
 
 
@@ -185,7 +197,7 @@ class KiviDraftBackend(AttentionBackend):
     """Draft attention over a dequantized prefix plus the exact rows, one request at a time (torch reference path).
 
     The batch's `seq_lens` count the rows a query sees (its draft index + 1) and `positions` are true positions;
-    `attn_metadata["draft_rows"]` lists each query's request index into the batch tables.
+    `req_pool_indices` (also `attn_metadata["draft_rows"]`) give each query's request index into the batch tables.
     """
 
     def __init__(self, pool, batch: DraftBatch) -> None:
@@ -193,16 +205,20 @@ class KiviDraftBackend(AttentionBackend):
         self.batch = batch
 
     def forward(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
-        lid = layer.layer_id
         fb = forward_batch
         self.pool.set_kv_buffer(
-            lid, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
+            layer.layer_id, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
             v.view(-1, layer.num_kv_heads, layer.v_head_dim),
         )
-        k_buf, v_buf = self.pool.get_kv_buffer(lid)
-        cos_sin = layer.rotary.cos_sin_cache
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty((q3.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
+        self._attend(q3, out, layer, fb)
+        return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
+
+    def _attend(self, q3: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
+        lid = layer.layer_id
+        k_buf, v_buf = self.pool.get_kv_buffer(lid)
+        cos_sin = layer.rotary.cos_sin_cache
         table = self.batch.tables[0]
         for t, b in enumerate(fb.attn_metadata["draft_rows"]):
             slots = table[b, : fb.seq_lens_cpu[t]]
@@ -210,7 +226,44 @@ class KiviDraftBackend(AttentionBackend):
             prefix = self.batch.drafts[b].prefix.dequantize(lid)
             if prefix is not None:
                 keys, values = torch.cat([prefix[0], keys]), torch.cat([prefix[1], values])
-            keys = rope_rotate(keys, torch.arange(keys.shape[0], device=q.device), cos_sin)
+            keys = rope_rotate(keys, torch.arange(keys.shape[0], device=q3.device), cos_sin)
             query = rope_rotate(q3[t : t + 1], fb.positions[t : t + 1], cos_sin)[0]
-            out[t] = gqa_attention(query, keys, values, layer.scaling).to(q.dtype)
-        return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
+            out[t] = gqa_attention(query, keys, values, layer.scaling).to(q3.dtype)
+
+
+class KiviTritonDraftBackend(KiviDraftBackend):
+    """The same attention through the fused kernel: per step, the queries' table rows, prefix lengths and prefix
+    addresses are gathered once and read by every layer."""
+
+    def __init__(self, pool, batch: DraftBatch, inner: TritonAttnBackend) -> None:
+        super().__init__(pool, batch)
+        self.inner = inner
+        self.prefix_lens = torch.tensor([d.prefix.length for d in batch.drafts], device=batch.tables.device)
+        self.addresses = torch.stack([d.prefix.addresses for d in batch.drafts], dim=1)  # [layers, B, 6]
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        fb = forward_batch
+        rows = fb.req_pool_indices
+        prefix_lens = self.prefix_lens[rows]
+        heads = fb.token_to_kv_pool.head_num
+        fb.attn_metadata.update(
+            kivi_table=self.batch.tables[0][rows],
+            kivi_prefix_lens=prefix_lens,
+            kivi_totals=prefix_lens + fb.seq_lens,
+            kivi_addresses=self.addresses[:, rows],
+            kivi_splits=num_kv_splits(fb.batch_size, heads, self.inner.sm_count(rows.device)),
+            kivi_buffers=None,
+        )
+
+    def _attend(self, q3: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
+        meta = fb.attn_metadata
+        if meta["kivi_buffers"] is None:
+            meta["kivi_buffers"] = alloc_decode_buffers(
+                q3.shape[0], layer.num_heads, layer.v_head_dim, meta["kivi_splits"], q3.device
+            )
+        k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
+        kivi_decode_fwd(
+            q3, k_buf, v_buf, out, meta["kivi_table"], meta["kivi_totals"], meta["kivi_prefix_lens"],
+            meta["kivi_addresses"][layer.layer_id], layer.rotary.kernel_table(k_buf.dtype), layer.scaling,
+            *meta["kivi_buffers"], GROUP, value_group(layer.v_head_dim),
+        )

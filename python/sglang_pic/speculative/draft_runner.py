@@ -9,7 +9,7 @@ the eager step would.
 
 Compressors that draft through the engine's backend (token dropping) always draft over the static tables, on the
 CPU too, so CPU tests check the tables graphs read; a round too wide or too large for them falls back to its own
-tables. KIVI's backend dequantizes in torch and drafts eagerly on its own tables.
+tables. KIVI drafts eagerly through its own backend (the fused kernels/kivi_decode.py with the Triton backend).
 """
 
 from __future__ import annotations

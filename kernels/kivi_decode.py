@@ -1,0 +1,274 @@
+"""Triton decode attention over a KIVI draft cache: a 2-bit quantized prefix followed by exact rows of the pool.
+
+Request b sees keys 0 .. total[b] - 1: indices below prefix_lens[b] are dequantized on read from the request's
+own packed tensors (their addresses come per request in `quant_ptrs`, so no copy into a shared pool is needed),
+the rest are pool slots listed in `table[b, index - prefix_lens[b]]`. Every key is rotated by its index, its
+true position, as in the plain decode kernel; the query sits at total[b] - 1.
+
+The context is split into chunks exactly as `decode_attention` does (same `_split_range`), so that kernel's merge
+stage combines the chunks. A key block never straddles the prefix's end: blocks start at multiples of BLOCK_N,
+which divides the quantization group, and prefixes end on a group boundary.
+
+Layouts (contiguous, per layer and request, H kv heads, D key and Dv value channels, G tokens per key group):
+key codes [T, H, D / 4] uint8 with channel c in bits 2 (c % 4); key scale and zero [T / G, H, D] float32 (one per
+channel and group of tokens); value codes [T, H, Dv / 4]; value scale and zero [T, H, Dv / VG] float32 (one per
+token and group of VG channels). A value is code * scale + zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_pic.kernels.decode_attention import LOG2E, _split_range, default_decode_config, merge_splits
+from sglang_pic.kernels.rope import (
+    attend_block,
+    check_dense_heads,
+    dot_operand_dtype,
+    dot_precision,
+    HeadSplit,
+    load_cos_sin,
+    load_group_query,
+    rotate_keys,
+)
+
+QUANT_FIELDS = tl.constexpr(6)  # key codes, key scale, key zero, value codes, value scale, value zero
+CODES_PER_BYTE = tl.constexpr(4)  # 2-bit codes
+KIVI_BLOCK_N_GPU = 32
+
+
+@triton.jit
+def _dequant_keys(codes, scale, zero, n, ch, mask, kvh, num_kv_heads, HEAD_DIM: tl.constexpr, QGROUP: tl.constexpr):
+    """Keys [len(n), len(ch)] in float32: per-channel scale and zero of each token's group."""
+    row = n[:, None] * num_kv_heads + kvh
+    byte = tl.load(codes + row * (HEAD_DIM // CODES_PER_BYTE) + ch[None, :] // CODES_PER_BYTE, mask=mask, other=0)
+    code = (byte.to(tl.int32) >> ((ch[None, :] % CODES_PER_BYTE) * 2)) & 3
+    group = ((n // QGROUP)[:, None] * num_kv_heads + kvh) * HEAD_DIM + ch[None, :]
+    s = tl.load(scale + group, mask=mask, other=0.0)
+    z = tl.load(zero + group, mask=mask, other=0.0)
+    return code.to(tl.float32) * s + z
+
+
+@triton.jit
+def _dequant_values(codes, scale, zero, n, ch, mask, kvh, num_kv_heads, V_DIM: tl.constexpr, VGROUP: tl.constexpr):
+    """Values [len(n), len(ch)] in float32: scale and zero per token and group of VGROUP channels."""
+    row = n[:, None] * num_kv_heads + kvh
+    byte = tl.load(codes + row * (V_DIM // CODES_PER_BYTE) + ch[None, :] // CODES_PER_BYTE, mask=mask, other=0)
+    code = (byte.to(tl.int32) >> ((ch[None, :] % CODES_PER_BYTE) * 2)) & 3
+    group = row * (V_DIM // VGROUP) + ch[None, :] // VGROUP
+    s = tl.load(scale + group, mask=mask, other=0.0)
+    z = tl.load(zero + group, mask=mask, other=0.0)
+    return code.to(tl.float32) * s + z
+
+
+@triton.jit
+def _kivi_split_kernel(
+    q_ptr,
+    k_buf_ptr,
+    v_buf_ptr,
+    cos_sin_ptr,
+    table_ptr,
+    totals_ptr,
+    prefix_lens_ptr,
+    quant_ptrs_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    qk_scale,
+    num_kv_heads,
+    MAX_SPLITS,
+    stride_qt,
+    stride_kbs,
+    stride_vbs,
+    stride_table,
+    stride_cs,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    QGROUP: tl.constexpr,
+    VGROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    total = tl.load(totals_ptr + b).to(tl.int32)
+    chunk, n_splits = _split_range(total, MAX_SPLITS, MIN_SPLIT_LEN, BLOCK_N)
+    if split >= n_splits:
+        return
+    kv_start = split * chunk
+    kv_end = tl.minimum(kv_start + chunk, total)
+    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    dtype = k_buf_ptr.dtype.element_ty
+    quant = quant_ptrs_ptr + b * QUANT_FIELDS
+    k_codes = tl.load(quant).to(tl.pointer_type(tl.uint8))
+    k_scale = tl.load(quant + 1).to(tl.pointer_type(tl.float32))
+    k_zero = tl.load(quant + 2).to(tl.pointer_type(tl.float32))
+    v_codes = tl.load(quant + 3).to(tl.pointer_type(tl.uint8))
+    v_scale = tl.load(quant + 4).to(tl.pointer_type(tl.float32))
+    v_zero = tl.load(quant + 5).to(tl.pointer_type(tl.float32))
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < GROUP
+    head = kvh * GROUP + offs_h
+    q1_dot, q2_dot, q_tail = load_group_query(
+        q_ptr, stride_qt, b, kvh, total - 1, cos_sin_ptr, stride_cs, qk_scale, dtype,
+        GROUP, BLOCK_H, HEAD_DIM, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, DOT_DTYPE,
+    )
+    offs_r = tl.arange(0, BLOCK_HALF)
+    offs_t = tl.arange(0, BLOCK_TAIL)
+    offs_b = tl.arange(0, BLOCK_N)
+    offs_v = tl.arange(0, BLOCK_V)
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    k_head = k_buf_ptr + kvh * HEAD_DIM
+    v_head = v_buf_ptr + kvh * V_DIM
+    table_row = table_ptr + b * stride_table
+
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        offs_n = start_n + offs_b
+        n_mask = offs_n < kv_end
+        k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
+        t_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
+        v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
+        k_tail = tl.zeros([BLOCK_N, BLOCK_TAIL], tl.float32)
+        if start_n < prefix_len:
+            k1 = _dequant_keys(k_codes, k_scale, k_zero, offs_n, offs_r, k_mask, kvh, num_kv_heads, HEAD_DIM, QGROUP)
+            k2 = _dequant_keys(
+                k_codes, k_scale, k_zero, offs_n, HALF + offs_r, k_mask, kvh, num_kv_heads, HEAD_DIM, QGROUP
+            )
+            if TAIL > 0:
+                k_tail = _dequant_keys(
+                    k_codes, k_scale, k_zero, offs_n, 2 * HALF + offs_t, t_mask, kvh, num_kv_heads, HEAD_DIM, QGROUP
+                )
+            v = _dequant_values(v_codes, v_scale, v_zero, offs_n, offs_v, v_mask, kvh, num_kv_heads, V_DIM, VGROUP)
+        else:
+            slots = tl.load(table_row + offs_n - prefix_len, mask=n_mask, other=0)
+            k_rows = k_head + slots[:, None] * stride_kbs
+            k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0).to(tl.float32)
+            k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0).to(tl.float32)
+            if TAIL > 0:
+                k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=t_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0).to(tl.float32)
+        k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_n, offs_r, n_mask, HALF)
+        k1, k2 = rotate_keys(k1.to(dtype), k2.to(dtype), k_cos, k_sin)
+        qk = tl.dot(q1_dot, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        qk = tl.dot(q2_dot, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+        if TAIL > 0:
+            qk = tl.dot(q_tail, tl.trans(k_tail.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_i, l_i, acc = attend_block(qk, v.to(dtype), m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
+
+    mid_o = mid_o_ptr + b * stride_mob + head[:, None] * stride_moh + split * stride_mos + offs_v[None, :]
+    tl.store(mid_o, acc / l_i[:, None], mask=h_mask[:, None] & (offs_v[None, :] < V_DIM))
+    mid_lse = mid_lse_ptr + b * stride_mlb + head * stride_mlh + split
+    tl.store(mid_lse, m_i + tl.math.log2(l_i), mask=h_mask)
+
+
+def kivi_kernel_params(
+    num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, v_head_dim: int, quant_group: int,
+    value_group: int, dtype: torch.dtype, device: torch.device,
+) -> tuple[dict, dict]:
+    """Constexprs and launch options of the split kernel and of decode_attention's merge kernel."""
+    base = default_decode_config(head_dim, dtype, device)
+    block_n = KIVI_BLOCK_N_GPU if device.type == "cuda" else base.block_n
+    if quant_group % block_n:
+        raise ValueError(f"KIVI group {quant_group} must be a multiple of the key block {block_n}")
+    group = num_heads // num_kv_heads
+    tiles = HeadSplit(head_dim, rotary_dim, v_head_dim).constexprs()
+    split_params = {
+        "GROUP": group,
+        "BLOCK_H": max(16, triton.next_power_of_2(group)),
+        "BLOCK_N": block_n,
+        "MIN_SPLIT_LEN": max(base.min_split_len, block_n),
+        "QGROUP": quant_group,
+        "VGROUP": value_group,
+        "DOT_DTYPE": dot_operand_dtype(dtype, device),
+        "DOT_PRECISION": dot_precision(dtype),
+        "num_warps": 4,
+        "num_stages": 2 if device.type == "cuda" else 1,
+        **tiles,
+    }
+    merge_params = {
+        "BLOCK_N": block_n,
+        "MIN_SPLIT_LEN": split_params["MIN_SPLIT_LEN"],
+        "V_DIM": tiles["V_DIM"],
+        "BLOCK_V": tiles["BLOCK_V"],
+        "num_warps": 1,
+    }
+    return split_params, merge_params
+
+
+def kivi_decode_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    table: torch.Tensor,
+    totals: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    quant_ptrs: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    sm_scale: float,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    quant_group: int,
+    value_group: int,
+) -> None:
+    """out [B, Hq, Dv] for unrotated q [B, Hq, D], row b at position totals[b] - 1 (see the module docstring).
+
+    quant_ptrs [B, 6] int64: addresses of request b's six quantized tensors for this layer (any valid address
+    when prefix_lens[b] is 0: it is never read). The split count is mid_o.shape[2].
+    """
+    batch_size, num_heads, head_dim = q.shape
+    if batch_size == 0:
+        return
+    check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
+    num_kv_heads = k_buffer.shape[1]
+    max_splits = mid_o.shape[2]
+    split_params, merge_params = kivi_kernel_params(
+        num_heads, num_kv_heads, head_dim, cos_sin_cache.shape[-1], v_buffer.shape[-1], quant_group, value_group,
+        k_buffer.dtype, q.device,
+    )
+    _kivi_split_kernel[(batch_size, num_kv_heads, max_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        cos_sin_cache,
+        table,
+        totals,
+        prefix_lens,
+        quant_ptrs,
+        mid_o,
+        mid_lse,
+        sm_scale * LOG2E,
+        num_kv_heads,
+        max_splits,
+        q.stride(0),
+        k_buffer.stride(0),
+        v_buffer.stride(0),
+        table.stride(0),
+        cos_sin_cache.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        **split_params,
+    )
+    merge_splits(mid_o, mid_lse, out, totals, merge_params)
