@@ -33,7 +33,8 @@ from sglang_pic.kernels.rope import (
     rotate_keys,
 )
 
-QUANT_FIELDS = tl.constexpr(6)  # key codes, key scale, key zero, value codes, value scale, value zero
+QUANT_FIELDS = 6  # addresses per request and layer: key codes, key scale, key zero, value codes, scale, zero
+_FIELDS = tl.constexpr(QUANT_FIELDS)
 CODES_PER_BYTE = tl.constexpr(4)  # 2-bit codes
 KIVI_BLOCK_N_GPU = 32
 
@@ -114,7 +115,7 @@ def _kivi_split_kernel(
     kv_end = tl.minimum(kv_start + chunk, total)
     prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
     dtype = k_buf_ptr.dtype.element_ty
-    quant = quant_ptrs_ptr + b * QUANT_FIELDS
+    quant = quant_ptrs_ptr + b * _FIELDS
     k_codes = tl.load(quant).to(tl.pointer_type(tl.uint8))
     k_scale = tl.load(quant + 1).to(tl.pointer_type(tl.float32))
     k_zero = tl.load(quant + 2).to(tl.pointer_type(tl.float32))

@@ -56,8 +56,8 @@ def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):
 @pytest.mark.parametrize("compressor", ["streaming", "snapkv", "kivi"])
 def test_vericache_on_cuda_matches_cpu_float32(tiny_llama, compressor, full_kv):
     """Drafts over a hard-compressed cache and verification over the full KV (streamed from host memory for
-    `host`), through the Triton backend, keep plain decoding's greedy tokens. Token-dropping drafts replay CUDA
-    graphs over the static draft tables (per-layer rows for snapkv with the full KV on the GPU)."""
+    `host`), through the Triton backend, keep plain decoding's greedy tokens. Drafts replay CUDA graphs over the
+    static draft tables (per-layer rows for snapkv with the full KV on the GPU; KIVI's fused kernel)."""
     common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096)
     prompts = [
         "Once upon a time there was a little town by the sea where fishermen told stories every night. " * 2,
@@ -81,4 +81,4 @@ def test_vericache_on_cuda_matches_cpu_float32(tiny_llama, compressor, full_kv):
         draft_replays = graphs.num_replays[ForwardMode.DECODE] if graphs is not None else 0
     assert got == expected
     assert 0 < stats.accepted_drafts < stats.draft_tokens
-    assert (draft_replays > 0) == (compressor != "kivi")
+    assert draft_replays > 0

@@ -176,7 +176,9 @@ def _child_main() -> None:
         from sglang_pic.layers.rotary_embedding import RotaryEmbedding
         from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
         from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
-        from sglang_pic.speculative.compress_kivi import KiviDraftBackend, KiviPrefix, KiviTritonDraftBackend
+        from sglang_pic.speculative.compress_kivi import (
+            KiviCompressor, KiviDraftBackend, KiviPrefix, KiviTritonDraftBackend
+        )
         from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache
         from sglang_pic.layers.triton_backend import TritonAttnBackend
 
@@ -203,7 +205,9 @@ def _child_main() -> None:
         layer = RadixAttention(hq, dim, dim**-0.5, hkv, layer_id=0, rotary=rotary, v_head_dim=v_dim)
         q, k_new, v_new = torch.randn(3, hq * dim), torch.randn(3, hkv * dim), torch.randn(3, hkv * v_dim)
         outs = []
-        for backend in (KiviTritonDraftBackend(pool, batch, TritonAttnBackend()), KiviDraftBackend(pool, batch)):
+        fused = KiviCompressor().draft_backend(TritonAttnBackend(), batch, pool)
+        assert isinstance(fused, KiviTritonDraftBackend)
+        for backend in (fused, KiviDraftBackend(pool, batch)):
             fb = ForwardBatch(
                 forward_mode=ForwardMode.DECODE,
                 batch_size=3,

@@ -30,7 +30,8 @@ from sglang_pic.kernels.torch_native import rope_rotate
 from sglang_pic.layers.attention_backend import AttentionBackend
 from sglang_pic.layers.triton_backend import TritonAttnBackend
 from sglang_pic.speculative.compressor_base import Compressor, KVSource, register
-from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache
+from sglang_pic.speculative.draft_cache import DraftBackend, DraftBatch, DraftCache
+from sglang_pic.utils_tensor import upload
 
 if TYPE_CHECKING:
     from sglang_pic.layers.radix_attention import RadixAttention
@@ -145,7 +146,6 @@ class KiviPrefix:
 @register
 class KiviCompressor(Compressor):
     name = "kivi"
-    drafts_on_engine_backend = False
 
     def max_draft_tokens(self, num_tokens: int, budget: int) -> int:
         return min(num_tokens, budget + GROUP - 1)
@@ -179,10 +179,18 @@ class KiviCompressor(Compressor):
         index = torch.arange(start, start + count, device=device)
         prefix.append(lambda layer: src.read(layer, index), count)
 
-    def draft_backend(self, inner: AttentionBackend, batch: DraftBatch, pool) -> AttentionBackend:
-        if isinstance(inner, TritonAttnBackend):
-            return KiviTritonDraftBackend(pool, batch, inner)
-        return KiviDraftBackend(pool, batch)
+    def draft_backend(self, inner: AttentionBackend, batch: DraftBatch, pool) -> DraftBackend:
+        if not isinstance(inner, TritonAttnBackend):
+            return KiviDraftBackend(pool, batch)
+        backend = KiviTritonDraftBackend(pool, inner, batch.tables[0], len(batch.drafts[0].prefix.keys))
+        backend.load(batch)
+        return backend
+
+    def drafts_on_static_tables(self, inner: AttentionBackend) -> bool:
+        return isinstance(inner, TritonAttnBackend)
+
+    def static_draft_backend(self, inner: AttentionBackend, tables: torch.Tensor, pool) -> DraftBackend:
+        return KiviTritonDraftBackend(pool, inner, tables[0], tables.shape[0])
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -193,16 +201,15 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return torch.einsum("hgn,nhd->hgd", probs, v).reshape(q.shape[0], v.shape[-1])
 
 
-class KiviDraftBackend(AttentionBackend):
-    """Draft attention over a dequantized prefix plus the exact rows, one request at a time (torch reference path).
+class _KiviBackend(DraftBackend):
+    """Stores each draft token's k/v in its scratch slot, then attends over quantized prefix plus exact rows.
 
-    The batch's `seq_lens` count the rows a query sees (its draft index + 1) and `positions` are true positions;
-    `req_pool_indices` (also `attn_metadata["draft_rows"]`) give each query's request index into the batch tables.
+    A step's `seq_lens` count the rows a query sees (its draft index + 1), `positions` are true positions and
+    `req_pool_indices` (also `attn_metadata["draft_rows"]`) each query's row of the draft tables.
     """
 
-    def __init__(self, pool, batch: DraftBatch) -> None:
+    def __init__(self, pool) -> None:
         self.pool = pool
-        self.batch = batch
 
     def forward(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
         fb = forward_batch
@@ -214,6 +221,17 @@ class KiviDraftBackend(AttentionBackend):
         out = torch.empty((q3.shape[0], layer.num_heads, layer.v_head_dim), dtype=q.dtype, device=q.device)
         self._attend(q3, out, layer, fb)
         return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
+
+    def _attend(self, q3: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
+        raise NotImplementedError
+
+
+class KiviDraftBackend(_KiviBackend):
+    """Dequantizes each request's prefix in torch and attends one query at a time: the reference path."""
+
+    def __init__(self, pool, batch: DraftBatch) -> None:
+        super().__init__(pool)
+        self.batch = batch
 
     def _attend(self, q3: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
         lid = layer.layer_id
@@ -231,39 +249,43 @@ class KiviDraftBackend(AttentionBackend):
             out[t] = gqa_attention(query, keys, values, layer.scaling).to(q3.dtype)
 
 
-class KiviTritonDraftBackend(KiviDraftBackend):
-    """The same attention through the fused kernel: per step, the queries' table rows, prefix lengths and prefix
-    addresses are gathered once and read by every layer."""
+class KiviTritonDraftBackend(_KiviBackend):
+    """The fused kernel over a draft table [rows, W] (a round's own, or static ones a CUDA graph reads) and buffers
+    of each row's prefix length and prefix addresses, filled by `load`. The first layer of a step gathers its
+    queries' entries (inside a graph capture when there is one); every layer reads them."""
 
-    def __init__(self, pool, batch: DraftBatch, inner: TritonAttnBackend) -> None:
-        super().__init__(pool, batch)
+    def __init__(self, pool, inner: TritonAttnBackend, table: torch.Tensor, num_layers: int) -> None:
+        super().__init__(pool)
         self.inner = inner
-        self.prefix_lens = torch.tensor([d.prefix.length for d in batch.drafts], device=batch.tables.device)
-        self.addresses = torch.stack([d.prefix.addresses for d in batch.drafts], dim=1)  # [layers, B, 6]
+        self.table = table
+        rows, device = table.shape[0], table.device
+        self.prefix_lens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.addresses = torch.zeros((num_layers, rows, QUANT_FIELDS), dtype=torch.int64, device=device)
+
+    def load(self, batch: DraftBatch) -> None:
+        n = len(batch.drafts)
+        self.prefix_lens[:n].copy_(upload([d.prefix.length for d in batch.drafts], device=self.prefix_lens.device))
+        self.addresses[:, :n].copy_(torch.stack([d.prefix.addresses for d in batch.drafts], dim=1))
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-        fb = forward_batch
-        rows = fb.req_pool_indices
-        prefix_lens = self.prefix_lens[rows]
-        heads = fb.token_to_kv_pool.head_num
-        fb.attn_metadata.update(
-            kivi_table=self.batch.tables[0][rows],
-            kivi_prefix_lens=prefix_lens,
-            kivi_totals=prefix_lens + fb.seq_lens,
-            kivi_addresses=self.addresses[:, rows],
-            kivi_splits=num_kv_splits(fb.batch_size, heads, self.inner.sm_count(rows.device)),
-            kivi_buffers=None,
-        )
+        heads = forward_batch.token_to_kv_pool.head_num
+        device = forward_batch.seq_lens.device
+        meta = forward_batch.attn_metadata
+        meta["kivi_splits"] = num_kv_splits(forward_batch.batch_size, heads, self.inner.sm_count(device))
+        meta["kivi_step"] = None
 
     def _attend(self, q3: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
         meta = fb.attn_metadata
-        if meta["kivi_buffers"] is None:
-            meta["kivi_buffers"] = alloc_decode_buffers(
-                q3.shape[0], layer.num_heads, layer.v_head_dim, meta["kivi_splits"], q3.device
-            )
+        if meta["kivi_step"] is None:
+            rows = fb.req_pool_indices
+            prefix_lens = self.prefix_lens[rows]
+            buffers = alloc_decode_buffers(q3.shape[0], layer.num_heads, layer.v_head_dim, meta["kivi_splits"],
+                                           q3.device)
+            meta["kivi_step"] = (self.table[rows], prefix_lens + fb.seq_lens, prefix_lens, self.addresses[:, rows],
+                                 buffers)
+        table, totals, prefix_lens, addresses, (mid_o, mid_lse) = meta["kivi_step"]
         k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
         kivi_decode_fwd(
-            q3, k_buf, v_buf, out, meta["kivi_table"], meta["kivi_totals"], meta["kivi_prefix_lens"],
-            meta["kivi_addresses"][layer.layer_id], layer.rotary.kernel_table(k_buf.dtype), layer.scaling,
-            *meta["kivi_buffers"], GROUP, value_group(layer.v_head_dim),
+            q3, k_buf, v_buf, out, table, totals, prefix_lens, addresses[layer.layer_id],
+            layer.rotary.kernel_table(k_buf.dtype), layer.scaling, mid_o, mid_lse, GROUP, value_group(layer.v_head_dim),
         )

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from sglang_pic.layers.attention_backend import AttentionBackend
-from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache, LayerTableBackend
+from sglang_pic.speculative.draft_cache import DraftBackend, DraftBatch, DraftCache, LayerTableBackend
 
 # A draft is recompressed once it has grown by this fraction of its budget (and at least MIN_REFRESH tokens),
 # so the tokens it appends between compressions stay a bounded share of it.
@@ -62,8 +62,6 @@ def resolve_budget(budget: float, num_tokens: int) -> int:
 
 class Compressor:
     name: ClassVar[str]
-    # Drafts run on the engine's attention backend over draft tables (so CUDA graphs can replay them).
-    drafts_on_engine_backend: ClassVar[bool] = True
 
     def new_state(self) -> Any:
         """Per-request state kept across compressions (e.g. H2O's accumulated scores)."""
@@ -101,9 +99,17 @@ class Compressor:
         """A compressed draft of the request's current KV (by default: compress again from scratch)."""
         return self.build(src, budget, scores, draft.state, device)
 
-    def draft_backend(self, inner: AttentionBackend, batch: DraftBatch, pool) -> AttentionBackend:
-        """The attention backend draft forwards use: the engine's own, reading each layer's draft rows."""
+    def draft_backend(self, inner: AttentionBackend, batch: DraftBatch, pool) -> DraftBackend:
+        """The attention backend eager draft forwards of `batch` use: the engine's own, reading each layer's rows."""
         return LayerTableBackend(inner, batch.tables)
+
+    def drafts_on_static_tables(self, inner: AttentionBackend) -> bool:
+        """Whether draft steps can run over static tables (which CUDA graphs replay) with the engine's backend."""
+        return True
+
+    def static_draft_backend(self, inner: AttentionBackend, tables: torch.Tensor, pool) -> DraftBackend:
+        """The backend for draft steps over static tables [layers, rows, width]."""
+        return LayerTableBackend(inner, tables)
 
 
 COMPRESSORS: dict[str, type[Compressor]] = {}

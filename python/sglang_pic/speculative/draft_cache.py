@@ -110,7 +110,15 @@ class DraftBatch:
         return cls(drafts, tables, [d.length for d in drafts], [d.pos_offset for d in drafts])
 
 
-class LayerTableBackend(AttentionBackend):
+class DraftBackend(AttentionBackend):
+    """An attention backend for draft steps. One over static tables gets each round's DraftBatch through `load`
+    (after the tables themselves), so it can copy per-request data into buffers a CUDA graph reads."""
+
+    def load(self, batch: DraftBatch) -> None:
+        """Nothing beyond the tables by default."""
+
+
+class LayerTableBackend(DraftBackend):
     """Runs the engine's backend on draft tables, switching to layer l's table when selections differ per layer."""
 
     def __init__(self, inner: AttentionBackend, tables: torch.Tensor) -> None:

@@ -84,13 +84,14 @@ class VeriCacheWorker:
         self.draft_runner = self._draft_runner()
 
     def _draft_runner(self) -> DraftRunner | None:
-        """Static draft tables (and graphs over them on CUDA) when the compressor drafts on the engine's backend.
-        They are as wide as a draft can get: the budget at the longest context, the tokens appended before the
-        next compression, and the scratch slots of a round's drafts."""
-        if not self.compressor.drafts_on_engine_backend:
+        """Static draft tables (and graphs over them on CUDA) when the compressor can draft over them with the
+        engine's backend. They are as wide as a draft can get: the rows kept at the longest context, the tokens
+        appended before the next compression, and the scratch slots of a round's drafts."""
+        if not self.compressor.drafts_on_static_tables(self.runner.attn_backend):
             return None
         budget = resolve_budget(self.budget, self.sched.context_len)
-        return DraftRunner(self.runner, budget + refresh_threshold(budget) + self.num_draft)
+        rows = self.compressor.max_draft_tokens(self.sched.context_len, budget)
+        return DraftRunner(self.runner, rows + refresh_threshold(budget) + self.num_draft, self.compressor)
 
     # ---- scheduler hooks ------------------------------------------------------------------------------------
     def release(self, req: Req) -> None:
@@ -232,7 +233,7 @@ class VeriCacheWorker:
         batch = DraftBatch.build([self.drafts[r.rid] for r in reqs], [s[:k] for s, k in zip(slots, ks)], self.device)
         static = self.draft_runner
         if static is not None and static.tables.fits(batch):
-            static.tables.load(batch)
+            static.load(batch)
             table, backend, replayer = static.tables, static.backend, static.graph_runner
         else:
             backend = self.compressor.draft_backend(self.runner.attn_backend, batch, self.runner.token_to_kv_pool)
