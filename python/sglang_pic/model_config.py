@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from sglang_pic.layers.rotary_embedding import rope_scaling_type
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -31,13 +33,47 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None): transformers 5 folds both into `rope_parameters`."""
+def _with_overrides(cfg: dict[str, Any], json_model_override_args: str) -> dict[str, Any]:
+    """config.json with SGLang's --json-model-override-args merged in: its top-level keys replace the file's."""
+    if not json_model_override_args:
+        return cfg
+    try:
+        overrides = json.loads(json_model_override_args)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-model-override-args is not valid JSON: {e}") from e
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--json-model-override-args must be a JSON object, got {type(overrides).__name__}")
+    return {**cfg, **overrides}
+
+
+def _rope(cfg: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None): transformers 5 folds both into `rope_parameters`.
+
+    A yarn scaling gets transformers' defaults filled in: the original window is a top-level
+    `original_max_position_embeddings` if the config has one (Phi-3 style), else the scaling's own, else
+    max_position_embeddings; a missing factor is max_position_embeddings over that window (DeepSeek style).
+    """
     params = dict(cfg.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or params
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    return theta, (dict(scaling) if rope_type not in ("default", None) else None)
+    scaling = dict(cfg.get("rope_scaling") or params)
+    rope_type = rope_scaling_type(scaling)
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "yarn":
+        window = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(window or max_pos)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_pos / scaling["original_max_position_embeddings"]
+    return theta, scaling
+
+
+def _max_context(max_pos: int, scaling: dict[str, Any] | None) -> int:
+    """Longest context the model serves. YaRN stretches the pretraining window `factor` times, as vLLM and SGLang
+    count it; Qwen2.5 keeps max_position_embeddings at that window (32K) while its model card promises 128K with
+    factor 4. llama3 and linear configs already state their long context in max_position_embeddings."""
+    if rope_scaling_type(scaling) != "yarn":
+        return max_pos
+    return max(max_pos, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: str) -> torch.dtype:
@@ -84,9 +120,15 @@ class ModelConfig:
 
     @classmethod
     def from_path(
-        cls, path: str, context_length: int | None = None, dtype: str | torch.dtype = "auto", device: str = "auto"
+        cls,
+        path: str,
+        context_length: int | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        json_model_override_args: str = "",
     ) -> "ModelConfig":
-        """Read `path`/config.json (+ generation_config.json). For GGUF, pass `resolve_model_path`'s folder."""
+        """Read `path`/config.json (+ generation_config.json), with `json_model_override_args` (a JSON object)
+        merged over it. For GGUF, pass `resolve_model_path`'s folder."""
         folder = Path(path)
         cfg = _read_json(folder / "config.json")
         if not cfg:
@@ -94,15 +136,23 @@ class ModelConfig:
                 f"no config.json in {path!r}; for a .gguf file resolve it first with "
                 "sglang_pic.model_loader.resolve_model_path(path, 'gguf')"
             )
+        cfg = _with_overrides(cfg, json_model_override_args)
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError(f"config.json in {path!r} names no architectures")
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         max_pos = int(cfg.get("max_position_embeddings", 2048))
-        if context_length is not None and context_length > max_pos:
-            raise ValueError(f"context_length {context_length} exceeds max_position_embeddings {max_pos}")
-        theta, scaling = _rope(cfg)
+        theta, scaling = _rope(cfg, max_pos)
+        max_context = _max_context(max_pos, scaling)
+        if context_length is not None and context_length > max_context:
+            if max_context > max_pos:
+                limit = f"{max_pos} positions stretched by yarn rope_scaling"
+            elif scaling is None:
+                limit = "max_position_embeddings; yarn rope_scaling set through --json-model-override-args lifts it"
+            else:
+                limit = "max_position_embeddings"
+            raise ValueError(f"context_length {context_length} exceeds the model's context {max_context} ({limit})")
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         gen = _read_json(folder / "generation_config.json")
@@ -121,7 +171,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            context_len=context_length or max_pos,
+            context_len=context_length or max_context,
             dtype=resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype"), device),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=eos,

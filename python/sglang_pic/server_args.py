@@ -31,6 +31,12 @@ class ServerArgs:
     )
     device: str = _arg("auto", "auto, cpu or cuda.")
     context_length: int | None = _arg(None, "Override the model's context length (its max_position_embeddings).")
+    json_model_override_args: str = _arg(
+        "",
+        "A JSON object merged over the model's config.json (top-level keys replace); "
+        '{"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}} serves '
+        "Qwen2.5 at 128K.",
+    )
     trust_remote_code: bool = _arg(
         False,
         "Accepted for SGLang compatibility; only the built-in model classes are used.",

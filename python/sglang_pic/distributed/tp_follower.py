@@ -31,7 +31,13 @@ def run_tp_follower(args: ServerArgs, model_dir: str, tp_rank: int, placement: R
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))  # the ranks share the cores
     try:
         join_replica(args, placement, tp_rank)
-        config = ModelConfig.from_path(model_dir, context_length=args.context_length, dtype=args.dtype, device=device)
+        config = ModelConfig.from_path(
+            model_dir,
+            context_length=args.context_length,
+            dtype=args.dtype,
+            device=device,
+            json_model_override_args=args.json_model_override_args,
+        )
         runner = ModelRunner(args, config)
         receiver = BatchReceiver(runner)
     except Exception:

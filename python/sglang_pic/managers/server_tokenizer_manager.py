@@ -97,7 +97,11 @@ class ServerTokenizerManager:
         self.server_args = server_args
         self.files = files
         self.model_config = ModelConfig.from_path(
-            files.model_dir, context_length=server_args.context_length, dtype=server_args.dtype, device="cpu"
+            files.model_dir,
+            context_length=server_args.context_length,
+            dtype=server_args.dtype,
+            device="cpu",
+            json_model_override_args=server_args.json_model_override_args,
         )
         self.tokenizer = load_tokenizer(files.tokenizer_dir)
         self.tokenizer_manager = TokenizerManager(server_args, self.tokenizer, self.model_config)
