@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-draft", type=int, help="(b) draft length")
     p.add_argument("--tp-compressors", type=_strs, default=["streaming"], help="(b) VeriCache compressors")
     p.add_argument("--tp-model-path", help="(b) a real model decoding (a)'s prompts instead of dummy Llama-3-8B")
+    p.add_argument("--json-model-override-args", default="",
+                   help="(b) JSON merged into the real model's config, e.g. YaRN rope_scaling past its native context")
     p.add_argument("--chunked-prefill-size", type=int, help="(a) prefill chunk; smaller bounds CPU attention memory")
     p.add_argument("--max-total-tokens", type=int, help="(b) device KV tokens; default: enough for --batch")
     p.add_argument("--tp-staging-share", type=float, default=0.4,
@@ -131,12 +133,23 @@ def stdlib_modules(min_chars: int) -> list[Path]:
 
 
 def code_prompts(tokenizer, n: int, tokens: int) -> list[Prompt]:
-    """A module's first `tokens` tokens, cut back to a line end, for the model to continue."""
+    """Python source cut to `tokens` tokens at a line end, for the model to continue: a stdlib module where one is
+    long enough, else consecutive modules joined under their file names (a repository read front to back)."""
+    whole = stdlib_modules(tokens * 6)[::7][:n]
+    modules = stdlib_modules(4000)
     out = []
-    for path in stdlib_modules(tokens * 6)[:: 7][:n]:
-        ids = tokenizer.encode(path.read_text())[:tokens]
-        text = tokenizer.decode(ids)
-        out.append(Prompt("code", path.name, tokenizer.encode(text[: text.rfind("\n") + 1])))
+    for i in range(n):
+        if i < len(whole):
+            name, source = whole[i].name, whole[i].read_text()
+        else:
+            start = i * 37 % len(modules)
+            name, source = f"repo{i}", ""
+            for path in modules[start:] + modules[:start]:
+                source += f"# file: {path.name}\n{path.read_text()}\n"
+                if len(source) >= tokens * 6:
+                    break
+        text = tokenizer.decode(tokenizer.encode(source)[:tokens])
+        out.append(Prompt("code", name, tokenizer.encode(text[: text.rfind("\n") + 1])))
     return out
 
 
@@ -266,7 +279,7 @@ def bench_throughput(args, accept_lengths: list[float]) -> dict:
     dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device == "cuda" else "float32"
     if args.tp_model_path:
         accept_lengths = []  # measured, not projected
-        model = dict(model_path=args.tp_model_path)
+        model = dict(model_path=args.tp_model_path, json_model_override_args=args.json_model_override_args)
         cfg = json.loads((Path(args.tp_model_path) / "config.json").read_text())
     else:
         cfg = dict(TINY if args.quick else LLAMA3_8B)

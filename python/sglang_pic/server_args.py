@@ -30,7 +30,9 @@ class ServerArgs:
         "or float16.",
     )
     device: str = _arg("auto", "auto, cpu or cuda.")
-    context_length: int | None = _arg(None, "Override the model's context length (its max_position_embeddings).")
+    context_length: int | None = _arg(
+        None, "Override the model's context length (max_position_embeddings, times the factor of a YaRN rope_scaling)."
+    )
     json_model_override_args: str = _arg(
         "",
         "A JSON object merged over the model's config.json (top-level keys replace); "
