@@ -12,7 +12,8 @@ which divides the quantization group, and prefixes end on a group boundary.
 Layouts (contiguous, per layer and request, H kv heads, D key and Dv value channels, G tokens per key group):
 key codes [T, H, D / 4] uint8 with channel c in bits 2 (c % 4); key scale and zero [T / G, H, D] float32 (one per
 channel and group of tokens); value codes [T, H, Dv / 4]; value scale and zero [T, H, Dv / VG] float32 (one per
-token and group of VG channels). A value is code * scale + zero.
+token and group of VG channels). A value is code * scale + zero. Codes are read as whole bytes and unpacked in
+registers; a key block lies inside one group, so its scales are one row per channel.
 """
 
 from __future__ import annotations
@@ -40,27 +41,45 @@ KIVI_BLOCK_N_GPU = 32
 
 
 @triton.jit
-def _dequant_keys(codes, scale, zero, n, ch, mask, kvh, num_kv_heads, HEAD_DIM: tl.constexpr, QGROUP: tl.constexpr):
-    """Keys [len(n), len(ch)] in float32: per-channel scale and zero of each token's group."""
-    row = n[:, None] * num_kv_heads + kvh
-    byte = tl.load(codes + row * (HEAD_DIM // CODES_PER_BYTE) + ch[None, :] // CODES_PER_BYTE, mask=mask, other=0)
-    code = (byte.to(tl.int32) >> ((ch[None, :] % CODES_PER_BYTE) * 2)) & 3
-    group = ((n // QGROUP)[:, None] * num_kv_heads + kvh) * HEAD_DIM + ch[None, :]
-    s = tl.load(scale + group, mask=mask, other=0.0)
-    z = tl.load(zero + group, mask=mask, other=0.0)
-    return code.to(tl.float32) * s + z
+def _load_codes(rows, c0, limit, n_mask, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """2-bit codes [BLOCK_N, BLOCK_C] of channels c0 .. c0 + BLOCK_C - 1 (c0 a multiple of 4) as float32, read as
+    whole bytes per row (`rows`: [BLOCK_N] pointers to each token's packed head); channels from `limit` on are 0."""
+    offs = tl.arange(0, BLOCK_C // CODES_PER_BYTE)
+    mask = n_mask[:, None] & (c0 + CODES_PER_BYTE * offs[None, :] < limit)
+    byte = tl.load(rows[:, None] + c0 // CODES_PER_BYTE + offs[None, :], mask=mask, other=0).to(tl.int32)
+    # Channel 4j + 2a + b sits in bits 2(2a + b) of byte j: join b inside a so the reshape lists them in order.
+    even = tl.join(byte & 3, (byte >> 4) & 3)
+    odd = tl.join((byte >> 2) & 3, (byte >> 6) & 3)
+    return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_C]).to(tl.float32)
 
 
 @triton.jit
-def _dequant_values(codes, scale, zero, n, ch, mask, kvh, num_kv_heads, V_DIM: tl.constexpr, VGROUP: tl.constexpr):
-    """Values [len(n), len(ch)] in float32: scale and zero per token and group of VGROUP channels."""
-    row = n[:, None] * num_kv_heads + kvh
-    byte = tl.load(codes + row * (V_DIM // CODES_PER_BYTE) + ch[None, :] // CODES_PER_BYTE, mask=mask, other=0)
-    code = (byte.to(tl.int32) >> ((ch[None, :] % CODES_PER_BYTE) * 2)) & 3
-    group = row * (V_DIM // VGROUP) + ch[None, :] // VGROUP
-    s = tl.load(scale + group, mask=mask, other=0.0)
-    z = tl.load(zero + group, mask=mask, other=0.0)
-    return code.to(tl.float32) * s + z
+def _dequant_keys(codes, scale, zero, group, n, n_mask, kvh, num_kv_heads, c0, limit, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Keys [BLOCK_N, BLOCK_C] (channels c0 ..) in float32; the block lies in one quantization group, so each
+    channel's scale and zero are loaded once."""
+    rows = codes + (n * num_kv_heads + kvh) * (HEAD_DIM // CODES_PER_BYTE)
+    q = _load_codes(rows, c0, limit, n_mask, BLOCK_N, BLOCK_C)
+    ch = c0 + tl.arange(0, BLOCK_C)
+    at = (group * num_kv_heads + kvh) * HEAD_DIM + ch
+    s = tl.load(scale + at, mask=ch < limit, other=0.0)
+    z = tl.load(zero + at, mask=ch < limit, other=0.0)
+    return q * s[None, :] + z[None, :]
+
+
+@triton.jit
+def _dequant_values(codes, scale, zero, n, n_mask, kvh, num_kv_heads, V_DIM: tl.constexpr, VGROUP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Values [BLOCK_N, BLOCK_V] in float32: one scale and zero per token and group of VGROUP channels."""
+    row = n * num_kv_heads + kvh
+    q = _load_codes(codes + row * (V_DIM // CODES_PER_BYTE), 0, V_DIM, n_mask, BLOCK_N, BLOCK_V)
+    groups = tl.arange(0, BLOCK_V // VGROUP)
+    mask = n_mask[:, None] & (groups[None, :] < V_DIM // VGROUP)
+    at = row[:, None] * (V_DIM // VGROUP) + groups[None, :]
+    s = tl.load(scale + at, mask=mask, other=0.0)
+    z = tl.load(zero + at, mask=mask, other=0.0)
+    q = tl.reshape(q, [BLOCK_N, BLOCK_V // VGROUP, VGROUP])
+    return tl.reshape(q * s[:, :, None] + z[:, :, None], [BLOCK_N, BLOCK_V])
 
 
 @triton.jit
@@ -149,15 +168,16 @@ def _kivi_split_kernel(
         v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
         k_tail = tl.zeros([BLOCK_N, BLOCK_TAIL], tl.float32)
         if start_n < prefix_len:
-            k1 = _dequant_keys(k_codes, k_scale, k_zero, offs_n, offs_r, k_mask, kvh, num_kv_heads, HEAD_DIM, QGROUP)
-            k2 = _dequant_keys(
-                k_codes, k_scale, k_zero, offs_n, HALF + offs_r, k_mask, kvh, num_kv_heads, HEAD_DIM, QGROUP
-            )
+            group = start_n // QGROUP
+            k1 = _dequant_keys(k_codes, k_scale, k_zero, group, offs_n, n_mask, kvh, num_kv_heads, 0, HALF,
+                               HEAD_DIM, BLOCK_N, BLOCK_HALF)
+            k2 = _dequant_keys(k_codes, k_scale, k_zero, group, offs_n, n_mask, kvh, num_kv_heads, HALF, 2 * HALF,
+                               HEAD_DIM, BLOCK_N, BLOCK_HALF)
             if TAIL > 0:
-                k_tail = _dequant_keys(
-                    k_codes, k_scale, k_zero, offs_n, 2 * HALF + offs_t, t_mask, kvh, num_kv_heads, HEAD_DIM, QGROUP
-                )
-            v = _dequant_values(v_codes, v_scale, v_zero, offs_n, offs_v, v_mask, kvh, num_kv_heads, V_DIM, VGROUP)
+                k_tail = _dequant_keys(k_codes, k_scale, k_zero, group, offs_n, n_mask, kvh, num_kv_heads, 2 * HALF,
+                                       HEAD_DIM, HEAD_DIM, BLOCK_N, BLOCK_TAIL)
+            v = _dequant_values(v_codes, v_scale, v_zero, offs_n, n_mask, kvh, num_kv_heads, V_DIM, VGROUP, BLOCK_N,
+                                BLOCK_V)
         else:
             slots = tl.load(table_row + offs_n - prefix_len, mask=n_mask, other=0)
             k_rows = k_head + slots[:, None] * stride_kbs
@@ -186,6 +206,9 @@ def kivi_kernel_params(
     value_group: int, dtype: torch.dtype, device: torch.device,
 ) -> tuple[dict, dict]:
     """Constexprs and launch options of the split kernel and of decode_attention's merge kernel."""
+    if rotary_dim % 8 or head_dim % 4 or v_head_dim % 4:
+        raise ValueError(f"KIVI kernel reads whole bytes of codes per head part: rotary_dim ({rotary_dim}) must be a "
+                         f"multiple of 8, head_dim ({head_dim}) and v_head_dim ({v_head_dim}) of 4")
     base = default_decode_config(head_dim, dtype, device)
     block_n = KIVI_BLOCK_N_GPU if device.type == "cuda" else base.block_n
     if quant_group % block_n:

@@ -177,7 +177,7 @@ def _child_main() -> None:
         from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
         from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
         from sglang_pic.speculative.compress_kivi import (
-            KiviCompressor, KiviDraftBackend, KiviPrefix, KiviTritonDraftBackend
+            KiviCompressor, KiviDraftBackend, KiviPrefix, KiviTritonDraftBackend, quantize_layers
         )
         from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache
         from sglang_pic.layers.triton_backend import TritonAttnBackend
@@ -193,8 +193,7 @@ def _child_main() -> None:
         for n_prefix, n_rows in zip(prefixes, rows):
             prefix = KiviPrefix(1, torch.device("cpu"))
             k, v = torch.randn(n_prefix, hkv, dim) * 2, torch.randn(n_prefix, hkv, v_dim)
-            if n_prefix:
-                prefix.append(lambda layer: (k, v), n_prefix)
+            prefix.extend([quantize_layers(k[None], v[None])] if n_prefix else [])
             slots = free[start : start + n_rows]
             start += n_rows
             drafts.append(DraftCache.from_rows(slots[:-1], covered=n_prefix + n_rows - 1, pos_offset=n_prefix,

@@ -18,7 +18,6 @@ prefix in torch, one request at a time: the reference the kernel is tested again
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +40,7 @@ BITS = 2
 LEVELS = (1 << BITS) - 1
 CODES_PER_BYTE = 8 // BITS
 GROUP = 32
+BUILD_CHUNK = 2048  # tokens quantized together when a draft is built (a multiple of GROUP)
 
 
 @dataclass
@@ -108,39 +108,52 @@ def dequantize_values(q: Quantized) -> torch.Tensor:
     return (codes.view(t, h, d // g, g) * q.scale[..., None] + q.zero[..., None]).view(t, h, d)
 
 
-def _cat(a: Quantized | None, b: Quantized) -> Quantized:
-    if a is None:
-        return b
-    return Quantized(torch.cat([a.codes, b.codes]), torch.cat([a.scale, b.scale]), torch.cat([a.zero, b.zero]))
+def quantize_layers(k: torch.Tensor, v: torch.Tensor) -> tuple[Quantized, Quantized]:
+    """k [L, T, H, D], v [L, T, H, Dv] of every layer at once (T a multiple of GROUP): parts shaped [L, ...]."""
+    layers, t = k.shape[:2]
+    keys = quantize_keys(k.reshape(layers * t, *k.shape[2:]))
+    values = quantize_values(v.reshape(layers * t, *v.shape[2:]))
+    return tuple(Quantized(*(x.view(layers, -1, *x.shape[1:]) for x in (q.codes, q.scale, q.zero)))
+                 for q in (keys, values))
+
+
+def _cat(parts: list[Quantized]) -> Quantized:
+    return Quantized(*(torch.cat(x, dim=1) for x in zip(*((q.codes, q.scale, q.zero) for q in parts))))
 
 
 class KiviPrefix:
-    """The quantized tokens [0, length) of one request, per layer; `addresses` [layers, 6] lists each layer's
-    six tensors (key codes, scale, zero, value codes, scale, zero) for the fused kernel, zeros while empty."""
+    """The quantized tokens [0, length) of one request: each part holds every layer ([layers, ...]), so appending
+    quantizes all layers at once. `addresses` [layers, 6] lists each layer's six parts (key codes, scale, zero,
+    value codes, scale, zero) for the fused kernel, zeros while empty."""
 
     def __init__(self, num_layers: int, device: torch.device) -> None:
-        self.keys: list[Quantized | None] = [None] * num_layers
-        self.values: list[Quantized | None] = [None] * num_layers
+        self.keys: Quantized | None = None
+        self.values: Quantized | None = None
         self.length = 0
         self.addresses = torch.zeros((num_layers, QUANT_FIELDS), dtype=torch.int64, device=device)
 
-    def append(self, reads: Callable[[int], tuple[torch.Tensor, torch.Tensor]], count: int) -> None:
-        """Quantize the next `count` tokens (a multiple of GROUP); reads(layer) gives their k, v [count, H, D]."""
-        for layer in range(len(self.keys)):
-            k, v = reads(layer)
-            assert k.shape[0] == count and count % GROUP == 0 and k.shape[-1] % CODES_PER_BYTE == 0
-            self.keys[layer] = _cat(self.keys[layer], quantize_keys(k))
-            self.values[layer] = _cat(self.values[layer], quantize_values(v))
-        self.length += count
-        tensors = [(q.codes, q.scale, q.zero) for layer in zip(self.keys, self.values) for q in layer]
-        assert all(t.is_contiguous() for parts in tensors for t in parts)
-        flat = [t.data_ptr() for parts in tensors for t in parts]
+    @property
+    def num_layers(self) -> int:
+        return self.addresses.shape[0]
+
+    def extend(self, chunks: list[tuple[Quantized, Quantized]]) -> None:
+        """Append quantize_layers' outputs for the next tokens, in order."""
+        if not chunks:
+            return
+        merged = ([] if self.keys is None else [(self.keys, self.values)]) + chunks
+        self.keys = _cat([keys for keys, _ in merged])
+        self.values = _cat([values for _, values in merged])
+        self.length = self.keys.codes.shape[1]
+        parts = [x for q in (self.keys, self.values) for x in (q.codes, q.scale, q.zero)]
+        assert all(x.is_contiguous() for x in parts)
+        flat = [x.data_ptr() + layer * x.stride(0) * x.element_size() for layer in range(self.num_layers) for x in parts]
         self.addresses.copy_(torch.tensor(flat, dtype=torch.int64).view(self.addresses.shape))
 
     def dequantize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.keys[layer] is None:
+        if self.keys is None:
             return None
-        return dequantize_keys(self.keys[layer]), dequantize_values(self.values[layer])
+        k, v = (Quantized(q.codes[layer], q.scale[layer], q.zero[layer]) for q in (self.keys, self.values))
+        return dequantize_keys(k), dequantize_values(v)
 
 
 @register
@@ -153,10 +166,16 @@ class KiviCompressor(Compressor):
     def build(
         self, src: KVSource, budget: int, scores: torch.Tensor | None, state: Any, device: torch.device
     ) -> DraftCache:
+        """Quantize all but the last budget..budget+GROUP-1 tokens, BUILD_CHUNK tokens of every layer at a time."""
         n = src.num_tokens
         quantized = max(n - budget, 0) // GROUP * GROUP
         prefix = KiviPrefix(src.num_layers, device)
-        self._quantize(prefix, src, 0, quantized, device)
+        chunks = []
+        for start in range(0, quantized, BUILD_CHUNK):
+            index = torch.arange(start, min(start + BUILD_CHUNK, quantized), device=device)
+            k, v = zip(*(src.read(layer, index) for layer in range(src.num_layers)))
+            chunks.append(quantize_layers(torch.stack(k), torch.stack(v)))
+        prefix.extend(chunks)
         rows = src.rows_for(torch.arange(quantized, n, device=device)[None])
         return DraftCache.from_rows(rows, covered=n, pos_offset=quantized, prefix=prefix)
 
@@ -166,23 +185,19 @@ class KiviCompressor(Compressor):
     def refresh(
         self, draft: DraftCache, src: KVSource, budget: int, scores: torch.Tensor | None, device: torch.device
     ) -> DraftCache:
+        """Move whole groups of the oldest exact rows into the prefix, read from the rows' own device slots."""
         m = (draft.length - budget) // GROUP * GROUP
-        self._quantize(draft.prefix, src, draft.pos_offset, m, device)
+        slots = draft.rows[0, :m]
+        k, v = zip(*(src.pool.get_kv_buffer(layer) for layer in range(src.num_layers)))
+        draft.prefix.extend([quantize_layers(torch.stack([x[slots] for x in k]), torch.stack([x[slots] for x in v]))])
         draft.drop_front(m)
         draft.built_at = draft.covered
         return draft
 
-    @staticmethod
-    def _quantize(prefix: KiviPrefix, src: KVSource, start: int, count: int, device: torch.device) -> None:
-        if count == 0:
-            return
-        index = torch.arange(start, start + count, device=device)
-        prefix.append(lambda layer: src.read(layer, index), count)
-
     def draft_backend(self, inner: AttentionBackend, batch: DraftBatch, pool) -> DraftBackend:
         if not isinstance(inner, TritonAttnBackend):
             return KiviDraftBackend(pool, batch)
-        backend = KiviTritonDraftBackend(pool, inner, batch.tables[0], len(batch.drafts[0].prefix.keys))
+        backend = KiviTritonDraftBackend(pool, inner, batch.tables[0], batch.drafts[0].prefix.num_layers)
         backend.load(batch)
         return backend
 

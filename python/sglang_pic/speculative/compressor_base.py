@@ -34,6 +34,7 @@ class KVSource(Protocol):
 
     num_tokens: int  # tokens 0..num_tokens-1 have KV
     num_layers: int
+    pool: Any  # the device KV pool whose slots draft rows hold
 
     def rows_for(self, index: torch.Tensor) -> torch.Tensor:
         """Device slots holding tokens `index` ([Lr, m] logical indices, per layer or shared) for drafting.

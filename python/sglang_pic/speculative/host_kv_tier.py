@@ -126,6 +126,7 @@ class HostKVSource:
         self.stats = stats
         self.num_tokens = kv.length
         self.num_layers = tier.pool.layer_num
+        self.pool = tier.pool
         self.fresh_pages: set[int] = set()
 
     def rows_for(self, index: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,7 @@ class HostKVSource:
         self.fresh_pages.update(torch.unique(slots.cpu() // self.allocator.page_size).tolist())
         for layer in range(self.num_layers):
             k, v = self.read(layer, index[layer if index.shape[0] > 1 else 0])
-            self.tier.pool.set_kv_buffer(layer, slots, k, v)
+            self.pool.set_kv_buffer(layer, slots, k, v)
         return slots[None]
 
     def read(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
