@@ -42,13 +42,7 @@ class Engine:
 
             args.model_path = args.tokenizer_path = default_model_path()
         model_dir = resolve_model_path(args.model_path, args.load_format)
-        self.model_config = ModelConfig.from_path(
-            model_dir,
-            context_length=args.context_length,
-            dtype=args.dtype,
-            device=args.resolved_device(),
-            json_model_override_args=args.json_model_override_args,
-        )
+        self.model_config = ModelConfig.from_server_args(model_dir, args)
         self.tokenizer = None
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from sglang_pic.layers.rotary_embedding import rope_scaling_type
+
+if TYPE_CHECKING:
+    from sglang_pic.server_args import ServerArgs
 
 _DTYPES = {
     "float32": torch.float32,
@@ -117,6 +120,18 @@ class ModelConfig:
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @classmethod
+    def from_server_args(cls, path: str, args: "ServerArgs", device: str | None = None) -> "ModelConfig":
+        """The config every server process builds from ServerArgs (context length, dtype, config overrides); `device`
+        defaults to the args' own, processes that only tokenize pass "cpu"."""
+        return cls.from_path(
+            path,
+            context_length=args.context_length,
+            dtype=args.dtype,
+            device=device or args.resolved_device(),
+            json_model_override_args=args.json_model_override_args,
+        )
 
     @classmethod
     def from_path(

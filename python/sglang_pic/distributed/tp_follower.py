@@ -26,18 +26,11 @@ logger = logging.getLogger(__name__)
 
 def run_tp_follower(args: ServerArgs, model_dir: str, tp_rank: int, placement: ReplicaPlacement) -> None:
     prepare_child(args.log_level)
-    device = args.resolved_device()
-    if device == "cpu":
+    if args.resolved_device() == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))  # the ranks share the cores
     try:
         join_replica(args, placement, tp_rank)
-        config = ModelConfig.from_path(
-            model_dir,
-            context_length=args.context_length,
-            dtype=args.dtype,
-            device=device,
-            json_model_override_args=args.json_model_override_args,
-        )
+        config = ModelConfig.from_server_args(model_dir, args)
         runner = ModelRunner(args, config)
         receiver = BatchReceiver(runner)
     except Exception:

@@ -37,13 +37,7 @@ class DetokenizerManager:
         from sglang_pic.model_config import ModelConfig
         from sglang_pic.tokenizer import load_tokenizer
 
-        model_config = ModelConfig.from_path(
-            files.model_dir,
-            context_length=server_args.context_length,
-            dtype=server_args.dtype,
-            device="cpu",
-            json_model_override_args=server_args.json_model_override_args,
-        )
+        model_config = ModelConfig.from_server_args(files.model_dir, server_args, "cpu")
         self.formatter = TokenizerManager(server_args, load_tokenizer(files.tokenizer_dir), model_config)
         self.mirrors: dict[str, tuple[Req, bool]] = {}  # rid -> (mirror, return_text_in_logprobs)
 

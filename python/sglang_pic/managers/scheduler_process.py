@@ -56,13 +56,7 @@ class SchedulerLoop:
         from sglang_pic.tokenizer import load_tokenizer
 
         args = server_args
-        model_config = ModelConfig.from_path(
-            files.model_dir,
-            context_length=args.context_length,
-            dtype=args.dtype,
-            device=args.resolved_device(),
-            json_model_override_args=args.json_model_override_args,
-        )
+        model_config = ModelConfig.from_server_args(files.model_dir, args)
         tokenizer = load_tokenizer(files.tokenizer_dir)
         join_replica(args, placement, 0)  # tensor-parallel rank 0 of its replica; a no-op without parallelism
         self.runner = ModelRunner(args, model_config)

@@ -96,13 +96,7 @@ class ServerTokenizerManager:
 
         self.server_args = server_args
         self.files = files
-        self.model_config = ModelConfig.from_path(
-            files.model_dir,
-            context_length=server_args.context_length,
-            dtype=server_args.dtype,
-            device="cpu",
-            json_model_override_args=server_args.json_model_override_args,
-        )
+        self.model_config = ModelConfig.from_server_args(files.model_dir, server_args, "cpu")
         self.tokenizer = load_tokenizer(files.tokenizer_dir)
         self.tokenizer_manager = TokenizerManager(server_args, self.tokenizer, self.model_config)
         self.context_len = self.model_config.context_len
