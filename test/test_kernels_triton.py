@@ -229,6 +229,36 @@ def _child_main() -> None:
             outs.append(layer(q.to(dt), k_new.to(dt), v_new.to(dt), fb).float())
         return {"dtype": dtype, "nan": bool(outs[0].isnan().any()), "vs_torch_native": relative_errors(*outs)}
 
+    def kivi_engine_case():
+        """VeriCache KIVI through the Triton backend in the engine: drafts over the static draft tables (the tables
+        CUDA graphs replay), the fused kernel, refreshes from the draft rows; greedy tokens equal plain decoding's."""
+        import tempfile
+
+        from tiny_models import build_tiny_model
+
+        from sglang_pic.engine import Engine
+
+        path = build_tiny_model(Path(tempfile.mkdtemp()), "llama")
+        common = dict(model_path=str(path), dtype="float32", max_total_tokens=2048, device="cpu")
+        prompt = "Once upon a time there was a little town by the sea where fishermen told stories every night. " * 2
+        params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+        with Engine(**common) as plain:
+            expected = plain.generate(prompt, params)["output_ids"]
+        # 94 prompt tokens: 64 quantized and 30 exact rows, moved into the prefix again once they reach 8 + 32
+        spec = dict(speculative_algorithm="vericache", speculative_num_draft_tokens=8, vericache_compressor="kivi",
+                    vericache_budget=8)
+        with Engine(attention_backend="triton", **common, **spec) as e:
+            got = e.generate(prompt, params)["output_ids"]
+            worker = e.scheduler.spec_worker
+            return {
+                "dtype": "float32",
+                "nan": False,
+                "identical": got == expected,
+                "static_kivi_backend": type(worker.draft_runner.backend).__name__,
+                "refreshed": worker.stats.draft_builds > 1,
+                "drafts_accepted_and_rejected": 0 < worker.stats.accepted_drafts < worker.stats.draft_tokens,
+            }
+
     P, E, D, S = pb.prefill, pb.extend, pb.decode, pb.spans
     span_specs = [S(60, [(5, 15), (30, 36)], 10), S(45, [(0, 20)], 1), P(9), S(80, [(40, 70)], 3)]
     cases: dict[str, Callable[[], dict]] = {
@@ -280,6 +310,7 @@ def _child_main() -> None:
         "stage_decision": stage_decision_case,
         "kivi_gqa_fp32": lambda: kivi_case("float32", 4, 32, 32),
         "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),
+        "kivi_engine": kivi_engine_case,
     }
     report = {}
     for name, run in cases.items():
@@ -429,10 +460,13 @@ STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
 BACKEND_CASES = ["backend_extend_page16", "backend_long_prefill_page16", "backend_decode_page1", "backend_mixed_page16"]
 GRAPH_CASES = ["backend_graph_padded_extend", "stage_decision"]
 KIVI_CASES = ["kivi_gqa_fp32", "kivi_group3_partial_rotary_vdim16_bf16"]
+KIVI_ENGINE_CASES = ["kivi_engine"]
 
 
 def test_every_case_is_checked(report: dict) -> None:
-    assert set(report) == set(ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES + KIVI_CASES)
+    assert set(report) == set(
+        ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES + KIVI_CASES + KIVI_ENGINE_CASES
+    )
 
 
 @pytest.mark.parametrize("name", STORE_CASES)
@@ -460,6 +494,18 @@ def test_backend_matches_torch_native(report: dict, name: str) -> None:
 def test_kivi_draft_kernel_matches_torch_path(report: dict, name: str) -> None:
     entry = _entry(report, name)
     _assert_close(name, "vs the torch KIVI path", entry["vs_torch_native"], TOLERANCE[entry["dtype"]])
+
+
+def test_kivi_drafts_through_the_kernel_in_the_engine(report: dict) -> None:
+    entry = _entry(report, "kivi_engine")
+    assert entry == {
+        "dtype": "float32",
+        "nan": False,
+        "identical": True,
+        "static_kivi_backend": "KiviTritonDraftBackend",
+        "refreshed": True,
+        "drafts_accepted_and_rejected": True,
+    }
 
 
 def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:
