@@ -14,7 +14,9 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 from sglang_pic import Engine
+from sglang_pic.entrypoints.metrics import ServerMetrics
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.scheduler_process import scheduler_snapshot
 from sglang_pic.speculative import spec_sampling
 from sglang_pic.speculative.compress_kivi import (
     GROUP,
@@ -262,6 +264,33 @@ def test_logprobs_and_per_request_stats(references):
         engine_stats = sched.spec_worker.stats.to_dict()
         assert engine_stats["committed_tokens"] == NEW_TOKENS - 1
         assert engine_stats["draft_time_s"] > 0 and engine_stats["verify_time_s"] > 0
+
+
+def test_statistics_in_metrics(references):
+    """/metrics reports engine-wide acceptance, time split and host bytes (and none of it without speculation)."""
+    path, _ = references["llama"]
+
+    def scrape(e) -> dict[str, float]:
+        text = ServerMetrics("m").render(scheduler_snapshot(e.scheduler, e.runner.allocator)).decode()
+        lines = [line for line in text.splitlines() if line.startswith("sglang:spec")]
+        return {line.split("{")[0]: float(line.split()[-1]) for line in lines}
+
+    with engine(path) as plain:
+        plain.generate(PROMPTS[0], greedy())
+        assert scrape(plain) == {}
+    with vericache(path, "snapkv", 8, "host") as e:
+        e.generate(PROMPTS, greedy())
+        stats = e.scheduler.spec_worker.stats.to_dict()
+        got = scrape(e)
+    assert got["sglang:spec_accept_length"] == pytest.approx(stats["accept_length"]) and stats["accept_length"] > 1
+    assert got["sglang:spec_accept_rate"] == pytest.approx(stats["accept_rate"])
+    assert got["sglang:spec_verify_ct_total"] == stats["verify_ct"]
+    assert got["sglang:spec_draft_tokens_total"] == stats["draft_tokens"]
+    assert got["sglang:spec_accepted_tokens_total"] == stats["accepted_drafts"]
+    assert got["sglang:spec_draft_seconds_total"] == pytest.approx(stats["draft_time_s"]) and stats["draft_time_s"] > 0
+    assert got["sglang:spec_verify_seconds_total"] == pytest.approx(stats["verify_time_s"])
+    assert stats["verify_time_s"] > 0
+    assert got["sglang:spec_host_to_device_bytes_total"] == stats["h2d_bytes"] > 0
 
 
 # ---- memory accounting --------------------------------------------------------------------------------------

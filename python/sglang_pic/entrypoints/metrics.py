@@ -67,6 +67,20 @@ class _SnapshotCollector:
             "Tokens the cache brought back from host memory on a hit.",
             snap.host_cache_loaded_tokens,
         )
+        if snap.spec_verify_ct == 0:
+            return
+        yield gauge(
+            "sglang:spec_accept_length", "Tokens a request gets per speculative verification.", snap.spec_accept_length
+        )
+        yield gauge("sglang:spec_accept_rate", "Share of drafted tokens verification accepted.", snap.spec_accept_rate)
+        yield counter("sglang:spec_verify_ct", "Request-rounds of speculative verification.", snap.spec_verify_ct)
+        yield counter("sglang:spec_draft_tokens", "Tokens drafted.", snap.spec_draft_tokens)
+        yield counter("sglang:spec_accepted_tokens", "Drafted tokens accepted.", snap.spec_accepted_drafts)
+        yield counter("sglang:spec_draft_seconds", "Time spent drafting.", snap.spec_draft_time_s)
+        yield counter("sglang:spec_verify_seconds", "Time spent verifying.", snap.spec_verify_time_s)
+        yield counter(
+            "sglang:spec_host_to_device_bytes", "Full KV streamed from the host tier.", snap.spec_h2d_bytes
+        )
 
 
 class ServerMetrics:

@@ -93,10 +93,27 @@ class SchedulerSnapshot:
     num_steps: int
     host_cache_tokens: int = 0  # hierarchical cache: tokens whose KV waits in host memory
     host_cache_loaded_tokens: int = 0  # tokens brought back from it to the device
+    # VeriCache totals (speculation off: all 0); see speculative/spec_stats.py
+    spec_verify_ct: int = 0  # request-rounds: one request verified once
+    spec_draft_tokens: int = 0
+    spec_accepted_drafts: int = 0
+    spec_committed_tokens: int = 0  # accepted drafts plus one corrected or bonus token per request-round
+    spec_draft_time_s: float = 0.0
+    spec_verify_time_s: float = 0.0
+    spec_h2d_bytes: int = 0  # host-tier full KV streamed to the device
 
     @property
     def used_tokens(self) -> int:
         return self.max_total_num_tokens - self.available_tokens - self.evictable_tokens
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens a request gets per verification (1.0: speculation buys nothing)."""
+        return self.spec_committed_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
+
+    @property
+    def spec_accept_rate(self) -> float:
+        return self.spec_accepted_drafts / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def cache_hit_rate(self) -> float:

@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -38,7 +39,11 @@ from sglang_pic.managers.ipc import (
 )
 from sglang_pic.managers.req import Req
 from sglang_pic.server_args import ServerArgs
+from sglang_pic.speculative.spec_stats import SpecStats
 from sglang_pic.utils_process import ModelFiles, parent_alive, prepare_child
+
+if TYPE_CHECKING:
+    from sglang_pic.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -157,25 +162,38 @@ class SchedulerLoop:
         )
 
     def snapshot(self) -> SchedulerSnapshot:
-        sched, stats = self.scheduler, self.scheduler.stats
-        return SchedulerSnapshot(
-            num_running_reqs=sched.num_running(),
-            num_waiting_reqs=len(sched.waiting),
-            num_waiting_tokens=sum(r.seq_len() for r in sched.waiting),
-            max_total_num_tokens=self.runner.allocator.size,
-            available_tokens=self.runner.allocator.available_size(),
-            evictable_tokens=sched.tree.evictable_size(),
-            token_usage=sched.token_usage(),
-            prompt_tokens=stats.prompt_tokens,
-            generation_tokens=stats.generation_tokens,
-            cached_prefix_tokens=stats.cached_prefix_tokens,
-            cached_span_tokens=stats.cached_span_tokens,
-            computed_prefill_tokens=stats.computed_prefill_tokens,
-            num_retractions=stats.num_retractions,
-            num_steps=stats.num_steps,
-            host_cache_tokens=sched.tree.host_size(),
-            host_cache_loaded_tokens=sched.tree.loaded_tokens,
-        )
+        return scheduler_snapshot(self.scheduler, self.runner.allocator)
+
+
+def scheduler_snapshot(sched: "Scheduler", allocator) -> SchedulerSnapshot:
+    """Counters and load of `sched` whose KV slots come from `allocator`, as /metrics and /get_load report them."""
+    stats = sched.stats
+    spec = sched.spec_worker.stats if sched.spec_worker is not None else SpecStats()
+    return SchedulerSnapshot(
+        num_running_reqs=sched.num_running(),
+        num_waiting_reqs=len(sched.waiting),
+        num_waiting_tokens=sum(r.seq_len() for r in sched.waiting),
+        max_total_num_tokens=allocator.size,
+        available_tokens=allocator.available_size(),
+        evictable_tokens=sched.tree.evictable_size(),
+        token_usage=sched.token_usage(),
+        prompt_tokens=stats.prompt_tokens,
+        generation_tokens=stats.generation_tokens,
+        cached_prefix_tokens=stats.cached_prefix_tokens,
+        cached_span_tokens=stats.cached_span_tokens,
+        computed_prefill_tokens=stats.computed_prefill_tokens,
+        num_retractions=stats.num_retractions,
+        num_steps=stats.num_steps,
+        host_cache_tokens=sched.tree.host_size(),
+        host_cache_loaded_tokens=sched.tree.loaded_tokens,
+        spec_verify_ct=spec.verify_ct,
+        spec_draft_tokens=spec.draft_tokens,
+        spec_accepted_drafts=spec.accepted_drafts,
+        spec_committed_tokens=spec.committed_tokens,
+        spec_draft_time_s=spec.draft_time_s,
+        spec_verify_time_s=spec.verify_time_s,
+        spec_h2d_bytes=spec.h2d_bytes,
+    )
 
 
 def run_scheduler_process(

@@ -146,7 +146,7 @@ class KiviPrefix:
         self.length = self.keys.codes.shape[1]
         parts = [x for q in (self.keys, self.values) for x in (q.codes, q.scale, q.zero)]
         assert all(x.is_contiguous() for x in parts)
-        flat = [x.data_ptr() + layer * x.stride(0) * x.element_size() for layer in range(self.num_layers) for x in parts]
+        flat = [x.data_ptr() + i * x.stride(0) * x.element_size() for i in range(self.num_layers) for x in parts]
         self.addresses.copy_(torch.tensor(flat, dtype=torch.int64).view(self.addresses.shape))
 
     def dequantize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
