@@ -24,11 +24,11 @@ import triton.language as tl
 
 from sglang_pic.kernels.decode_attention import LOG2E, _split_range, default_decode_config, merge_splits
 from sglang_pic.kernels.rope import (
+    HeadSplit,
     attend_block,
     check_dense_heads,
     dot_operand_dtype,
     dot_precision,
-    HeadSplit,
     load_cos_sin,
     load_group_query,
     rotate_keys,
@@ -47,7 +47,8 @@ def _load_codes(rows, c0, limit, n_mask, BLOCK_N: tl.constexpr, BLOCK_C: tl.cons
     offs = tl.arange(0, BLOCK_C // CODES_PER_BYTE)
     mask = n_mask[:, None] & (c0 + CODES_PER_BYTE * offs[None, :] < limit)
     byte = tl.load(rows[:, None] + c0 // CODES_PER_BYTE + offs[None, :], mask=mask, other=0).to(tl.int32)
-    # Channel 4j + 2a + b sits in bits 2(2a + b) of byte j: join b inside a so the reshape lists them in order.
+    # Channel 4j + i sits in bits 2i of byte j. Joining codes (0, 2) and (1, 3), then the two pairs, gives a
+    # trailing [2, 2] whose row-major order is 0, 1, 2, 3.
     even = tl.join(byte & 3, (byte >> 4) & 3)
     odd = tl.join((byte >> 2) & 3, (byte >> 6) & 3)
     return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_C]).to(tl.float32)
