@@ -82,3 +82,19 @@ def test_vericache_on_cuda_matches_cpu_float32(tiny_llama, compressor, full_kv):
     assert got == expected
     assert 0 < stats.accepted_drafts < stats.draft_tokens
     assert draft_replays > 0
+
+
+def test_kivi_pool_leaves_room_for_quantized_prefixes(tiny_llama):
+    """Sized from free memory, the pool of a KIVI engine shrinks so that every token's 2-bit copy also fits."""
+    from sglang_pic.speculative.compress_kivi import prefix_bytes_per_token
+
+    common = dict(model_path=str(tiny_llama), device="cuda", attention_backend="triton", disable_cuda_graph=True,
+                  mem_fraction_static=0.3)
+    with Engine(**common) as plain:
+        plain_tokens = plain.runner.max_total_num_tokens
+        kv = plain.runner.token_to_kv_pool.bytes_per_token()
+    with Engine(**common, speculative_algorithm="vericache", vericache_compressor="kivi") as kivi:
+        kivi_tokens = kivi.runner.max_total_num_tokens
+        cfg = kivi.model_config
+        extra = prefix_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
+    assert extra > 0 and kivi_tokens == pytest.approx(plain_tokens * kv / (kv + extra), rel=0.02)

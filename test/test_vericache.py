@@ -21,10 +21,13 @@ from sglang_pic.speculative import spec_sampling
 from sglang_pic.speculative.compress_kivi import (
     GROUP,
     KiviCompressor,
+    KiviPrefix,
     dequantize_keys,
     dequantize_values,
     pack,
+    prefix_bytes_per_token,
     quantize_keys,
+    quantize_layers,
     quantize_values,
     unpack,
 )
@@ -393,6 +396,17 @@ def test_kivi_quantization_error_within_bound():
     assert (err <= bound * (1 + 1e-5) + 1e-6).all()
     codes = torch.randint(0, 4, (5, 8), dtype=torch.uint8, generator=gen)
     assert torch.equal(unpack(pack(codes)), codes)
+
+
+@pytest.mark.parametrize("head_dim,v_head_dim", [(64, 64), (128, 128), (32, 16)])
+def test_prefix_bytes_per_token_is_what_the_prefix_holds(head_dim, v_head_dim):
+    """The pool leaves room for KIVI's prefixes by this count: it must equal the bytes the stored parts take."""
+    layers, heads, tokens = 3, 2, 4 * GROUP
+    prefix = KiviPrefix(layers, torch.device("cpu"))
+    prefix.extend([quantize_layers(torch.randn(layers, tokens, heads, head_dim),
+                                   torch.randn(layers, tokens, heads, v_head_dim))])
+    stored = sum(x.nbytes for q in (prefix.keys, prefix.values) for x in (q.codes, q.scale, q.zero))
+    assert stored == tokens * prefix_bytes_per_token(layers, heads, head_dim, v_head_dim)
 
 
 @pytest.mark.parametrize("compressor", ["streaming", "snapkv", "h2o"])

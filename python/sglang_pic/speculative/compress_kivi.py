@@ -108,6 +108,15 @@ def dequantize_values(q: Quantized) -> torch.Tensor:
     return (codes.view(t, h, d // g, g) * q.scale[..., None] + q.zero[..., None]).view(t, h, d)
 
 
+def prefix_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, v_head_dim: int) -> int:
+    """Device bytes one quantized token takes over all layers: its codes and its share of the float32 scales and
+    zeros (a quarter of a bf16 KV token for 64- and 128-dim heads)."""
+    codes = kv_heads * (head_dim + v_head_dim) // CODES_PER_BYTE
+    key_scales = 2 * 4 * kv_heads * head_dim // GROUP
+    value_scales = 2 * 4 * kv_heads * (v_head_dim // value_group(v_head_dim))
+    return num_layers * (codes + key_scales + value_scales)
+
+
 def quantize_layers(k: torch.Tensor, v: torch.Tensor) -> tuple[Quantized, Quantized]:
     """k [L, T, H, D], v [L, T, H, Dv] of every layer at once (T a multiple of GROUP): parts shaped [L, ...]."""
     layers, t = k.shape[:2]
