@@ -54,7 +54,7 @@ class ModelRunner:
         kv_heads = kv_head_shard(cfg.num_key_value_heads, self.tp.rank, self.tp.size).size
         probe = MHATokenToKVPool(0, page, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, "meta")
         kv_per_token = probe.bytes_per_token()
-        per_token = kv_per_token + self._quantized_bytes_per_token(kv_heads)
+        per_token = kv_per_token + self._draft_bytes_per_token(kv_heads)
         size = self.server_args.max_total_tokens
         if size is None:
             if self.device.type == "cuda":
@@ -81,17 +81,17 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(rows, cfg.context_len + page, self.device)
         logger.info("KV pool: %d tokens (%.2f GiB), %d request rows", size, size * kv_per_token / 2**30, rows)
 
-    def _quantized_bytes_per_token(self, kv_heads: int) -> int:
-        """Device memory a pool token may also take outside the pool: VeriCache KIVI keeps a 2-bit copy of the
-        older tokens of every request, so a pool sized from free memory leaves room for one per token. With the
-        full KV in host memory the copies of host-tier tokens can still outgrow that room."""
-        args = self.server_args
-        if args.speculative_algorithm != "vericache" or args.vericache_compressor != "kivi":
+    def _draft_bytes_per_token(self, kv_heads: int) -> int:
+        """Device memory a pool token may also take outside the pool for VeriCache drafts (KIVI keeps a 2-bit copy
+        of every request's older tokens), so a pool sized from free memory leaves room for it. With the full KV in
+        host memory the copies of host-tier tokens can still outgrow that room."""
+        if self.server_args.speculative_algorithm != "vericache":
             return 0
-        from sglang_pic.speculative.compress_kivi import prefix_bytes_per_token
+        from sglang_pic.speculative.compressor_base import create_compressor
 
         cfg = self.model_config
-        return prefix_bytes_per_token(cfg.num_hidden_layers, kv_heads, cfg.head_dim, cfg.head_dim)
+        compressor = create_compressor(self.server_args.vericache_compressor)
+        return compressor.bytes_per_token_outside_pool(cfg.num_hidden_layers, kv_heads, cfg.head_dim, cfg.head_dim)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32; rank 0 first sends the batch to its followers."""

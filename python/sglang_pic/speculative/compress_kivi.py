@@ -169,6 +169,9 @@ class KiviPrefix:
 class KiviCompressor(Compressor):
     name = "kivi"
 
+    def bytes_per_token_outside_pool(self, num_layers: int, kv_heads: int, head_dim: int, v_head_dim: int) -> int:
+        return prefix_bytes_per_token(num_layers, kv_heads, head_dim, v_head_dim)
+
     def max_draft_tokens(self, num_tokens: int, budget: int) -> int:
         return min(num_tokens, budget + GROUP - 1)
 

@@ -79,6 +79,11 @@ class Compressor:
         """
         raise NotImplementedError(f"{type(self).__name__} does not select tokens")
 
+    def bytes_per_token_outside_pool(self, num_layers: int, kv_heads: int, head_dim: int, v_head_dim: int) -> int:
+        """Device memory a pool token may also need outside the KV pool for this compressor's drafts (token
+        dropping keeps drafts in pool slots: none)."""
+        return 0
+
     def max_draft_tokens(self, num_tokens: int, budget: int) -> int:
         """Most full-precision draft rows `build` may need (bounds the slots a copying KV source allocates)."""
         return min(budget, num_tokens)
