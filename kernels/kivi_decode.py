@@ -164,9 +164,6 @@ def _kivi_split_kernel(
     for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + offs_b
         n_mask = offs_n < kv_end
-        k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
-        t_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
-        v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
         k_tail = tl.zeros([BLOCK_N, BLOCK_TAIL], tl.float32)
         if start_n < prefix_len:
             group = start_n // QGROUP
@@ -182,6 +179,9 @@ def _kivi_split_kernel(
         else:
             slots = tl.load(table_row + offs_n - prefix_len, mask=n_mask, other=0)
             k_rows = k_head + slots[:, None] * stride_kbs
+            k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
+            t_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
+            v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
             k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0).to(tl.float32)
             k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0).to(tl.float32)
             if TAIL > 0:
