@@ -71,7 +71,13 @@ def _split_range(seq_len, MAX_SPLITS, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.c
     return chunk, tl.cdiv(seq_len, chunk)
 
 
-@triton.jit
+# Per-batch integers (the split count, strides of per-batch buffers) and index pointers (views at any offset of a
+# batch's packed upload, or sliced at a mixed batch's first decode) are not specialized: the kernels have one variant
+# per model (see TritonAttnBackend.warm_up).
+@triton.jit(
+    do_not_specialize=["MAX_SPLITS", "stride_qt", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh"],
+    do_not_specialize_on_alignment=["q_ptr", "req_pool_indices_ptr", "seq_lens_ptr"],
+)
 def _decode_split_kernel(
     q_ptr,
     k_buf_ptr,
@@ -168,7 +174,10 @@ def _decode_split_kernel(
     tl.store(mid_lse, m_i + tl.math.log2(l_i), mask=h_mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["MAX_SPLITS", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "stride_ot"],
+    do_not_specialize_on_alignment=["out_ptr", "seq_lens_ptr"],
+)
 def _decode_merge_kernel(
     mid_o_ptr,
     mid_lse_ptr,

@@ -66,7 +66,32 @@ def default_extend_config(
     return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
-@triton.jit
+def extend_variants(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> list[tuple[int, bool, int]]:
+    """(new tokens of one request, keys staged, key-range splits) of one launch per extend kernel variant the
+    backend can pick for position-free keys: each tile of default_extend_config (tiles change with the query rows
+    only up to FEW_QUERY_ROWS + 1) with keys rotated in-kernel or, past FEW_QUERY_ROWS rows, staged, each with the
+    key range whole or split (the SPLIT constexpr)."""
+    seen: set[tuple[ExtendConfig, bool]] = set()
+    variants = []
+    for tokens in range(1, FEW_QUERY_ROWS // group + 2):
+        many = tokens * group > FEW_QUERY_ROWS
+        tile = (default_extend_config(head_dim, dtype, device, False, tokens * group), many)
+        if tile not in seen:
+            seen.add(tile)
+            stagings = (False, True) if many else (False,)
+            variants += [(tokens, staged, splits) for staged in stagings for splits in (1, 2)]
+    return variants
+
+
+# Per-batch integers and index pointers (views at any offset of a batch's packed upload) are not specialized: the
+# variants then depend only on the model and the tile choice, and TritonAttnBackend.warm_up compiles them at startup.
+@triton.jit(
+    do_not_specialize=["num_splits", "stride_qt", "stride_ot", "stride_mot", "stride_mlt"],
+    do_not_specialize_on_alignment=[
+        "req_pool_indices_ptr", "extend_start_loc_ptr", "extend_seq_lens_ptr", "positions_ptr", "attn_lo_ptr",
+        "key_row_start_ptr",
+    ],
+)
 def _extend_attention_kernel(
     q_ptr,
     k_buf_ptr,
@@ -209,7 +234,7 @@ def _extend_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_mot", "stride_mlt", "stride_ot"])
 def _extend_merge_kernel(
     mid_o_ptr,
     mid_lse_ptr,

@@ -48,7 +48,9 @@ class StagedKeys:
     row_start: torch.Tensor
 
 
-@triton.jit
+# Index tensors may be views at any offset of a batch's packed upload; their alignment is not specialized, so the
+# kernel has one variant per model (see TritonAttnBackend.warm_up).
+@triton.jit(do_not_specialize_on_alignment=["req_pool_indices_ptr", "seq_lens_ptr", "ws_start_ptr"])
 def _stage_keys_kernel(
     k_buf_ptr,
     ws_ptr,

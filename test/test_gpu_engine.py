@@ -102,3 +102,53 @@ def test_kivi_pool_leaves_room_for_quantized_prefixes(tiny_llama):
         cfg = kivi.model_config
         extra = prefix_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim)
     assert extra > 0 and kivi_tokens == pytest.approx(plain_tokens * kv / (kv + extra), rel=0.02)
+
+
+def _compiled_attention_variants() -> int:
+    """Variants Triton has compiled in this process for the kernels the engine's attention runs."""
+    from sglang_pic.kernels import decode_attention, extend_attention, stage_keys, store_kv
+
+    kernels = (
+        extend_attention._extend_attention_kernel,
+        extend_attention._extend_merge_kernel,
+        decode_attention._decode_split_kernel,
+        decode_attention._decode_merge_kernel,
+        stage_keys._stage_keys_kernel,
+        store_kv._store_kv_kernel,
+    )
+    return sum(len(caches[0]) for kernel in kernels for caches in kernel.device_caches.values())
+
+
+def _serve_varied_traffic(engine: Engine) -> None:
+    """Batches of every kind the backend tells apart: long prompts (prefill tiles, staged keys, split key ranges),
+    spans, short prompts decoding side by side, mixed steps, and extends of a few tokens behind a long cached
+    prefix (few-query tiles, split)."""
+    words = "the quick brown fox jumps over a lazy dog while seven sailors sing about distant harbours".split()
+    long_doc = " ".join(words[i * 7 % len(words)] for i in range(780))
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    engine.generate([long_doc, *PROMPTS], params)
+    engine.generate([long_doc + " Summarize.", long_doc + " Translate.", *[p + " Why?" for p in PROMPTS]], params)
+    for p in (long_doc + " One more.", "Preface." + span(long_doc[:3000]) + "Short?"):
+        engine.generate(p, params)
+
+
+def test_kernel_warm_up_leaves_nothing_to_compile(tiny_model_root):
+    """After the startup warm-up, serving traffic of every batch kind compiles no attention kernel variant. The
+    control engine skips the warm-up and compiles variants on the same traffic (float16, which no other test
+    compiles; the warmed engine runs bfloat16)."""
+    from tiny_models import build_tiny_model
+
+    path = build_tiny_model(tiny_model_root, "llama", name="llama_4k", max_position_embeddings=4096)
+    common = dict(model_path=str(path), device="cuda", attention_backend="triton", disable_cuda_graph=True,
+                  max_total_tokens=16384)
+    with Engine(dtype="float16", skip_kernel_warmup=True, **common) as cold:
+        start = _compiled_attention_variants()
+        _serve_varied_traffic(cold)
+        compiled_cold = _compiled_attention_variants() - start
+    gc.collect()
+    with Engine(dtype="bfloat16", **common) as warm:
+        start = _compiled_attention_variants()
+        _serve_varied_traffic(warm)
+        compiled_warm = _compiled_attention_variants() - start
+    assert compiled_cold >= 6
+    assert compiled_warm == 0

@@ -169,6 +169,56 @@ def _child_main() -> None:
             "few_queries": should_stage_keys(8192, key, FEW_QUERY_ROWS),
         }
 
+    def warm_up_case():
+        """The backend's startup warm-up on CPU tensors: one launch per extend variant plus decode, writing only
+        the dummy slot 0 of the pool."""
+        from sglang_pic.kernels.extend_attention import extend_variants
+        from sglang_pic.layers.radix_attention import RadixAttention
+        from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+        from sglang_pic.layers.triton_backend import TritonAttnBackend
+        from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+        torch.manual_seed(3)
+        pool = MHATokenToKVPool(64, 1, torch.float32, 2, 32, 1, "cpu")
+        k_buf, v_buf = pool.get_kv_buffer(0)
+        k_buf.normal_(), v_buf.normal_()
+        before = k_buf.clone(), v_buf.clone()
+        layer = RadixAttention(8, 32, 32**-0.5, 2, layer_id=0, rotary=RotaryEmbedding(32, 512))
+        launches = TritonAttnBackend().warm_up(layer, pool, ReqToTokenPool(4, 512, "cpu"))
+        variants = extend_variants(4, 32, torch.float32, torch.device("cpu"))
+        return {
+            "launches": launches,
+            "variants": len(variants),
+            "staged_variants": sum(staged for _, staged, _ in variants),
+            "only_dummy_slot_written": bool(k_buf[1:].equal(before[0][1:]) and v_buf[1:].equal(before[1][1:])),
+        }
+
+    def warm_up_coverage_case():
+        """Every extend kernel variant a GPU batch can launch (any new-token count up to 4096, keys staged or
+        rotated in-kernel, key range split or not) has the constexprs of one the warm-up launches."""
+        from sglang_pic.kernels.extend_attention import extend_kernel_params, extend_variants
+        from sglang_pic.kernels.rope import HeadSplit
+        from sglang_pic.kernels.stage_keys import FEW_QUERY_ROWS
+
+        cuda = torch.device("cuda")  # only picks the GPU tiles; nothing runs there
+        missing = []
+        for hq, hkv, dim, dtype in [(32, 8, 128, "bfloat16"), (14, 2, 64, "bfloat16"), (8, 8, 128, "float16"),
+                                    (64, 8, 128, "bfloat16"), (32, 8, 256, "bfloat16"), (16, 4, 64, "float32")]:
+            dt, group = dtypes[dtype], hq // hkv
+
+            def params(tokens: int, staged: bool, splits: int) -> str:
+                p = extend_kernel_params(hq, hkv, HeadSplit(dim, dim, dim), dt, cuda, False, split_keys=splits > 1,
+                                         keys_staged=staged, max_extend_len=tokens)
+                return repr(sorted(p.items()))
+
+            warm = {params(*v) for v in extend_variants(group, dim, dt, cuda)}
+            for tokens in range(1, 4097):
+                for staged in (False, True) if tokens * group > FEW_QUERY_ROWS else (False,):
+                    for splits in (1, 2):
+                        if params(tokens, staged, splits) not in warm:
+                            missing.append([hq, hkv, dim, dtype, tokens, staged, splits])
+        return {"missing": missing[:10], "num_missing": len(missing)}
+
     def kivi_case(dtype: str, hq: int, rotary_dim: int, v_dim: int):
         """One draft step over KIVI caches (quantized prefixes of 0, 64 and 160 tokens, then exact rows): the fused
         kernel against the torch path that dequantizes the prefix. Each query's own k/v is stored first."""
@@ -311,6 +361,8 @@ def _child_main() -> None:
         "kivi_gqa_fp32": lambda: kivi_case("float32", 4, 32, 32),
         "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),
         "kivi_engine": kivi_engine_case,
+        "warm_up": warm_up_case,
+        "warm_up_coverage": warm_up_coverage_case,
     }
     report = {}
     for name, run in cases.items():
@@ -459,13 +511,15 @@ STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
 STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
 BACKEND_CASES = ["backend_extend_page16", "backend_long_prefill_page16", "backend_decode_page1", "backend_mixed_page16"]
 GRAPH_CASES = ["backend_graph_padded_extend", "stage_decision"]
+WARM_UP_CASES = ["warm_up", "warm_up_coverage"]
 KIVI_CASES = ["kivi_gqa_fp32", "kivi_group3_partial_rotary_vdim16_bf16"]
 KIVI_ENGINE_CASES = ["kivi_engine"]
 
 
 def test_every_case_is_checked(report: dict) -> None:
     kivi = KIVI_CASES + KIVI_ENGINE_CASES
-    assert set(report) == set(ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES + kivi)
+    cases = ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES + WARM_UP_CASES
+    assert set(report) == set(cases + kivi)
 
 
 @pytest.mark.parametrize("name", STORE_CASES)
@@ -517,6 +571,18 @@ def test_keys_are_staged_while_the_workspace_fits(report: dict) -> None:
     assert report["stage_decision"] == {
         "no_keys": False, "prefill_8k": True, "at_bound": True, "over_bound": False, "few_queries": False
     }
+
+
+def test_warm_up_launches_every_variant_writing_only_the_dummy_slot(report: dict) -> None:
+    entry = report["warm_up"]
+    # CPU has one tile: a few query rows in-kernel; past FEW_QUERY_ROWS rows in-kernel and staged; each whole and
+    # split; then decode
+    assert entry == {"launches": 7, "variants": 6, "staged_variants": 2, "only_dummy_slot_written": True}
+
+
+def test_warm_up_covers_every_extend_variant_of_gpu_batches(report: dict) -> None:
+    entry = report["warm_up_coverage"]
+    assert entry.get("num_missing") == 0, entry
 
 
 def test_kernels_compile_for_sm90() -> None:

@@ -90,6 +90,9 @@ class ServerArgs:
     # Kernels.
     attention_backend: str | None = _arg(None, "torch_native or triton; default: triton on GPU, torch_native on CPU.")
     disable_cuda_graph: bool = _arg(False, "Do not capture CUDA graphs.")
+    skip_kernel_warmup: bool = _arg(
+        False, "Do not compile every attention kernel variant at startup on a GPU (each then compiles on first use)."
+    )
     cuda_graph_max_bs: int = _arg(160, "Largest decode batch captured in a CUDA graph.")
     cuda_graph_max_extend_tokens: int = _arg(
         256,

@@ -20,6 +20,11 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Precompute per-batch data shared by all layers (sizes, split plans)."""
 
+    def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool) -> int:
+        """Run each kernel variant the backend can pick once, so none compiles while serving; returns how many
+        launches that took. Backends without compiled kernels have nothing to do."""
+        return 0
+
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, decode_attention_fwd, num_kv_splits
-from sglang_pic.kernels.extend_attention import extend_attention_fwd
+from sglang_pic.kernels.extend_attention import extend_attention_fwd, extend_variants
 from sglang_pic.kernels.stage_keys import StagedKeys, key_row_starts, should_stage_keys, stage_keys
 from sglang_pic.kernels.store_kv import store_kv
 from sglang_pic.layers.attention_backend import AttentionBackend
@@ -113,6 +113,40 @@ class TritonAttnBackend(AttentionBackend):
                 mid_lse,
             )
         return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
+
+    @torch.inference_mode()
+    def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool) -> int:
+        """Compile, at startup, every kernel variant `forward` can launch for the pool's layers. Triton compiles a
+        variant on its first launch, which on a machine with an empty Triton cache takes seconds inside the step
+        that needs it while every running request waits. Per-batch integers are not specialized (see the kernels),
+        so the variants are: each extend tile (by query rows) with keys staged or rotated in-kernel and the key
+        range split or not, staging, the store and decode. Each runs one request on the padding row of the request
+        table: every key is the dummy slot 0, the only slot written. Returns the number of attention launches."""
+        k_buf, v_buf = token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        device, dtype = k_buf.device, k_buf.dtype
+        cos_sin = layer.rotary.kernel_table(dtype)
+        group = layer.num_heads // layer.num_kv_heads
+        table = req_to_token_pool.req_to_token
+        request = torch.full((1,), req_to_token_pool.padding_row, dtype=torch.int64, device=device)
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        variants = extend_variants(group, layer.head_dim, dtype, device)
+        for tokens, stage, splits in variants:
+            q = torch.zeros((tokens, layer.num_heads, layer.head_dim), dtype=dtype, device=device)
+            out = torch.empty((tokens, layer.num_heads, layer.v_head_dim), dtype=dtype, device=device)
+            k = torch.zeros((tokens, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device)
+            v = torch.zeros((tokens, layer.num_kv_heads, layer.v_head_dim), dtype=dtype, device=device)
+            zeros = torch.zeros(tokens, dtype=torch.int64, device=device)  # slots written; lowest visible keys
+            lens = torch.full((1,), tokens, dtype=torch.int64, device=device)
+            store_kv(k_buf, v_buf, zeros, k, v, cos_sin)
+            staged = stage_keys(k_buf, table, request, lens, zero, cos_sin, tokens, tokens) if stage else None
+            extend_attention_fwd(
+                q, k_buf, v_buf, out, table, request, zero, lens, torch.arange(tokens, device=device), zeros, cos_sin,
+                layer.scaling, tokens, num_splits=splits, max_seq_len=tokens, num_sms=self.sm_count(device),
+                staged_keys=staged,
+            )
+        mid_o, mid_lse = alloc_decode_buffers(1, layer.num_heads, layer.v_head_dim, 1, device)
+        decode_attention_fwd(q[:1], k_buf, v_buf, out[:1], table, request, lens, cos_sin, layer.scaling, mid_o, mid_lse)
+        return len(variants) + 1
 
     @staticmethod
     def _staged_keys(

@@ -7,12 +7,14 @@ rank 0's runner sends each batch to the others before running it (see batch_broa
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from sglang_pic.distributed.parallel_state import get_tp_group, min_over_ranks
 from sglang_pic.distributed.sharding import kv_head_shard
 from sglang_pic.layers.attention_backend import create_attention_backend
+from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang_pic.model_config import ModelConfig
@@ -40,6 +42,8 @@ class ModelRunner:
         self.model.eval()
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend())
+        if self.device.type == "cuda" and not server_args.skip_kernel_warmup:
+            self._warm_up_kernels()
         self.graph_runner = None
         use_graphs = server_args.resolved_attention_backend() == "triton" and not server_args.disable_cuda_graph
         if self.device.type == "cuda" and use_graphs:
@@ -47,6 +51,13 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner.for_engine(self)
         self.broadcaster = BatchBroadcaster(self) if self.tp.size > 1 and self.tp.rank == 0 else None
+
+    def _warm_up_kernels(self) -> None:
+        layer = next(m for m in self.model.modules() if isinstance(m, RadixAttention))
+        start = time.perf_counter()
+        launches = self.attn_backend.warm_up(layer, self.token_to_kv_pool, self.req_to_token_pool)
+        torch.cuda.synchronize(self.device)
+        logger.info("warmed up %d attention kernel variants in %.1f s", launches, time.perf_counter() - start)
 
     def _init_memory_pools(self) -> None:
         cfg = self.model_config
