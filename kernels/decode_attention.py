@@ -73,10 +73,11 @@ def _split_range(seq_len, MAX_SPLITS, MIN_SPLIT_LEN: tl.constexpr, BLOCK_N: tl.c
 
 # Per-batch integers (the split count, strides of per-batch buffers) and index pointers (views at any offset of a
 # batch's packed upload, or sliced at a mixed batch's first decode) are not specialized: the kernels have one variant
-# per model (see TritonAttnBackend.warm_up).
+# per model (see TritonAttnBackend.warm_up). Strides that are multiples of head_dim stay specialized, as in
+# extend_attention.
 @triton.jit(
-    do_not_specialize=["MAX_SPLITS", "stride_qt", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh"],
-    do_not_specialize_on_alignment=["q_ptr", "req_pool_indices_ptr", "seq_lens_ptr"],
+    do_not_specialize=["MAX_SPLITS", "stride_mlb", "stride_mlh"],
+    do_not_specialize_on_alignment=["req_pool_indices_ptr", "seq_lens_ptr"],
 )
 def _decode_split_kernel(
     q_ptr,
@@ -175,8 +176,7 @@ def _decode_split_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["MAX_SPLITS", "stride_mob", "stride_moh", "stride_mlb", "stride_mlh", "stride_ot"],
-    do_not_specialize_on_alignment=["out_ptr", "seq_lens_ptr"],
+    do_not_specialize=["MAX_SPLITS", "stride_mlb", "stride_mlh"], do_not_specialize_on_alignment=["seq_lens_ptr"]
 )
 def _decode_merge_kernel(
     mid_o_ptr,

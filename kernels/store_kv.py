@@ -13,12 +13,9 @@ import triton.language as tl
 from sglang_pic.kernels.rope import HeadSplit, check_dense_heads, copy_key_rows
 
 
-# The rows of k and v are views of the model's qkv projection, whose stride the startup warm-up does not know, and
-# the slot and position tensors may be views into a batch's packed upload.
-@triton.jit(
-    do_not_specialize=["stride_kt", "stride_vt"],
-    do_not_specialize_on_alignment=["k_ptr", "v_ptr", "loc_ptr", "positions_ptr"],
-)
+# The slot and position tensors may be views at any offset of a batch's packed upload: their alignment is not
+# specialized, so the startup warm-up (TritonAttnBackend.warm_up) compiles the one variant traffic uses.
+@triton.jit(do_not_specialize_on_alignment=["loc_ptr", "positions_ptr"])
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
