@@ -217,9 +217,8 @@ def device_name() -> str:
 
 def warm_up(engine: Engine, prompts: str | list[str], spans: list[str] | None = None) -> None:
     """Run prompts (and first warm `spans`, for the barrier workflow) through the mode's own path, then empty the
-    cache. A slice of the real workload meets the kernel specializations (split counts, batch shapes) the timed
-    run will, so no mode pays Triton compilation inside its measurement (the compile cache is shared, so a mode
-    run after another would otherwise be favoured)."""
+    cache, so first-use costs (allocator growth, lazy initialisation) fall outside the measurement. Triton kernels
+    are compiled at engine startup (TritonAttnBackend.warm_up), whatever the mode."""
     if spans:
         engine.warm_spans(spans)
     engine.generate(prompts, {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})

@@ -51,14 +51,15 @@ def default_extend_config(
     and 3.9; small tiles on CPU so the interpreter walks several blocks on small tests. The pre-rotated baseline
     gets its own best tile, so the comparison is between the best of each. `query_rows` (the longest request's
     new tokens x GQA group; 0 when unknown) picks smaller tiles for few-query extends, whose large tiles would be
-    mostly padding (H200: 9 tokens x 32 requests over 16K keys, 2.67 -> 0.76 ms)."""
+    mostly padding (H200: 9 tokens x 32 requests over 16K keys, 2.67 -> 0.76 ms); up to 128 rows two 64-row blocks
+    beat one of 128 (30 tokens x group 4 over 8K keys: 0.066 -> 0.059 ms, few_query_tiles_h200.log)."""
     if device.type != "cuda":
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # exact fp32 products run on CUDA cores and need small tiles
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
-    if head_dim <= 128:  # best of the H200 sweeps (benchmark/results/kernels_sweep_h200, few_query_extend_h200)
+    if head_dim <= 128:  # best of the H200 sweeps (results/kernels_sweep_h200, few_query_extend_h200, few_query_tiles)
         few = 0 < query_rows <= FEW_QUERY_ROWS
-        if few and query_rows <= 64:
+        if few and query_rows <= 128:
             return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
         if keys_rotated or few:
             return ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)

@@ -431,7 +431,7 @@ def _compile_main() -> None:
                 variants["stage_keys"] = (st._stage_keys_kernel, st.stage_kernel_params(split))
                 kivi = kd.kivi_kernel_params(32, 8, 128, 128, 128, 32, 32, torch_dtype, cuda)[0]
                 variants["kivi_decode"] = (kd._kivi_split_kernel, kivi)
-                for tokens in (9, 30):  # few-query tiles (a verification, a cached-span prompt)
+                for tokens in (9, 60):  # both few-query tiles (x 4 heads: up to 128 rows, up to 256)
                     few = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, max_extend_len=tokens)
                     variants[f"extend_{tokens}_tokens"] = (ea._extend_attention_kernel, few)
             for name, (kernel, params) in variants.items():
