@@ -33,36 +33,51 @@ class AttentionBackend(ABC):
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    """Padded torch attention (kernels/torch_native.py). A mixed batch's riding decodes are a part of their own:
+    padded together with the extends, every decode would be padded to the longest extend's query rows."""
+
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-        forward_batch.attn_metadata["max_q"] = max(forward_batch.extend_seq_lens_cpu, default=0)
-        forward_batch.attn_metadata["max_kv"] = max(forward_batch.seq_lens_cpu, default=0)
+        fb = forward_batch
+        decodes = fb.num_decodes
+        extends, rows = fb.batch_size - decodes, fb.input_ids.shape[0] - decodes
+        bounds = [(slice(0, extends), slice(0, rows)), (slice(extends, fb.batch_size), slice(rows, rows + decodes))]
+        fb.attn_metadata["parts"] = [  # (requests, their token rows, longest extend, longest context)
+            (reqs, toks, max(fb.extend_seq_lens_cpu[reqs]), max(fb.seq_lens_cpu[reqs]))
+            for reqs, toks in bounds
+            if reqs.stop > reqs.start
+        ]
 
     def forward(self, q, k, v, layer, forward_batch):
-        pool = forward_batch.token_to_kv_pool
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        fb = forward_batch
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         store_kv_torch(
             k_buf,
             v_buf,
-            forward_batch.out_cache_loc,
+            fb.out_cache_loc,
             k.view(-1, layer.num_kv_heads, layer.head_dim),
             v.view(-1, layer.num_kv_heads, layer.v_head_dim),
         )
-        out = paged_attention_torch(
-            q.view(-1, layer.num_heads, layer.head_dim),
-            k_buf,
-            v_buf,
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            forward_batch.extend_start_loc,
-            forward_batch.extend_seq_lens,
-            forward_batch.positions,
-            forward_batch.attn_lo,
-            layer.rotary.cos_sin_cache,
-            layer.scaling,
-            max_q=forward_batch.attn_metadata["max_q"],
-            max_kv=forward_batch.attn_metadata["max_kv"],
-        )
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        outs = [
+            paged_attention_torch(
+                q3[rows],
+                k_buf,
+                v_buf,
+                fb.req_to_token_pool.req_to_token,
+                fb.req_pool_indices[reqs],
+                fb.seq_lens[reqs],
+                fb.extend_start_loc[reqs] - rows.start,
+                fb.extend_seq_lens[reqs],
+                fb.positions[rows],
+                fb.attn_lo[rows],
+                layer.rotary.cos_sin_cache,
+                layer.scaling,
+                max_q=max_q,
+                max_kv=max_kv,
+            )
+            for reqs, rows, max_q, max_kv in fb.attn_metadata["parts"]
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
 
 
