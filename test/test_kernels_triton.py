@@ -186,7 +186,10 @@ def _child_main() -> None:
         layer = RadixAttention(8, 32, 32**-0.5, 2, layer_id=0, rotary=RotaryEmbedding(32, 512))
         launches = TritonAttnBackend().warm_up(layer, pool, ReqToTokenPool(4, 512, "cpu"))
         variants = extend_variants(4, 32, torch.float32, torch.device("cpu"))
+        # one kv head per query head and a 200-token context: no request reaches the 257 rows that staging needs
+        mha = RadixAttention(2, 32, 32**-0.5, 2, layer_id=0, rotary=RotaryEmbedding(32, 200))
         return {
+            "short_context_launches": TritonAttnBackend().warm_up(mha, pool, ReqToTokenPool(4, 200, "cpu")),
             "launches": launches,
             "variants": len(variants),
             "staged_variants": sum(staged for _, staged, _ in variants),
@@ -577,7 +580,9 @@ def test_warm_up_launches_every_variant_writing_only_the_dummy_slot(report: dict
     entry = report["warm_up"]
     # CPU has one tile: a few query rows in-kernel; past FEW_QUERY_ROWS rows in-kernel and staged; each whole and
     # split; then decode
-    assert entry == {"launches": 7, "variants": 6, "staged_variants": 2, "only_dummy_slot_written": True}
+    assert entry == {
+        "launches": 7, "variants": 6, "staged_variants": 2, "only_dummy_slot_written": True, "short_context_launches": 3
+    }
 
 
 def test_warm_up_covers_every_extend_variant_of_gpu_batches(report: dict) -> None:

@@ -129,7 +129,8 @@ class TritonAttnBackend(AttentionBackend):
         table = req_to_token_pool.req_to_token
         request = torch.full((1,), req_to_token_pool.padding_row, dtype=torch.int64, device=device)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
-        variants = extend_variants(group, layer.head_dim, dtype, device)
+        longest = min(cos_sin.shape[0], table.shape[1])  # no request outgrows the context
+        variants = [v for v in extend_variants(group, layer.head_dim, dtype, device) if v[0] <= longest]
         for tokens, stage, splits in variants:
             q = torch.zeros((tokens, layer.num_heads, layer.head_dim), dtype=dtype, device=device)
             out = torch.empty((tokens, layer.num_heads, layer.v_head_dim), dtype=dtype, device=device)
