@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +111,7 @@ class RadixCache:
         self.host_pool = None if disable else host_pool
         self._empty = torch.empty(0, dtype=torch.int64, device=token_to_kv_pool_allocator.device)
         self._clock = itertools.count(1)
+        self._entries = itertools.count()
         self.backed_up_tokens = 0  # tokens moved to the host pool, over the tree's life
         self.loaded_tokens = 0  # tokens brought back from it
         self.reset()
@@ -118,6 +119,10 @@ class RadixCache:
     def reset(self) -> None:
         """Forget every node. Slots are not freed: the caller clears the allocator at the same time."""
         self.roots: dict[str | None, TreeNode] = {}
+        # Eviction candidates as (last access, node id, entry number, node), pushed whenever a node may have become
+        # one; entries that went stale (node touched, locked, given a device child, or gone) are checked when popped.
+        self._lru: list[tuple[int, int, int, TreeNode]] = []
+        self._num_nodes = 0
         self.evictable_size_ = 0
         self.protected_size_ = 0
         self.host_size_ = 0
@@ -178,6 +183,7 @@ class RadixCache:
             return False
         self.host_pool.restore(node.host_value, slots)
         node.value, node.host_value = slots, None
+        self._offer(node)
         self.host_size_ -= n
         self.evictable_size_ += n
         self.loaded_tokens += n
@@ -209,7 +215,9 @@ class RadixCache:
         if i < n:
             leaf = TreeNode(key=tokens[i:], value=value[i:n].to(torch.int64).clone(), parent=node, last_access_time=now)
             node.children[self._child_key(tokens, i)] = leaf
+            self._num_nodes += 1
             self.evictable_size_ += n - i
+            self._offer(leaf)
         return i
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
@@ -224,6 +232,7 @@ class RadixCache:
             host_value=None if node.on_device else node.host_value[:at],
         )
         parent.children[self._child_key(node.key, 0)] = upper
+        self._num_nodes += 1
         node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
         if not node.on_device:
             node.host_value = node.host_value[at:]
@@ -233,33 +242,52 @@ class RadixCache:
     # ---- eviction ---------------------------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
         """Free the device slots of LRU unlocked leaves, across all namespaces, until `num_tokens` are freed;
-        returns tokens freed. With a host pool a leaf's KV moves there and the node stays; else it is dropped."""
+        returns tokens freed. With a host pool a leaf's KV moves there and the node stays; else it is dropped.
+
+        Candidates come from a heap kept between calls (see `_offer`), so a call costs O(log n) per node it
+        releases rather than a walk of the whole tree; the order is the same LRU order a walk would give."""
         if self.disable or num_tokens <= 0:
             return 0
-
-        def release(leaf: TreeNode) -> None:
-            self.evictable_size_ -= len(leaf.key)
-            if not self._backup(leaf):
-                self._drop(leaf)
-
-        return self._sweep(num_tokens, self._is_device_leaf, release)
-
-    def _sweep(self, num_tokens: int, is_leaf: Callable[[TreeNode], bool], release: Callable[[TreeNode], None]) -> int:
-        """Release LRU nodes that pass `is_leaf` (a parent joins once it passes) until `num_tokens` are released."""
-        heap = [(n.last_access_time, n.id, n) for n in self._nodes() if is_leaf(n)]
-        heapq.heapify(heap)
-        released = 0
-        while released < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        released, rescanned = 0, False
+        while released < num_tokens:
+            if not self._lru:
+                if rescanned:
+                    break
+                self._rebuild_lru()  # a safety net: every candidate should already be in the heap
+                rescanned = True
+                continue
+            access, _, _, node = heapq.heappop(self._lru)
+            if node.parent is None or not self._is_device_leaf(node):
+                continue
+            if access != node.last_access_time:
+                self._offer(node)
+                continue
             parent = node.parent
             released += len(node.key)
-            release(node)
+            self.evictable_size_ -= len(node.key)
+            if not self._backup(node):
+                self._drop(node)
             if parent.is_root:
                 if not parent.children:
                     self._drop_root(parent)
-            elif is_leaf(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+            else:
+                self._offer(parent)
         return released
+
+    def _offer(self, node: TreeNode) -> None:
+        """Push `node` as an eviction candidate if it is one now. Stale entries pile up between evictions, so the
+        heap is rebuilt from the tree once it holds more than twice as many entries as the tree has nodes."""
+        if not self._is_device_leaf(node):
+            return
+        heapq.heappush(self._lru, (node.last_access_time, node.id, next(self._entries), node))
+        if len(self._lru) > 2 * self._num_nodes + 64:
+            self._rebuild_lru()
+
+    def _rebuild_lru(self) -> None:
+        self._lru = [
+            (n.last_access_time, n.id, next(self._entries), n) for n in self._nodes() if self._is_device_leaf(n)
+        ]
+        heapq.heapify(self._lru)
 
     def _backup(self, leaf: TreeNode) -> bool:
         """Move a device leaf's KV to the host pool, dropping LRU host leaves for room; False if it cannot."""
@@ -279,7 +307,20 @@ class RadixCache:
 
     def _evict_host(self, num_tokens: int) -> None:
         """Drop LRU host-resident leaves (never one being loaded) until `num_tokens` host slots are free."""
-        self._sweep(num_tokens, lambda n: not n.on_device and not n.children and n.lock_ref == 0, self._drop)
+
+        def is_leaf(n: TreeNode) -> bool:
+            return not n.on_device and not n.children and n.lock_ref == 0
+
+        heap = [(n.last_access_time, n.id, n) for n in self._nodes() if is_leaf(n)]
+        heapq.heapify(heap)
+        released = 0
+        while released < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            released += len(node.key)
+            self._drop(node)
+            if not parent.is_root and is_leaf(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
 
     def _drop(self, node: TreeNode) -> None:
         """Detach `node` and free what it and its (host-resident) descendants hold."""
@@ -288,6 +329,7 @@ class RadixCache:
         stack = [node]
         while stack:
             n = stack.pop()
+            self._num_nodes -= 1
             if n.on_device:
                 self.token_to_kv_pool_allocator.free(n.value)
             else:
@@ -330,11 +372,12 @@ class RadixCache:
         while not node.is_root:
             if node.lock_ref <= 0:
                 raise RuntimeError("dec_lock_ref on a node that is not locked")
-            if node.lock_ref == 1:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
                 self.evictable_size_ += len(node.key)
                 self.protected_size_ -= len(node.key)
                 delta += len(node.key)
-            node.lock_ref -= 1
+                self._offer(node)
             node = node.parent
         return delta
 

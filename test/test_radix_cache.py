@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import pytest
@@ -254,8 +255,31 @@ class RadixMachine(RuleBasedStateMachine):
         for end in range(lo + self.ps, hi + 1, self.ps):
             self.model[(key.extra_key, key.token_ids[:end])] = slots[end - self.ps : end].tolist()
 
+    def lru_walk(self, num_tokens: int) -> set[int]:
+        """Ids of the nodes a walk of the whole tree picks for `num_tokens`: least recently used unlocked leaves
+        first, a parent joining once its children are gone (the order evict's heap must reproduce)."""
+        by_id = {n.id: n for n in self.tree._nodes()}
+        gone: set[int] = set()
+
+        def leaf(n: TreeNode) -> bool:
+            return n.lock_ref == 0 and all(c.id in gone for c in n.children.values())
+
+        heap = [(n.last_access_time, n.id) for n in by_id.values() if leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            node = by_id[heapq.heappop(heap)[1]]
+            gone.add(node.id)
+            freed += len(node.key)
+            if not node.parent.is_root and leaf(node.parent):
+                heapq.heappush(heap, (node.parent.last_access_time, node.parent.id))
+        return gone
+
     def evict_and_check(self, num_tokens: int) -> None:
+        expected = self.lru_walk(num_tokens)
+        before = {n.id for n in self.tree._nodes()}
         freed = self.tree.evict(num_tokens)
+        assert before - {n.id for n in self.tree._nodes()} == expected, "eviction left LRU order"
         kept = set(self.tree.all_slots().tolist())
         gone = {k for k, page in self.model.items() if page[0] not in kept}
         assert len(gone) * self.ps == freed
