@@ -251,7 +251,7 @@ class RadixCache:
         released, rescanned = 0, False
         while released < num_tokens:
             if not self._lru:
-                if rescanned:
+                if rescanned or self.evictable_size_ == 0:
                     break
                 self._rebuild_lru()  # a safety net: every candidate should already be in the heap
                 rescanned = True
