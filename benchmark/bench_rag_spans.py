@@ -137,9 +137,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arrival-rate", type=float, default=0.0,
                    help="samples/s arriving as a Poisson stream (0: all at once); with arrivals the barrier mode "
                    "warms each sample's spans when it arrives and holds its prompt until they are cached")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of all modes, interleaved; each mode reports its median-throughput run and the "
+                   "samples/s of every run (single runs of one mode vary by about 5%% on the H200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for rag_spans.json and rag_spans.png")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -362,6 +367,11 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
     )
 
 
+def median_run(runs: list[ModeResult]) -> ModeResult:
+    """The run whose samples/s is the median (the lower middle one for an even count)."""
+    return sorted(runs, key=lambda r: r.samples_per_s)[(len(runs) - 1) // 2]
+
+
 # ---- outside reference -------------------------------------------------------------------------------------------
 def run_hf_reference(
     args: argparse.Namespace, model_dir: str, tokenizer_dir: str, prompts: list[str]
@@ -471,7 +481,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     workload = build_workload(cfg, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     common = engine_kwargs(args, model_dir, tokenizer_dir)
-    modes = [run_mode(mode, args, workload, common) for mode in tqdm(args.modes, desc="modes", unit="mode")]
+    rounds = [(r, mode) for r in range(args.repeats) for mode in args.modes]
+    runs: dict[str, list[ModeResult]] = {mode: [] for mode in args.modes}
+    for _, mode in tqdm(rounds, desc="modes", unit="mode"):
+        runs[mode].append(run_mode(mode, args, workload, common))
+    modes = [median_run(runs[mode]) for mode in args.modes]
     hf: list[HFResult] = []
     if args.hf_subset > 0:
         hf = run_hf_reference(args, model_dir, tokenizer_dir,
@@ -483,11 +497,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model_dir": model_dir,
         "workload": workload.summary(),
         "modes": {m.mode: dict(asdict(m), reused_prefill_tokens=m.reused_prefill_tokens) for m in modes},
+        "samples_per_s_runs": {mode: [r.samples_per_s for r in rs] for mode, rs in runs.items()},
         "hf_reference": [asdict(h) for h in hf],
     }
     write_json(args.out / "rag_spans.json", result)
     plot(modes, hf, args.out / "rag_spans.png")
     print_table(modes, hf)
+    if args.repeats > 1:
+        for mode, rs in runs.items():
+            rates = sorted(r.samples_per_s for r in rs)
+            print(f"{mode}: samples/s over {len(rs)} runs {rates[0]:.2f} .. {rates[-1]:.2f} (table: the median run)")
     print(f"wrote {args.out / 'rag_spans.json'} and {args.out / 'rag_spans.png'}")
     return result
 

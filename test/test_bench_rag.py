@@ -135,3 +135,14 @@ def test_poisson_arrivals_serve_every_sample(tiny_llama, tmp_path):
     # Every prompt of the barrier mode found all of its spans cached; ISPS reused spans too.
     assert barrier["cached_span_tokens"] > 0 and isps["cached_span_tokens"] > 0
     assert barrier["computed_prefill_tokens"] < result["modes"]["prefix_cache"]["computed_prefill_tokens"]
+
+
+def test_repeats_interleave_modes_and_report_the_median_run(tiny_llama, tmp_path):
+    modes = ["pic_barrier", "pic_isps"]
+    bench_rag_spans.main(["--quick", "--model-path", str(tiny_llama), "--out", str(tmp_path), "--hf-subset", "0",
+                          "--modes", ",".join(modes), "--repeats", "3"])
+    result = json.loads((tmp_path / "rag_spans.json").read_text())
+    runs = result["samples_per_s_runs"]
+    assert list(runs) == modes and all(len(rates) == 3 for rates in runs.values())
+    for mode in modes:
+        assert result["modes"][mode]["samples_per_s"] == sorted(runs[mode])[1]
