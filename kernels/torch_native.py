@@ -44,8 +44,10 @@ def paged_attention_torch(
     max_q: int | None = None,
     max_kv: int | None = None,
     keys_rotated: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Batched (padded) masked attention for extend and decode alike. Returns [T, Hq, Dv] in q's dtype.
+    """Batched (padded) masked attention for extend and decode alike. Returns [T, Hq, Dv] in q's dtype: `out` when
+    given, with the rows of these requests written (callers attend groups of a batch's requests into one output).
 
     keys_rotated=True reads keys that were stored already rotated (the baseline engines use); then only
     queries are rotated here.
@@ -74,7 +76,7 @@ def paged_attention_torch(
     q_off = torch.arange(max_q, device=device)
     q_valid = q_off[None, :] < extend_seq_lens[:, None]  # [B, Q]
     rows = torch.where(q_valid, extend_start_loc[:, None] + q_off[None, :], torch.zeros_like(q_valid, dtype=torch.long))
-    q_rot = rope_rotate(q, positions, cos_sin_cache)[rows]  # [B, Q, Hq, D]
+    q_rot = rope_rotate(q[rows], positions[rows], cos_sin_cache)  # [B, Q, Hq, D]
     q_pos = positions[rows]
     q_lo = attn_lo[rows]
 
@@ -87,9 +89,9 @@ def paged_attention_torch(
     kh = keys.permute(0, 2, 1, 3)
     vh = values.permute(0, 2, 1, 3)
     mask = visible[:, None, None, :, :].expand(bsz, hkv, group, max_q, max_kv).reshape(bsz, hkv, group * max_q, max_kv)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale)
-    dv = out.shape[-1]
-    out = out.view(bsz, hkv, group, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bsz, max_q, hq, dv)
-    result = torch.empty((T, hq, dv), dtype=q.dtype, device=device)
-    result[rows[q_valid]] = out[q_valid].to(q.dtype)
+    attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale)
+    dv = attn.shape[-1]
+    attn = attn.view(bsz, hkv, group, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bsz, max_q, hq, dv)
+    result = torch.empty((T, hq, dv), dtype=q.dtype, device=device) if out is None else out
+    result[rows[q_valid]] = attn[q_valid].to(q.dtype)
     return result

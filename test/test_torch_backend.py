@@ -10,21 +10,24 @@ from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
 
-def test_riding_decodes_are_padded_apart_from_the_extends() -> None:
-    """A mixed batch's decodes (the tail an ISPS step carries) form a part of one query row each instead of being
-    padded to the longest extend; the output equals padding the whole batch together."""
+def test_requests_are_padded_in_groups_of_like_sizes() -> None:
+    """Requests are attended in groups whose new tokens and contexts round up to the same powers of two (a mixed
+    batch's decodes apart from its extends, short prefills apart from long contexts); the output equals padding
+    the whole batch together."""
     batch = make_paged_batch(
-        [extend(40, 30), prefill(25), decode(5), decode(64), decode(33)], 4, 2, 16, torch.float32, "cpu", page_size=16
+        [extend(40, 30), prefill(25), decode(5), decode(64), decode(33), extend(60, 20)], 4, 2, 16, torch.float32,
+        "cpu", page_size=16,
     )
     rotary = RotaryEmbedding(16, batch.cos_sin_cache.shape[0])
     layer = RadixAttention(4, 16, batch.sm_scale, 2, layer_id=0, rotary=rotary)
     q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
-    outs, plans = [], []
-    for tail in (3, 0):
-        fb = forward_batch_for(batch, TorchNativeAttnBackend(), decode=False, decode_tail=tail)
-        fb.attn_backend.init_forward_metadata(fb)
-        outs.append(layer(q, k, v, fb))
-        plans.append([(reqs.stop - reqs.start, max_q, max_kv) for reqs, _, max_q, max_kv in fb.attn_metadata["parts"]])
-    assert plans == [[(2, 30, 40), (3, 1, 64)], [(5, 30, 64)]]
-    assert not outs[0].isnan().any()
-    torch.testing.assert_close(outs[0], outs[1])
+    fb = forward_batch_for(batch, TorchNativeAttnBackend(), decode=False, decode_tail=3)
+    fb.attn_backend.init_forward_metadata(fb)
+    groups = [(reqs.tolist(), max_q, max_kv) for reqs, max_q, max_kv in fb.attn_metadata["groups"]]
+    assert groups == [([0, 5], 30, 60), ([1], 25, 25), ([2], 1, 5), ([3, 4], 1, 64)]
+    grouped = layer(q, k, v, fb)
+    one = torch.arange(len(batch.seq_lens_cpu))
+    fb.attn_metadata["groups"] = [(one, max(batch.extend_seq_lens_cpu), max(batch.seq_lens_cpu))]
+    padded = layer(q, k, v, fb)
+    assert not grouped.isnan().any()
+    torch.testing.assert_close(grouped, padded)

@@ -33,18 +33,23 @@ class AttentionBackend(ABC):
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    """Padded torch attention (kernels/torch_native.py). A mixed batch's riding decodes are a part of their own:
-    padded together with the extends, every decode would be padded to the longest extend's query rows."""
+    """Padded torch attention (kernels/torch_native.py), run once per group of requests whose new-token and context
+    counts round up to the same powers of two: padded all together, a mixed batch's decodes would each cost the
+    longest extend's query rows and a short span prefill the longest context (ISPS steps mix all of these)."""
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         fb = forward_batch
-        decodes = fb.num_decodes
-        extends, rows = fb.batch_size - decodes, fb.input_ids.shape[0] - decodes
-        bounds = [(slice(0, extends), slice(0, rows)), (slice(extends, fb.batch_size), slice(rows, rows + decodes))]
-        fb.attn_metadata["parts"] = [  # (requests, their token rows, longest extend, longest context)
-            (reqs, toks, max(fb.extend_seq_lens_cpu[reqs]), max(fb.seq_lens_cpu[reqs]))
-            for reqs, toks in bounds
-            if reqs.stop > reqs.start
+        groups: dict[tuple[int, int], list[int]] = {}
+        for b, (q, kv) in enumerate(zip(fb.extend_seq_lens_cpu, fb.seq_lens_cpu)):
+            groups.setdefault(((q - 1).bit_length(), (kv - 1).bit_length()), []).append(b)
+        device = fb.req_pool_indices.device
+        fb.attn_metadata["groups"] = [  # (request indices, longest extend, longest context)
+            (
+                torch.tensor(reqs, dtype=torch.int64, device=device),
+                max(fb.extend_seq_lens_cpu[b] for b in reqs),
+                max(fb.seq_lens_cpu[b] for b in reqs),
+            )
+            for reqs in groups.values()
         ]
 
     def forward(self, q, k, v, layer, forward_batch):
@@ -58,26 +63,25 @@ class TorchNativeAttnBackend(AttentionBackend):
             v.view(-1, layer.num_kv_heads, layer.v_head_dim),
         )
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
-        outs = [
+        out = q3.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
+        for reqs, max_q, max_kv in fb.attn_metadata["groups"]:
             paged_attention_torch(
-                q3[rows],
+                q3,
                 k_buf,
                 v_buf,
                 fb.req_to_token_pool.req_to_token,
                 fb.req_pool_indices[reqs],
                 fb.seq_lens[reqs],
-                fb.extend_start_loc[reqs] - rows.start,
+                fb.extend_start_loc[reqs],
                 fb.extend_seq_lens[reqs],
-                fb.positions[rows],
-                fb.attn_lo[rows],
+                fb.positions,
+                fb.attn_lo,
                 layer.rotary.cos_sin_cache,
                 layer.scaling,
                 max_q=max_q,
                 max_kv=max_kv,
+                out=out,
             )
-            for reqs, rows, max_q, max_kv in fb.attn_metadata["parts"]
-        ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
 
 
