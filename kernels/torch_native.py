@@ -76,9 +76,9 @@ def paged_attention_torch(
     q_off = torch.arange(max_q, device=device)
     q_valid = q_off[None, :] < extend_seq_lens[:, None]  # [B, Q]
     rows = torch.where(q_valid, extend_start_loc[:, None] + q_off[None, :], torch.zeros_like(q_valid, dtype=torch.long))
-    q_rot = rope_rotate(q[rows], positions[rows], cos_sin_cache)  # [B, Q, Hq, D]
     q_pos = positions[rows]
     q_lo = attn_lo[rows]
+    q_rot = rope_rotate(q[rows], q_pos, cos_sin_cache)  # [B, Q, Hq, D]
 
     visible = (kv_idx[None, None, :] <= q_pos[:, :, None]) & (kv_idx[None, None, :] >= q_lo[:, :, None])
     visible &= kv_valid[:, None, :] & q_valid[:, :, None]
