@@ -10,14 +10,20 @@ _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x
 
 
 class GatedAct(nn.Module):
-    """act(gate) * up where x = [gate | up] along the last dim, as produced by `gate_up_proj`."""
+    """act(gate) * up where x = [gate | up] along the last dim, as produced by `gate_up_proj`. SiLU on CUDA is one
+    Triton kernel (kernels/norm_act.py); elsewhere, and for the other activations, these torch ops (its reference)."""
 
     def __init__(self, act: str = "silu") -> None:
         super().__init__()
         if act not in _ACTS:
             raise NotImplementedError(f"unsupported hidden_act {act!r}")
+        self.act_name = act
         self.act = _ACTS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.act_name == "silu":
+            from sglang_pic.kernels.norm_act import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

@@ -1,0 +1,110 @@
+"""The RMSNorm and SiLU-and-mul Triton kernels on CPU, under the Triton interpreter, against the layers' torch path.
+
+As in test_kernels_triton.py, TRITON_INTERPRET must be set before triton is imported, so the checks run in a child
+process that prints one JSON report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Rounding to bf16/fp16 happens at the same steps in both; what differs is the order of the float32 sum of squares,
+# so a value may land one unit of the last place apart. The interpreter rounds to bf16 by truncation at each of the
+# up to three rounding steps (the GPU rounds to nearest; test_kernels_gpu.py checks bf16 there within one unit).
+TOLERANCE = {"float32": 1e-6, "float16": 2**-10, "bfloat16": 4 * 2**-7}
+
+
+def _child_main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import torch
+
+    from sglang_pic.kernels.norm_act import rms_norm, silu_and_mul
+    from sglang_pic.layers.activation import GatedAct
+    from sglang_pic.layers.layernorm import RMSNorm
+
+    torch.manual_seed(0)
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    report = {}
+
+    def worst(got: torch.Tensor, want: torch.Tensor) -> float:
+        """Largest difference relative to the magnitude of the expected value (at least 1)."""
+        got, want = got.double(), want.double()
+        return float(((got - want).abs() / want.abs().clamp(min=1.0)).max()) if want.numel() else 0.0
+
+    for name, dtype in dtypes.items():
+        for rows, cols in ((5, 64), (3, 100), (1, 4096), (0, 64)):
+            norm = RMSNorm(cols, eps=1e-5).to(dtype)
+            with torch.no_grad():
+                norm.weight.copy_(torch.randn(cols) * 0.5 + 1.0)
+            wide = torch.randn(rows, cols + 24, dtype=dtype) * 3
+            x = wide[:, :cols]  # rows with a stride larger than their length, like a slice of a fused projection
+            residual = torch.randn(rows, cols, dtype=dtype)
+            with torch.no_grad():
+                alone, _ = rms_norm(x, norm.weight, norm.eps)
+                fused, summed = rms_norm(x, norm.weight, norm.eps, residual)
+                want_fused, want_summed = norm(x, residual)
+                report[f"rms_norm_{rows}x{cols}_{name}"] = {
+                    "alone": worst(alone, norm(x)),
+                    "fused": worst(fused, want_fused),
+                    "sum": worst(summed, want_summed),
+                    "shapes": [list(alone.shape), list(fused.shape), list(summed.shape)],
+                }
+        heads = torch.randn(4, 3, 32, dtype=dtype)  # the per-head q/k norm of Qwen3 normalizes [tokens, heads, dim]
+        head_norm = RMSNorm(32).to(dtype)
+        with torch.no_grad():
+            report[f"rms_norm_per_head_{name}"] = {
+                "alone": worst(rms_norm(heads, head_norm.weight, head_norm.eps)[0], head_norm(heads)),
+                "fused": 0.0,
+                "sum": 0.0,
+                "shapes": [list(rms_norm(heads, head_norm.weight, head_norm.eps)[0].shape)],
+            }
+        act = GatedAct("silu")
+        for rows, cols in ((4, 96), (2, 2500), (0, 8)):
+            x = torch.randn(rows, 2 * cols, dtype=dtype) * 4
+            got = silu_and_mul(x)
+            report[f"silu_and_mul_{rows}x{cols}_{name}"] = {"err": worst(got, act(x)), "shape": list(got.shape)}
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    if importlib.util.find_spec("triton") is None:  # find_spec, not import: triton must stay out of this process
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child"], env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_rms_norm_matches_the_torch_layer(report: dict, dtype: str) -> None:
+    cases = {k: v for k, v in report.items() if k.startswith("rms_norm") and k.endswith(f"_{dtype}")}
+    assert len(cases) == 5
+    for name, case in cases.items():
+        for what in ("alone", "fused", "sum"):
+            assert case[what] <= TOLERANCE[dtype], f"{name} {what}: {case[what]}"
+    assert report[f"rms_norm_3x100_{dtype}"]["shapes"] == [[3, 100]] * 3
+    assert report[f"rms_norm_per_head_{dtype}"]["shapes"] == [[4, 3, 32]]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_silu_and_mul_matches_the_torch_layer(report: dict, dtype: str) -> None:
+    cases = {k: v for k, v in report.items() if k.startswith("silu_and_mul") and k.endswith(f"_{dtype}")}
+    assert len(cases) == 3
+    for name, case in cases.items():
+        assert case["err"] <= TOLERANCE[dtype], f"{name}: {case['err']}"
+    assert report[f"silu_and_mul_2x2500_{dtype}"]["shape"] == [2, 2500]
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    _child_main()
