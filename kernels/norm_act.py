@@ -76,11 +76,9 @@ def rms_norm(
     n_cols = x.shape[-1]
     rows = _rows(x)
     out = torch.empty(rows.shape, dtype=torch.result_type(weight, x), device=x.device)
-    if residual is None:
-        res, res_out = rows, None
-    else:
-        res = _rows(residual)
-        res_out = torch.empty_like(rows)
+    summed = None if residual is None else torch.empty_like(rows)
+    res = rows if residual is None else _rows(residual)
+    res_out = rows if summed is None else summed  # not written without a residual
     block = triton.next_power_of_2(n_cols)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
@@ -88,19 +86,18 @@ def rms_norm(
             res,
             weight,
             out,
-            rows if res_out is None else res_out,
+            res_out,
             rows.stride(0),
             res.stride(0),
             out.stride(0),
-            (rows if res_out is None else res_out).stride(0),
+            res_out.stride(0),
             n_cols,
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
         )
-    out = out.view(x.shape)
-    return out, None if res_out is None else res_out.view(x.shape)
+    return out.view(x.shape), None if summed is None else summed.view(x.shape)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import pytest
 
 # Rounding to bf16/fp16 happens at the same steps in both; what differs is the order of the float32 sum of squares,
 # so a value may land one unit of the last place apart. The interpreter rounds to bf16 by truncation at each of the
-# up to three rounding steps (the GPU rounds to nearest; test_kernels_gpu.py checks bf16 there within one unit).
+# up to three rounding steps (the GPU rounds to nearest; test_kernels_gpu.py checks bf16 there within two units).
 TOLERANCE = {"float32": 1e-6, "float16": 2**-10, "bfloat16": 4 * 2**-7}
 
 
@@ -51,19 +51,16 @@ def _child_main() -> None:
                 fused, summed = rms_norm(x, norm.weight, norm.eps, residual)
                 want_fused, want_summed = norm(x, residual)
                 report[f"rms_norm_{rows}x{cols}_{name}"] = {
-                    "alone": worst(alone, norm(x)),
-                    "fused": worst(fused, want_fused),
-                    "sum": worst(summed, want_summed),
+                    "errors": [worst(alone, norm(x)), worst(fused, want_fused), worst(summed, want_summed)],
                     "shapes": [list(alone.shape), list(fused.shape), list(summed.shape)],
                 }
         heads = torch.randn(4, 3, 32, dtype=dtype)  # the per-head q/k norm of Qwen3 normalizes [tokens, heads, dim]
         head_norm = RMSNorm(32).to(dtype)
         with torch.no_grad():
+            per_head, _ = rms_norm(heads, head_norm.weight, head_norm.eps)
             report[f"rms_norm_per_head_{name}"] = {
-                "alone": worst(rms_norm(heads, head_norm.weight, head_norm.eps)[0], head_norm(heads)),
-                "fused": 0.0,
-                "sum": 0.0,
-                "shapes": [list(rms_norm(heads, head_norm.weight, head_norm.eps)[0].shape)],
+                "errors": [worst(per_head, head_norm(heads))],
+                "shapes": [list(per_head.shape)],
             }
         act = GatedAct("silu")
         for rows, cols in ((4, 96), (2, 2500), (0, 8)):
@@ -91,8 +88,7 @@ def test_rms_norm_matches_the_torch_layer(report: dict, dtype: str) -> None:
     cases = {k: v for k, v in report.items() if k.startswith("rms_norm") and k.endswith(f"_{dtype}")}
     assert len(cases) == 5
     for name, case in cases.items():
-        for what in ("alone", "fused", "sum"):
-            assert case[what] <= TOLERANCE[dtype], f"{name} {what}: {case[what]}"
+        assert max(case["errors"]) <= TOLERANCE[dtype], f"{name}: {case['errors']}"
     assert report[f"rms_norm_3x100_{dtype}"]["shapes"] == [[3, 100]] * 3
     assert report[f"rms_norm_per_head_{dtype}"]["shapes"] == [[4, 3, 32]]
 
