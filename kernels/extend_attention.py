@@ -33,7 +33,7 @@ from sglang_pic.kernels.stage_keys import FEW_QUERY_ROWS, StagedKeys
 
 LOG2E = 1.0 / math.log(2.0)
 MAX_SPLITS = 32
-MIN_SPLIT_KEYS = 1024  # a chunk shorter than this is not worth a program of its own
+MIN_SPLIT_KEYS = 512  # a chunk shorter than this is not worth a program of its own
 
 
 @dataclass(frozen=True)
@@ -265,12 +265,15 @@ def _extend_merge_kernel(
     tl.store(out_ptr + t * stride_ot + h * V_DIM + offs_v, (acc / denom).to(out_ptr.dtype.element_ty), mask=v_mask)
 
 
-def num_extend_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
-    """Key-range chunks per query block so that about two programs per SM run, when the context is long enough
-    to give each chunk MIN_SPLIT_KEYS keys; 1 (no merge pass) when the query blocks already fill the GPU."""
-    if programs >= num_sms:
-        return 1
-    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, programs), max_seq_len // MIN_SPLIT_KEYS))
+def num_extend_splits(programs: int, max_seq_len: int, num_sms: int, num_warps: int) -> int:
+    """Key-range chunks per query block so that the programs fill one wave of the GPU, as far as the context gives
+    each chunk MIN_SPLIT_KEYS keys; 1 (no merge pass) when the query blocks fill it already. A wave is two programs
+    per SM for 4-warp tiles and one for the larger 8-warp ones. More chunks only add programs that wait and merge
+    work: on the H200, 60 tokens over 16K keys in 8 chunks of 128x128 tiles take 0.110 ms against 0.124 ms in 16
+    (2x the SMs, the rule before), 30 tokens over 8K keys in 16 chunks of 64x64 tiles 0.045 ms against 0.060 ms in
+    8 (results/few_query_splits_h200.log)."""
+    wave = num_sms * (2 if num_warps <= 4 else 1)
+    return max(1, min(MAX_SPLITS, wave // programs, max_seq_len // MIN_SPLIT_KEYS))
 
 
 def extend_kernel_params(
@@ -352,7 +355,8 @@ def extend_attention_fwd(
     )
     q_blocks = triton.cdiv(max_extend_len, params["BLOCK_M"] // params["GROUP"])
     if num_splits is None:
-        num_splits = num_extend_splits(req_pool_indices.shape[0] * num_kv_heads * q_blocks, max_seq_len, num_sms)
+        programs = req_pool_indices.shape[0] * num_kv_heads * q_blocks
+        num_splits = num_extend_splits(programs, max_seq_len, num_sms, params["num_warps"])
     params["SPLIT"] = num_splits > 1
     v_dim = v_buffer.shape[-1]
     mid_o = q.new_empty((num_tokens, num_heads, num_splits, v_dim) if num_splits > 1 else (0,), dtype=torch.float32)
