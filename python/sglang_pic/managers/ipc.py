@@ -23,6 +23,7 @@ import zmq
 
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.sampling.sampling_params import SamplingParams
+from sglang_pic.speculative.spec_stats import accept_length, accept_rate
 
 
 # ---- main -> scheduler ----------------------------------------------------------------------------------------
@@ -109,11 +110,11 @@ class SchedulerSnapshot:
     @property
     def spec_accept_length(self) -> float:
         """Tokens a request gets per verification (1.0: speculation buys nothing)."""
-        return self.spec_committed_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
+        return accept_length(self.spec_committed_tokens, self.spec_verify_ct)
 
     @property
     def spec_accept_rate(self) -> float:
-        return self.spec_accepted_drafts / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+        return accept_rate(self.spec_accepted_drafts, self.spec_draft_tokens)
 
     @property
     def cache_hit_rate(self) -> float:

@@ -9,6 +9,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
+def accept_length(committed_tokens: int, verify_ct: int) -> float:
+    """Tokens committed per verification (0.0 before any)."""
+    return committed_tokens / verify_ct if verify_ct else 0.0
+
+
+def accept_rate(accepted_drafts: int, draft_tokens: int) -> float:
+    """Share of drafted tokens that verification accepted (0.0 before any)."""
+    return accepted_drafts / draft_tokens if draft_tokens else 0.0
+
+
 @dataclass
 class ReqSpecStats:
     """One request's speculation record; attached to the request as `req.spec_stats`."""
@@ -27,8 +37,8 @@ class ReqSpecStats:
     def to_meta(self) -> dict[str, float | int]:
         return {
             "spec_verify_ct": self.verify_ct,
-            "spec_accept_length": self.committed_tokens / self.verify_ct if self.verify_ct else 0.0,
-            "spec_accept_rate": self.accepted_drafts / self.draft_tokens if self.draft_tokens else 0.0,
+            "spec_accept_length": accept_length(self.committed_tokens, self.verify_ct),
+            "spec_accept_rate": accept_rate(self.accepted_drafts, self.draft_tokens),
         }
 
 
@@ -51,6 +61,6 @@ class SpecStats:
 
     def to_dict(self) -> dict[str, float | int]:
         out: dict[str, float | int] = asdict(self)
-        out["accept_length"] = self.committed_tokens / self.verify_ct if self.verify_ct else 0.0
-        out["accept_rate"] = self.accepted_drafts / self.draft_tokens if self.draft_tokens else 0.0
+        out["accept_length"] = accept_length(self.committed_tokens, self.verify_ct)
+        out["accept_rate"] = accept_rate(self.accepted_drafts, self.draft_tokens)
         return out
