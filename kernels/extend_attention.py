@@ -193,10 +193,17 @@ def _extend_attention_kernel(
     first = first + chunk_id * per_chunk
     last = tl.minimum(kv_hi, first + per_chunk)
 
+    # Each block's slots are loaded one iteration ahead. Loaded in the iteration that uses them, they make the key
+    # and value loads a load-to-load chain that Triton's pipeliner gives one buffer, so those loads waited for the
+    # previous block's math; as loop-carried values they leave the loads num_stages - 1 buffers. H200: 64 tokens
+    # over 32K cached keys 0.190 -> 0.165 ms, an 8K prefill 1.93 -> 1.84 ms (results/extend_prefetch_h200.log).
+    next_slots = tl.load(r2t_row + first + offs_b, mask=first + offs_b < kv_hi, other=0)
     for start_n in range(first, last, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = start_n + offs_b
         n_mask = offs_n < kv_hi
-        slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
+        slots = next_slots
+        next_n = offs_n + BLOCK_N
+        next_slots = tl.load(r2t_row + next_n, mask=next_n < kv_hi, other=0)
         if KEYS_STAGED:
             k_rows = k_head + offs_n[:, None] * stride_kbs
         else:

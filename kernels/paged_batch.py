@@ -18,6 +18,7 @@ from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 if TYPE_CHECKING:
     from sglang_pic.kernels.decode_attention import DecodeConfig
     from sglang_pic.kernels.extend_attention import ExtendConfig
+    from sglang_pic.kernels.stage_keys import StagedKeys
     from sglang_pic.layers.attention_backend import AttentionBackend
     from sglang_pic.model_executor.forward_batch import ForwardBatch
 
@@ -127,26 +128,13 @@ class PagedBatch:
         chunks, by default as many as the engine would pick on this device). Position-free keys are staged
         (rotated once into a workspace, see stage_keys) if `stage`, by default when the engine would."""
         from sglang_pic.kernels.extend_attention import extend_attention_fwd
-        from sglang_pic.kernels.stage_keys import key_row_starts, should_stage_keys, stage_keys
+        from sglang_pic.kernels.stage_keys import should_stage_keys
 
         out = self.poisoned_output() if out is None else out
         k_buffer = self.k_buffer if k_buffer is None else k_buffer
         if stage is None:
             stage = should_stage_keys(sum(self.seq_lens_cpu), k_buffer, self.query_rows())
-        staged = None
-        if stage and not keys_rotated:
-            if self.key_row_start is None:  # once per batch, as the engine does once per forward
-                self.key_row_start = key_row_starts(self.seq_lens)
-            staged = stage_keys(
-                k_buffer,
-                self.req_to_token,
-                self.req_pool_indices,
-                self.seq_lens,
-                self.key_row_start,
-                self.kernel_cos_sin,
-                sum(self.seq_lens_cpu),
-                max(self.seq_lens_cpu),
-            )
+        staged = self.stage_keys(k_buffer) if stage and not keys_rotated else None
         extend_attention_fwd(
             self.q,
             k_buffer,
@@ -169,6 +157,23 @@ class PagedBatch:
             staged_keys=staged,
         )
         return out
+
+    def stage_keys(self, k_buffer: torch.Tensor | None = None) -> StagedKeys:
+        """This batch's keys rotated once into a workspace (stage_keys), as the engine stages an extend's keys."""
+        from sglang_pic.kernels.stage_keys import key_row_starts, stage_keys
+
+        if self.key_row_start is None:  # once per batch, as the engine does once per forward
+            self.key_row_start = key_row_starts(self.seq_lens)
+        return stage_keys(
+            self.k_buffer if k_buffer is None else k_buffer,
+            self.req_to_token,
+            self.req_pool_indices,
+            self.seq_lens,
+            self.key_row_start,
+            self.kernel_cos_sin,
+            sum(self.seq_lens_cpu),
+            max(self.seq_lens_cpu),
+        )
 
     def run_decode(
         self,
