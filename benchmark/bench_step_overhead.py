@@ -161,9 +161,12 @@ def run_phase(engine: Engine, clock: StepClock, workload: Workload, phase: str, 
         submit(engine, [workload.prompt() for _ in range(n)], max_new_tokens, args.temperature)
 
     if phase == "decode":
-        arrive(batch, steps + 2 * new_tokens)
+        arrive(batch, args.prior_tokens + steps + 2 * new_tokens)
         while sched.waiting or sched.chunked is not None or len(sched.running) < batch:
             engine._step()
+        for _ in range(args.prior_tokens):  # outputs this long before the timed steps, streamed as they grow
+            for req in engine._step():
+                engine.tokenizer_manager.format_output(req)
     else:
         for _ in range(2 * new_tokens):  # reach the steady state: as many arrive as finish
             arrive(arrivals, new_tokens)
@@ -198,6 +201,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--phases", default="decode,mixed")
     p.add_argument("--steps", type=int, default=40, help="timed steps per phase")
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prior-tokens", type=int, default=0,
+                   help="decode phase: output tokens each request has before the timed steps (long streamed outputs)")
     p.add_argument("--temperature", type=float, default=0.0, help="above 0: the sampler's full path")
     p.add_argument("--passages", type=int, default=10)
     p.add_argument("--corpus-size", type=int, default=200)

@@ -82,6 +82,7 @@ class Req:
     output_top_logprobs: list = field(default_factory=list)
     # Streaming cursor: how many output ids have been reported.
     sent_offset: int = 0
+    decode_window: Any = None  # tokenizer.DecodeWindow: the text streamed so far, for the next piece
     input_logprobs_done: bool = False
     # A span prefill job (ISPS or warm-up): computes its span's KV into the tree, samples nothing.
     warmup: bool = False

@@ -17,7 +17,7 @@ from sglang_pic.managers.segmenter import PromptSegmenter
 from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys, tail_key
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.tokenizer import fast_decode
+from sglang_pic.tokenizer import DecodeWindow, fast_decode, plain_backend
 
 
 class TokenizerManager:
@@ -25,6 +25,7 @@ class TokenizerManager:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self._decode = fast_decode(tokenizer) if tokenizer is not None else None
+        self._incremental = tokenizer is not None and plain_backend(tokenizer) is not None  # see DecodeWindow
         self.model_config = model_config
         self.context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
@@ -129,15 +130,20 @@ class TokenizerManager:
             return ""
         ids = req.output_ids
         reason = req.finished_reason
-        if reason is not None and reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:
+        kwargs = {
+            "skip_special_tokens": sp.skip_special_tokens,
+            "spaces_between_special_tokens": sp.spaces_between_special_tokens,
+        }
+        if reason is None:  # streaming: hold back a partial multi-byte character
+            if self._incremental:
+                req.decode_window = req.decode_window or DecodeWindow()
+                text = req.decode_window.advance(ids, self._decode, **kwargs)
+                if text is not None:
+                    return text
+            return self._decode(ids, **kwargs).rstrip("\ufffd")
+        if reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:
             ids = ids[:-1]
-        text = self._decode(
-            ids,
-            skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-        )
-        if reason is None:
-            return text.rstrip("\ufffd")  # hold back a partial multi-byte character while streaming
+        text = self._decode(ids, **kwargs)
         if reason.type == "stop" and isinstance(reason.matched, str) and not sp.no_stop_trim:
             cut = text.find(reason.matched)
             if cut >= 0:
