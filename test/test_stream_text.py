@@ -1,4 +1,5 @@
-"""Streamed text decoded piece by piece (tokenizer.DecodeWindow) equals decoding the whole output at every step."""
+"""Streamed outputs: text decoded piece by piece (tokenizer.DecodeWindow) equals decoding the whole output at every
+step, and the server keeps only the newest cumulative output of a request."""
 
 from __future__ import annotations
 
@@ -132,3 +133,37 @@ def test_engine_stream_text_equals_whole_decode(tiny_llama):
         if chunk["meta_info"]["finish_reason"] is None:
             whole = whole.rstrip("\ufffd")
         assert chunk["text"] == whole
+
+
+class _Output(dict):
+    """An output dict that weak references can watch."""
+
+
+def test_server_holds_only_the_newest_output_of_a_request():
+    """The server's tokenizer manager keeps a request's newest cumulative output, not every one: those carry all ids
+    and the whole text so far, and a stream whose client read slower than the steps held each one in between."""
+    import asyncio
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from sglang_pic.managers.ipc import GenerateOutput
+    from sglang_pic.managers.server_tokenizer_manager import (
+        ReqState,
+        ServerTokenizerManager,
+    )
+
+    manager = object.__new__(ServerTokenizerManager)  # only the output path: no processes, no sockets
+    manager.metrics = SimpleNamespace(on_output=lambda *args: None)
+    manager._dispatcher = SimpleNamespace(release=lambda rid: None)
+    state = ReqState("r", stream=True, wake=asyncio.Event())
+    manager.states = {"r": state}
+    watched = []
+    for n in range(1, 51):
+        out = _Output(text="x" * n, output_ids=list(range(n)), meta_info={"completion_tokens": n})
+        watched.append(weakref.ref(out))
+        manager._on_output(GenerateOutput("r", out, finished=n == 50))
+        del out
+    gc.collect()
+    assert [ref() is not None for ref in watched] == [False] * 49 + [True]
+    assert state.finished and state.latest["meta_info"]["completion_tokens"] == 50

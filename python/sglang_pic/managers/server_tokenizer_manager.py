@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
@@ -82,7 +82,9 @@ class ReqState:
     rid: str
     stream: bool
     wake: asyncio.Event
-    outs: list[dict[str, Any]] = field(default_factory=list)
+    # The newest cumulative output not yet taken. Outputs carry every id and the whole text so far, and only the
+    # newest is ever sent: a stream whose client reads slower than the steps need not hold the ones between.
+    latest: dict[str, Any] | None = None
     finished: bool = False
     seen_tokens: int = 0
     last_time: float = 0.0
@@ -171,7 +173,7 @@ class ServerTokenizerManager:
         self.metrics.on_output(meta, now, state.last_time, state.seen_tokens, state.stream, output.finished)
         state.seen_tokens = meta["completion_tokens"]
         state.last_time = now
-        state.outs.append(output.out)
+        state.latest = output.out
         if output.finished:
             state.finished = True
             del self.states[output.rid]
@@ -227,7 +229,7 @@ class ServerTokenizerManager:
                 await self._wait(states[0].wake, watch)
         finally:
             self._abort_unfinished(states)
-        return [s.outs[-1] for s in states]
+        return [s.latest for s in states]
 
     async def stream(
         self, reqs: list[Req], with_text: bool = False, client: DisconnectProbe | None = None
@@ -241,8 +243,8 @@ class ServerTokenizerManager:
                 await self._wait(states[0].wake, watch)
                 for i in sorted(live):
                     state = states[i]
-                    if state.outs:
-                        out, state.outs = state.outs[-1], []
+                    if state.latest is not None:
+                        out, state.latest = state.latest, None
                         if state.finished:
                             live.discard(i)
                         yield i, out
