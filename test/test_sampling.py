@@ -24,6 +24,7 @@ def batch_info(
     prompt_ids: list[list[int]] | None = None,
     eos: list[set[int]] | None = None,
     generators: list[torch.Generator | None] | None = None,
+    device: str = "cpu",
 ) -> SamplingBatchInfo:
     n = len(params)
     return SamplingBatchInfo.from_requests(
@@ -31,7 +32,7 @@ def batch_info(
         output_ids or [[] for _ in range(n)],
         prompt_ids or [[] for _ in range(n)],
         vocab_size,
-        "cpu",
+        device,
         eos or [set() for _ in range(n)],
         generators or [None] * n,
     )
@@ -311,3 +312,23 @@ def test_logprob_helpers():
     assert [t for _, t in top[0]] == [1, 2] and top[1] == []
     assert top[0][0][0] == pytest.approx(lp[0, 1].item())
     assert get_token_logprobs(lp, [0, 2]) == pytest.approx([lp[0, 0].item(), lp[1, 2].item()])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_seeded_rows_sample_on_cuda_from_their_cpu_generators():
+    """Requests carry CPU generators (built with the request); CUDA logits draw a seeded row's noise from it, so a
+    seed picks the same tokens on the GPU as on the CPU for the same logits."""
+    vocab = 3000
+    params = [SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=0.9)]
+    torch.manual_seed(0)
+    steps = [torch.randn(2, vocab) * 4.0 for _ in range(8)]
+
+    def run(device: str) -> list[int]:
+        gens = [make_generator(7, "cpu"), None]
+        return [sample(s.to(device), batch_info(params, vocab_size=vocab, generators=gens, device=device))[0].item()
+                for s in steps]
+
+    on_cpu = run("cpu")
+    assert run("cuda") == on_cpu
+    assert len(set(on_cpu)) > 1
