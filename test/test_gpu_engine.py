@@ -54,6 +54,40 @@ def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):
     assert first >= len(PROMPTS) and cached == len(later)
 
 
+# Seeded, so a request's noise comes from its own CPU generator and CUDA must pick what the CPU picks.
+SAMPLED = [
+    {"temperature": 0.8, "top_k": 20, "seed": 11},
+    {"temperature": 1.0, "top_p": 0.9, "min_p": 0.05, "seed": 12},
+    {"temperature": 0.7, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3, "seed": 13},
+    {"temperature": 0.9, "logit_bias": {"7": 3.0, "9": -100.0}, "seed": 14},
+    {"temperature": 0.6, "min_new_tokens": 4, "stop": ["the"], "seed": 15},
+]
+
+
+def _sampled_outputs(engine: Engine) -> list[dict]:
+    params = [dict(p, max_new_tokens=12, ignore_eos=True) for p in SAMPLED]
+    prompts = (PROMPTS * len(params))[: len(params)]
+    return engine.generate(prompts, params, return_logprob=True, top_logprobs_num=3, return_text_in_logprobs=True)
+
+
+def test_cuda_sampling_matches_cpu_float32(tiny_llama):
+    """Sampling on CUDA (filters, penalties, logit bias, stop strings, logprobs) picks the CPU float32 engine's
+    tokens for seeded requests, and reports the same logprobs."""
+    common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096)
+    with Engine(device="cpu", **common) as cpu:
+        expected = _sampled_outputs(cpu)
+    with Engine(device="cuda", attention_backend="triton", **common) as gpu:
+        got = _sampled_outputs(gpu)
+    for want, have in zip(expected, got):
+        assert have["output_ids"] == want["output_ids"]
+        assert have["text"] == want["text"]
+        assert have["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+        for (lp_want, tok_want, _), (lp_have, tok_have, _) in zip(
+            want["meta_info"]["output_token_logprobs"], have["meta_info"]["output_token_logprobs"]
+        ):
+            assert tok_have == tok_want and lp_have == pytest.approx(lp_want, abs=1e-4)
+
+
 @pytest.mark.parametrize("full_kv", ["gpu", "host"])
 @pytest.mark.parametrize("compressor", ["streaming", "snapkv", "kivi"])
 def test_vericache_on_cuda_matches_cpu_float32(tiny_llama, compressor, full_kv):
