@@ -121,12 +121,10 @@ def _exponential_noise(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Te
     uniform = torch.empty_like(probs)
     if len(info.seeded_rows) < info.batch_size:
         uniform.uniform_()
-    for row in info.seeded_rows:
+    for row in info.seeded_rows:  # drawn where the generator lives (the CPU): on any device a seed gives the same noise
         generator = info.generators[row]
-        if generator.device == uniform.device:
-            uniform[row].uniform_(generator=generator)
-        else:  # requests build their generator on the CPU: draw there, so a seed gives the same noise on any device
-            uniform[row].copy_(torch.rand(uniform.shape[-1], generator=generator, dtype=uniform.dtype))
+        draw = torch.rand(uniform.shape[-1], generator=generator, dtype=uniform.dtype, device=generator.device)
+        uniform[row].copy_(draw)
     noise = torch.log1p(-uniform).neg_()
     # U = 0 gives exactly 0, which would turn a filtered token's 0 / 0 into NaN, and argmax picks NaN.
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
