@@ -1,5 +1,5 @@
 """Streamed outputs: text decoded piece by piece (tokenizer.DecodeWindow) equals decoding the whole output at every
-step, and the server keeps only the newest cumulative output of a request."""
+step, the server keeps only the newest cumulative output of a request, and logprob entries carry their token's text."""
 
 from __future__ import annotations
 
@@ -167,3 +167,21 @@ def test_server_holds_only_the_newest_output_of_a_request():
     gc.collect()
     assert [ref() is not None for ref in watched] == [False] * 49 + [True]
     assert state.finished and state.latest["meta_info"]["completion_tokens"] == 50
+
+
+def test_streamed_logprob_texts_are_each_tokens_text(tiny_llama):
+    """Logprob entries carry each token's own text (decoded once per token id and remembered) in every chunk."""
+    tok = load_tokenizer(str(tiny_llama))
+    engine = Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, random_seed=0)
+    try:
+        kwargs = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+        kwargs["return_text_in_logprobs"] = True
+        params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+        chunks = list(engine.generate("Café crème and 東京", params, stream=True, **kwargs))
+    finally:
+        engine.shutdown()
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        entries = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+        entries += [e for row in meta["input_top_logprobs"] + meta["output_top_logprobs"] if row for e in row]
+        assert entries and all(text == tok.decode([token]) for _, token, text in entries)

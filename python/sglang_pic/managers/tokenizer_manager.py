@@ -26,6 +26,7 @@ class TokenizerManager:
         self.tokenizer = tokenizer
         self._decode = fast_decode(tokenizer) if tokenizer is not None else None
         self._incremental = tokenizer is not None and plain_backend(tokenizer) is not None  # see DecodeWindow
+        self._token_texts: dict[int, str] = {}  # see _token_text; at most one entry per vocabulary id
         self.model_config = model_config
         self.context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
@@ -172,7 +173,7 @@ class TokenizerManager:
 
     def _logprob_fields(self, req: Req, with_text: bool) -> dict[str, Any]:
         def token_text(tok: int) -> str | None:
-            return self._decode([tok]) if with_text else None
+            return self._token_text(tok) if with_text else None
 
         def triples(pairs) -> list:
             return [[lp, tok, token_text(tok)] for lp, tok in pairs]
@@ -186,6 +187,14 @@ class TokenizerManager:
             "input_top_logprobs": tops(req.input_top_logprobs),
             "output_top_logprobs": tops(req.output_top_logprobs),
         }
+
+    def _token_text(self, tok: int) -> str:
+        """One token's text, decoded once per token id: a streamed request with logprobs and text gets every input
+        and output token's text again in each chunk (a 2K-token prompt: 2K decodes per chunk)."""
+        text = self._token_texts.get(tok)
+        if text is None:
+            text = self._token_texts[tok] = self._decode([tok])
+        return text
 
 
 def _all_ints(values: list) -> bool:
