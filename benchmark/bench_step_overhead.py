@@ -165,8 +165,7 @@ def run_phase(engine: Engine, clock: StepClock, workload: Workload, phase: str, 
         while sched.waiting or sched.chunked is not None or len(sched.running) < batch:
             engine._step()
         for _ in range(args.prior_tokens):  # outputs this long before the timed steps, streamed as they grow
-            for req in engine._step():
-                engine.tokenizer_manager.format_output(req)
+            clock.step(engine)
     else:
         for _ in range(2 * new_tokens):  # reach the steady state: as many arrive as finish
             arrive(arrivals, new_tokens)

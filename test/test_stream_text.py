@@ -121,12 +121,9 @@ def test_window_decodes_only_the_recent_ids(tiny_llama):
 def test_engine_stream_text_equals_whole_decode(tiny_llama):
     """Through the Engine: every streamed chunk's text is the whole decode of its output ids so far."""
     tok = load_tokenizer(str(tiny_llama))
-    engine = Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, random_seed=0)
-    try:
-        params = {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True, "seed": 3}
+    params = {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True, "seed": 3}
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, random_seed=0) as engine:
         chunks = list(engine.generate(["Paris is", "Café crème"], params, stream=True))
-    finally:
-        engine.shutdown()
     assert len(chunks) > 40
     for chunk in chunks:
         whole = tok.decode(chunk["output_ids"])
@@ -172,14 +169,10 @@ def test_server_holds_only_the_newest_output_of_a_request():
 def test_streamed_logprob_texts_are_each_tokens_text(tiny_llama):
     """Logprob entries carry each token's own text (decoded once per token id and remembered) in every chunk."""
     tok = load_tokenizer(str(tiny_llama))
-    engine = Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, random_seed=0)
-    try:
-        kwargs = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
-        kwargs["return_text_in_logprobs"] = True
-        params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    kwargs = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, random_seed=0) as engine:
         chunks = list(engine.generate("Café crème and 東京", params, stream=True, **kwargs))
-    finally:
-        engine.shutdown()
     for chunk in chunks:
         meta = chunk["meta_info"]
         entries = meta["input_token_logprobs"] + meta["output_token_logprobs"]
