@@ -130,8 +130,9 @@ class StepClock:
         gc.callbacks.remove(self._on_gc)
 
 
-def submit(engine: Engine, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> None:
-    params = {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+def submit(engine: Engine, prompts: list[list[int]], max_new_tokens: int, args: argparse.Namespace) -> None:
+    params = {"temperature": args.temperature, **args.sampling_params, "max_new_tokens": max_new_tokens,
+              "ignore_eos": True}
     obj = GenerateReqInput(input_ids=prompts, sampling_params=params, stream=True)
     engine._submit(engine.tokenizer_manager.build_requests(obj))
 
@@ -158,7 +159,7 @@ def run_phase(engine: Engine, clock: StepClock, workload: Workload, phase: str, 
     arrivals = max(batch // new_tokens, 1)
 
     def arrive(n: int, max_new_tokens: int) -> None:
-        submit(engine, [workload.prompt() for _ in range(n)], max_new_tokens, args.temperature)
+        submit(engine, [workload.prompt() for _ in range(n)], max_new_tokens, args)
 
     if phase == "decode":
         arrive(batch, args.prior_tokens + steps + 2 * new_tokens)
@@ -203,9 +204,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prior-tokens", type=int, default=0,
                    help="decode phase: output tokens each request has before the timed steps (long streamed outputs)")
     p.add_argument("--temperature", type=float, default=0.0, help="above 0: the sampler's full path")
+    p.add_argument("--sampling-params", type=json.loads, default={},
+                   help='more sampling params for every request, as JSON: \'{"repetition_penalty": 1.1}\'')
     p.add_argument("--passages", type=int, default=10)
     p.add_argument("--corpus-size", type=int, default=200)
     p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL, help="a tiny Llama, built here on first use")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights from the model's config.json")
     p.add_argument("--skip-forward", action="store_true",
                    help="random logits instead of the model's forward (faster; the host work is the same)")
     p.add_argument("--profile", help="PHASE:BATCH to run under cProfile (prints the top functions)")
@@ -222,7 +226,7 @@ def measure(args: argparse.Namespace) -> list[PhaseResult]:
         engine = Engine(
             model_path=str(model), dtype="float32", context_length=CONTEXT, schedule_policy="isps",
             max_running_requests=batch + batch // args.new_tokens + 8, max_total_tokens=262144,
-            random_seed=args.seed,
+            random_seed=args.seed, load_format=args.load_format,
         )
         workload = Workload(engine.model_config.vocab_size, args.corpus_size, args.passages, args.seed)
         warm_cache(engine, workload, batch)

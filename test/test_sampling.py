@@ -8,13 +8,28 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.sampling.logprobs import compute_logprobs, get_token_logprobs, get_top_logprobs
+from sglang_pic.sampling.penalty_counts import PenaltyCounts
 from sglang_pic.sampling.sampler import Sampler, adjust_logits, filter_probs, make_generator
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang_pic.sampling.sampling_params import SamplingParams
 
 V = 6
 sample = Sampler()
+
+
+def make_req(
+    params: SamplingParams,
+    output_ids: list[int] | None = None,
+    prompt_ids: list[int] | None = None,
+    eos: set[int] | None = None,
+    generator: torch.Generator | None = None,
+    rid: str = "r",
+) -> Req:
+    prompt, out = list(prompt_ids or []), list(output_ids or [])
+    segment = ReqSegment("prefix", prompt + out, None)
+    return Req(rid, [segment], params, len(prompt), output_ids=out, eos_token_ids=set(eos or ()), generator=generator)
 
 
 def batch_info(
@@ -27,15 +42,12 @@ def batch_info(
     device: str = "cpu",
 ) -> SamplingBatchInfo:
     n = len(params)
-    return SamplingBatchInfo.from_requests(
-        params,
-        output_ids or [[] for _ in range(n)],
-        prompt_ids or [[] for _ in range(n)],
-        vocab_size,
-        device,
-        eos or [set() for _ in range(n)],
-        generators or [None] * n,
-    )
+    reqs = [
+        make_req(p, (output_ids or [None] * n)[i], (prompt_ids or [None] * n)[i], (eos or [None] * n)[i],
+                 (generators or [None] * n)[i], rid=f"r{i}")
+        for i, p in enumerate(params)
+    ]
+    return SamplingBatchInfo.from_requests(reqs, vocab_size, device, PenaltyCounts(vocab_size, device))
 
 
 # ---- SamplingParams validation ----
@@ -231,7 +243,7 @@ def test_seeded_request_is_independent_of_batch():
     assert alone == run(mixed=True, global_seed=2)
     assert len(set(alone)) > 1  # really sampling, not collapsing to argmax
     # A different seed gives a different stream.
-    other = SamplingBatchInfo.from_requests([target], [[]], [[]], vocab, "cpu", [set()], [make_generator(5, "cpu")])
+    other = batch_info([target], vocab_size=vocab, generators=[make_generator(5, "cpu")])
     assert [sample(s[:1], other).item() for s in steps] != alone
 
 

@@ -103,6 +103,25 @@ def test_greedy_identical_to_full_kv(references, model, compressor, k, full_kv):
         assert_idle_accounting(e)
 
 
+def test_penalised_greedy_identical_to_full_kv(tiny_llama):
+    """Penalties look at drafted tokens before they are committed (PenaltyCounts' extras): drafting and
+    verification must see the same history as plain decoding, or the output would differ."""
+    params = [
+        {**greedy(), "repetition_penalty": 1.6},
+        {**greedy(), "frequency_penalty": 1.5, "presence_penalty": 0.5},
+        greedy(),
+    ]
+    with engine(tiny_llama) as e:
+        expected = [o["output_ids"] for o in e.generate(PROMPTS, params)]
+    with engine(tiny_llama) as e:
+        assert [o["output_ids"] for o in e.generate(PROMPTS, [greedy()] * 3)][:2] != expected[:2]
+    with vericache(tiny_llama, "snapkv", 8) as e:
+        assert [o["output_ids"] for o in e.generate(PROMPTS, params)] == expected
+        stats = e.scheduler.spec_worker.stats
+        assert 0 < stats.accepted_drafts < stats.draft_tokens
+        assert_idle_accounting(e)
+
+
 @pytest.mark.parametrize("full_kv", ["gpu", "host"])
 @pytest.mark.parametrize("compressor", COMPRESSORS)
 def test_uncompressed_draft_is_always_accepted(references, compressor, full_kv):

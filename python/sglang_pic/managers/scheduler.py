@@ -25,6 +25,7 @@ from sglang_pic.sampling.logprobs import (
     get_token_logprobs,
     get_top_logprobs,
 )
+from sglang_pic.sampling.penalty_counts import PenaltyCounts
 from sglang_pic.sampling.sampler import Sampler
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang_pic.server_args import ServerArgs
@@ -75,6 +76,7 @@ class Scheduler:
         )
         self.kv = ReqKVManager(model_runner.req_to_token_pool, model_runner.allocator, self.tree)
         self.sampler = Sampler()
+        self.penalties = PenaltyCounts(model_runner.model_config.vocab_size, model_runner.device)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # requests past prefill, decoding
         self.chunked: Req | None = None  # a request whose prefill spans several steps
@@ -371,17 +373,6 @@ class Scheduler:
             if e.req.prompt_len == 1 or e.completes:
                 e.req.input_logprobs_done = True
 
-    def sampling_info(self, reqs: list[Req], device: torch.device) -> SamplingBatchInfo:
-        return SamplingBatchInfo.from_requests(
-            [r.sampling_params for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.prompt_ids() if r.sampling_params.repetition_penalty != 1.0 else [] for r in reqs],
-            self.vocab_size,
-            device,
-            [self._min_tokens_ban(r) for r in reqs],
-            [r.generator for r in reqs],
-        )
-
     def _sample(self, reqs: list[Req], num_fresh: int, logits: torch.Tensor, updated: list[Req]) -> None:
         """Sample and commit each request's next token (logits row i is request i's).
 
@@ -411,7 +402,8 @@ class Scheduler:
     def _next_token_ids(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
         if all(r.sampling_params.is_plain_greedy for r in reqs):  # the common case needs no per-request tensors
             return torch.argmax(logits, dim=-1).tolist()
-        return self.sampler(logits, self.sampling_info(reqs, logits.device)).tolist()
+        info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.penalties)
+        return self.sampler(logits, info).tolist()
 
     @staticmethod
     def _output_logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: list[int]) -> dict[int, tuple]:
@@ -453,12 +445,6 @@ class Scheduler:
         self.stats.generation_tokens += 1
         self._check_finished(req)
         return req.finished_reason is not None
-
-    def _min_tokens_ban(self, req: Req) -> set[int]:
-        sp = req.sampling_params
-        if len(req.output_ids) >= sp.min_new_tokens:
-            return set()
-        return set(req.eos_token_ids) | set(sp.stop_token_ids or [])
 
     def _check_finished(self, req: Req) -> None:
         sp = req.sampling_params

@@ -1,18 +1,21 @@
 """One decode step's sampling parameters as batched tensors, so the sampler treats the whole batch at once.
 
-Rebuilt every step from the running requests. The costly parts (per-token count tensors for penalties, dense
-logit-bias rows) are built only when some request in the batch asks for them.
+Rebuilt every step from the running requests. The costly parts (per-token counts for penalties, kept between
+steps in PenaltyCounts; dense logit-bias rows) are built only when some request in the batch asks for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_pic.sampling.sampling_params import SamplingParams
+from sglang_pic.sampling.penalty_counts import PenaltyCounts
 from sglang_pic.utils_tensor import upload
+
+if TYPE_CHECKING:
+    from sglang_pic.managers.req import Req
 
 
 @dataclass
@@ -48,19 +51,19 @@ class SamplingBatchInfo:
     @classmethod
     def from_requests(
         cls,
-        params: list[SamplingParams],
-        output_ids: list[list[int]],
-        prompt_ids: list[list[int]],
+        reqs: list[Req],
         vocab_size: int,
         device: torch.device | str,
-        eos_token_ids: list[set[int]],
-        generators: list[torch.Generator | None],
+        penalties: PenaltyCounts,
+        extras: list[list[int]] | None = None,
     ) -> SamplingBatchInfo:
-        """`eos_token_ids[i]`: ids banned while request i is below min_new_tokens (stop_token_ids included)."""
-        batch = len(params)
-        if not all(len(x) == batch for x in (output_ids, prompt_ids, eos_token_ids, generators)):
-            raise ValueError("per-request inputs of SamplingBatchInfo.from_requests differ in length")
-
+        """Row i samples request i's next token as if it had also output `extras[i]` (drafted tokens): penalties
+        count them and the min_new_tokens ban follows the longer output."""
+        batch = len(reqs)
+        if extras is not None and len(extras) != batch:
+            raise ValueError(f"{len(extras)} extra-token lists for a batch of {batch} requests")
+        params = [r.sampling_params for r in reqs]
+        generators = [r.generator for r in reqs]
         greedy = [p.is_greedy for p in params]
         top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
         top_ps = [p.top_p for p in params]
@@ -83,22 +86,21 @@ class SamplingBatchInfo:
             ),
             max_top_k=max((k for g, k in zip(greedy, top_ks) if not g and k < vocab_size), default=0),
             need_min_p=any(not g and m > 0.0 for g, m in zip(greedy, min_ps)),
-            generators=list(generators),
+            generators=generators,
             seeded_rows=[i for i, (g, gen) in enumerate(zip(greedy, generators)) if not g and gen is not None],
         )
 
-        linear = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
-        if any(linear):
-            info.frequency_penalties = _floats([p.frequency_penalty for p in params], device).unsqueeze(1)
-            info.presence_penalties = _floats([p.presence_penalty for p in params], device).unsqueeze(1)
-            rows = [out if use else [] for out, use in zip(output_ids, linear)]
-            info.output_counts = _token_counts(rows, vocab_size, device)
-
-        repetition = [p.repetition_penalty != 1.0 for p in params]
-        if any(repetition):
-            info.repetition_penalties = _floats([p.repetition_penalty for p in params], device).unsqueeze(1)
-            rows = [list(chain(pr, out)) if use else [] for pr, out, use in zip(prompt_ids, output_ids, repetition)]
-            info.seen_mask = _token_counts(rows, vocab_size, device) > 0
+        linear = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        repetition = any(p.repetition_penalty != 1.0 for p in params)
+        if linear or repetition:
+            history = penalties.history(reqs, extras, want_seen=repetition)
+            if linear:
+                info.frequency_penalties = _floats([p.frequency_penalty for p in params], device).unsqueeze(1)
+                info.presence_penalties = _floats([p.presence_penalty for p in params], device).unsqueeze(1)
+                info.output_counts = history.output_counts
+            if repetition:
+                info.repetition_penalties = _floats([p.repetition_penalty for p in params], device).unsqueeze(1)
+                info.seen_mask = history.seen
 
         if any(p.logit_bias for p in params):
             info.logit_bias = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
@@ -109,9 +111,9 @@ class SamplingBatchInfo:
 
         ban = [
             (i, t)
-            for i, (p, out, eos) in enumerate(zip(params, output_ids, eos_token_ids))
-            if len(out) < p.min_new_tokens
-            for t in sorted(eos)
+            for i, req in enumerate(reqs)
+            if len(req.output_ids) + (len(extras[i]) if extras else 0) < req.sampling_params.min_new_tokens
+            for t in sorted(set(req.eos_token_ids) | set(req.sampling_params.stop_token_ids or []))
         ]
         if ban:
             info.ban_rows = torch.tensor([i for i, _ in ban], dtype=torch.int64, device=device)
@@ -121,14 +123,3 @@ class SamplingBatchInfo:
 
 def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
-
-
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
-    """[B, V] float32 occurrence counts of each token id per row."""
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=device)
-    ids = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.int64, device=device)
-    if ids.numel():
-        row_idx = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-        counts.index_put_((row_idx, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
-    return counts

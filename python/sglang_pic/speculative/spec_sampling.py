@@ -12,37 +12,25 @@ when it has a seed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
 from sglang_pic.managers.req import Req
+from sglang_pic.sampling.penalty_counts import PenaltyCounts
 from sglang_pic.sampling.sampler import adjust_logits, filter_probs
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
 
 
-def uses_history(req: Req) -> bool:
-    """Whether the request's next-token distribution depends on the values of its previous output tokens."""
-    sp = req.sampling_params
-    return sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0 or sp.repetition_penalty != 1.0
-
-
-def sampling_info(rows: list[tuple[Req, list[int]]], vocab_size: int, device: torch.device) -> SamplingBatchInfo:
+def sampling_info(
+    rows: list[tuple[Req, list[int]]], vocab_size: int, device: torch.device, penalties: PenaltyCounts
+) -> SamplingBatchInfo:
     """Sampling parameters for rows that each continue a request's output by some drafted tokens.
 
     Row (req, extra) is set up as the Sampler would see req after `extra` had been output: penalties count them
     and the min_new_tokens ban follows the longer output. Tokens in `extra` only matter under uses_history().
     """
-    params, outputs, prompts, bans, gens = [], [], [], [], []
-    for req, extra in rows:
-        sp = req.sampling_params
-        out = list(chain(req.output_ids, extra))
-        params.append(sp)
-        outputs.append(out)
-        prompts.append(req.prompt_ids() if sp.repetition_penalty != 1.0 else [])
-        bans.append(set(req.eos_token_ids) | set(sp.stop_token_ids or []) if len(out) < sp.min_new_tokens else set())
-        gens.append(req.generator)
-    return SamplingBatchInfo.from_requests(params, outputs, prompts, vocab_size, device, bans, gens)
+    reqs = [req for req, _ in rows]
+    return SamplingBatchInfo.from_requests(reqs, vocab_size, device, penalties, [extra for _, extra in rows])
 
 
 @dataclass

@@ -33,6 +33,7 @@ from sglang_pic.managers.req import Req
 from sglang_pic.managers.scheduler import MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.sampling.logprobs import compute_logprobs
+from sglang_pic.sampling.penalty_counts import uses_history
 from sglang_pic.speculative.attn_scores import ScoreCapture
 from sglang_pic.speculative.compressor_base import create_compressor, refresh_threshold, resolve_budget
 from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache, TokenTable
@@ -45,7 +46,6 @@ from sglang_pic.speculative.spec_sampling import (
     distributions,
     draft_tokens,
     sampling_info,
-    uses_history,
 )
 from sglang_pic.speculative.spec_stats import ReqSpecStats, SpecStats
 from sglang_pic.utils_tensor import upload
@@ -78,6 +78,7 @@ class VeriCacheWorker:
         self.full_kv = HostFullKV(scheduler, self.stats) if host else DeviceFullKV(scheduler)
         self.drafts: dict[str, DraftCache] = {}
         self.vocab_size = scheduler.vocab_size
+        self.penalties = scheduler.penalties
         self.num_layers = self.runner.model_config.num_hidden_layers
         self.cuda = self.device.type == "cuda"
         self.stagger_groups = args.vericache_stagger_groups
@@ -249,7 +250,7 @@ class VeriCacheWorker:
             fb = make_batch(self.runner, runs, loc, table, backend, logits=True, mode=ForwardMode.DECODE)
             logits = self.runner.forward_with(fb, replayer)[:, : self.vocab_size]
             history = self._histories(reqs, tokens, active, i)
-            dist = distributions(logits, sampling_info(history, self.vocab_size, self.device))
+            dist = distributions(logits, sampling_info(history, self.vocab_size, self.device, self.penalties))
             picked = draft_tokens(dist, [reqs[b].generator for b in active])
             index = upload(active, device=self.device)
             tokens[index, i] = picked
@@ -302,7 +303,7 @@ class VeriCacheWorker:
 
         drafted = tokens.tolist()
         rows = [(req, drafted[b][:i]) for b, (req, k) in enumerate(zip(reqs, ks)) for i in range(k + 1)]
-        dist = distributions(logits, sampling_info(rows, self.vocab_size, self.device))
+        dist = distributions(logits, sampling_info(rows, self.vocab_size, self.device, self.penalties))
         argmax = dist.argmax.tolist()
         logprobs = compute_logprobs(logits) if any(r.return_logprob for r in reqs) else None
         updated, start = [], 0
