@@ -9,6 +9,7 @@ import torch
 
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
+from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.model_executor.forward_batch import ForwardMode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -35,6 +36,31 @@ def test_cuda_engine_matches_cpu_float32(tiny_model, page_size):
         again = [o["output_ids"] for o in gpu.generate(PROMPTS, GREEDY)]
     assert got == expected
     assert again == expected
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
+    """Matching a request's segments in the tree, allocating its slots and handing its computed KV to the tree run
+    on the host alone: a device sync there would make scheduling wait for every kernel already queued."""
+    fresh_doc = "Position-free keys are rotated inside attention, from each request's own positions."
+    prompt = "Fresh words here." + span(fresh_doc) + PROMPTS[3]
+    with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", page_size=page_size,
+                max_total_tokens=4096) as e:
+        e.generate(PROMPTS, GREEDY)  # the shared spans are cached; the fresh one is not
+        req = e.tokenizer_manager.build_requests(GenerateReqInput(text=prompt, sampling_params=GREEDY))[0]
+        kv = e.scheduler.kv
+        req.req_pool_idx = e.runner.req_to_token_pool.alloc()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            kv.match(req)
+            kv.alloc(req, [len(s.tokens) - s.done for s in req.segments])  # as if its prefill had run
+            kv.cache(req)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert req.cached_span_tokens > 0
+        assert all(s.cached == len(s.tokens) // page_size * page_size for s in req.segments)
+        kv.release(req)
 
 
 def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):

@@ -27,7 +27,9 @@ class ReqSegment:
     done: int = 0  # leading tokens whose KV is in the request's row
     cached: int = 0  # leading tokens owned by the radix tree (locked via lock_node)
     lock_node: Any = None
-    last_slot: int = -1  # slot of token done-1, so allocation continues the segment's page
+    # Slot of token done-1, so allocation continues the segment's page; -1 when the next token starts a fresh page
+    # (none yet, or a full one: a full page's last slot is never needed, and reading it from the device would sync).
+    last_slot: int = -1
 
     @property
     def attn_lo(self) -> int:

@@ -69,8 +69,8 @@ class ReqKVManager:
                 continue
             self.req_to_token_pool.write(req.req_pool_idx, slice(seg.start, seg.start + n), result.device_indices)
             self.tree.inc_lock_ref(result.last_node)
-            seg.lock_node, seg.cached, seg.done = result.last_node, n, n
-            seg.last_slot = int(result.device_indices[-1])
+            # The tree holds whole pages, so the match ends one: the next token starts a fresh page.
+            seg.lock_node, seg.cached, seg.done, seg.last_slot = result.last_node, n, n, -1
             if seg.kind == "span":
                 req.cached_span_tokens += n
             else:
@@ -193,8 +193,8 @@ class ReqKVManager:
             if seg.lock_node is not None:
                 self.tree.dec_lock_ref(seg.lock_node)
             seg.lock_node, seg.cached = result.last_node, aligned
-            if seg.done == aligned:
-                seg.last_slot = int(result.device_indices[-1])
+            if seg.done == aligned:  # its last page is full: the next token starts a fresh one
+                seg.last_slot = -1
 
     def release(self, req: Req) -> None:
         """Free the request's own slots, unlock its tree paths and give back its table row."""
