@@ -22,7 +22,6 @@ dropped. Every node a match returns, and so every node anyone locks, is on the d
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.host_pool import HostKVPool
+from sglang_pic.radix_ext.lru_heap import LruHeap
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _SCAN_CHUNK = 64  # tokens compared per slice when locating the first mismatch
@@ -111,7 +111,6 @@ class RadixCache:
         self.host_pool = None if disable else host_pool
         self._empty = torch.empty(0, dtype=torch.int64, device=token_to_kv_pool_allocator.device)
         self._clock = itertools.count(1)
-        self._entries = itertools.count()
         self.backed_up_tokens = 0  # tokens moved to the host pool, over the tree's life
         self.loaded_tokens = 0  # tokens brought back from it
         self.reset()
@@ -119,9 +118,8 @@ class RadixCache:
     def reset(self) -> None:
         """Forget every node. Slots are not freed: the caller clears the allocator at the same time."""
         self.roots: dict[str | None, TreeNode] = {}
-        # Eviction candidates as (last access, node id, entry number, node), pushed whenever a node may have become
-        # one; entries that went stale (node touched, locked, given a device child, or gone) are checked when popped.
-        self._lru: list[tuple[int, int, int, TreeNode]] = []
+        self._device_lru = LruHeap(self._is_device_leaf, self._nodes, self._max_heap_entries)
+        self._host_lru = LruHeap(self._is_host_leaf, self._nodes, self._max_heap_entries)
         self._num_nodes = 0
         self.evictable_size_ = 0
         self.protected_size_ = 0
@@ -244,24 +242,15 @@ class RadixCache:
         """Free the device slots of LRU unlocked leaves, across all namespaces, until `num_tokens` are freed;
         returns tokens freed. With a host pool a leaf's KV moves there and the node stays; else it is dropped.
 
-        Candidates come from a heap kept between calls (see `_offer`), so a call costs O(log n) per node it
+        Candidates come from a heap kept between calls (radix_ext.lru_heap), so a call costs O(log n) per node it
         releases rather than a walk of the whole tree; the order is the same LRU order a walk would give."""
         if self.disable or num_tokens <= 0:
             return 0
-        released, rescanned = 0, False
-        while released < num_tokens:
-            if not self._lru:
-                if rescanned or self.evictable_size_ == 0:
-                    break
-                self._rebuild_lru()  # a safety net: every candidate should already be in the heap
-                rescanned = True
-                continue
-            access, _, _, node = heapq.heappop(self._lru)
-            if node.parent is None or not self._is_device_leaf(node):
-                continue
-            if access != node.last_access_time:
-                self._offer(node)
-                continue
+        released = 0
+        while released < num_tokens and self.evictable_size_ > 0:
+            node = self._device_lru.pop()
+            if node is None:
+                break
             parent = node.parent
             released += len(node.key)
             self.evictable_size_ -= len(node.key)
@@ -274,20 +263,14 @@ class RadixCache:
                 self._offer(parent)
         return released
 
-    def _offer(self, node: TreeNode) -> None:
-        """Push `node` as an eviction candidate if it is one now. Stale entries pile up between evictions, so the
-        heap is rebuilt from the tree once it holds more than twice as many entries as the tree has nodes."""
-        if not self._is_device_leaf(node):
-            return
-        heapq.heappush(self._lru, (node.last_access_time, node.id, next(self._entries), node))
-        if len(self._lru) > 2 * self._num_nodes + 64:
-            self._rebuild_lru()
+    def _max_heap_entries(self) -> int:
+        return 2 * self._num_nodes + 64
 
-    def _rebuild_lru(self) -> None:
-        self._lru = [
-            (n.last_access_time, n.id, next(self._entries), n) for n in self._nodes() if self._is_device_leaf(n)
-        ]
-        heapq.heapify(self._lru)
+    def _offer(self, node: TreeNode) -> None:
+        """Push `node` as an eviction candidate of the tier it now qualifies for, if any."""
+        self._device_lru.offer(node)
+        if self.host_pool is not None:
+            self._host_lru.offer(node)
 
     def _backup(self, leaf: TreeNode) -> bool:
         """Move a device leaf's KV to the host pool, dropping LRU host leaves for room; False if it cannot."""
@@ -303,24 +286,21 @@ class RadixCache:
         leaf.value, leaf.host_value = self._empty, host
         self.host_size_ += n
         self.backed_up_tokens += n
+        self._offer(leaf)
         return True
 
     def _evict_host(self, num_tokens: int) -> None:
         """Drop LRU host-resident leaves (never one being loaded) until `num_tokens` host slots are free."""
-
-        def is_leaf(n: TreeNode) -> bool:
-            return not n.on_device and not n.children and n.lock_ref == 0
-
-        heap = [(n.last_access_time, n.id, n) for n in self._nodes() if is_leaf(n)]
-        heapq.heapify(heap)
         released = 0
-        while released < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        while released < num_tokens and self.host_size_ > 0:
+            node = self._host_lru.pop()
+            if node is None:
+                break
             parent = node.parent
             released += len(node.key)
             self._drop(node)
-            if not parent.is_root and is_leaf(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+            if not parent.is_root:
+                self._offer(parent)
 
     def _drop(self, node: TreeNode) -> None:
         """Detach `node` and free what it and its (host-resident) descendants hold."""
@@ -344,6 +324,11 @@ class RadixCache:
     def _is_device_leaf(self, node: TreeNode) -> bool:
         """A device node nobody locks whose children, if any, are all on the host: what `evict` may take."""
         return node.on_device and node.lock_ref == 0 and not self._has_device_child(node)
+
+    @staticmethod
+    def _is_host_leaf(node: TreeNode) -> bool:
+        """A host-resident leaf nobody locks (a node being loaded is locked): what `_evict_host` may drop."""
+        return not node.on_device and not node.children and node.lock_ref == 0
 
     def _drop_root(self, root: TreeNode) -> None:
         if self.roots.get(root.namespace) is root:

@@ -8,7 +8,10 @@ then the engine, whose spans come back from the host at new offsets and give the
 from __future__ import annotations
 
 import itertools
+import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,6 +130,51 @@ def test_full_host_pool_drops_its_least_recently_used_leaves():
     assert s.tree.match_prefix(old).device_indices.numel() == 0
     assert read(s, s.tree.match_prefix(new).device_indices) == tags.of(new, 4)
     check_accounting(s)
+
+
+def host_leaves(s: Setup) -> list:
+    return [n for n in s.tree._nodes() if not n.on_device and not n.children]
+
+
+def present(s: Setup, key: RadixKey) -> bool:
+    """Whether the whole key is in the tree, on either tier (page size 1), found without loading anything."""
+    node, i = s.tree.roots.get(key.extra_key), 0
+    while node is not None and i < len(key):
+        node = node.children.get(key.token_ids[i])
+        if node is None or node.key != key.token_ids[i : i + len(node.key)]:
+            return False
+        i += len(node.key)
+    return node is not None
+
+
+def test_host_tier_drops_in_lru_order_across_many_evictions():
+    """The host heap persists between evictions: each drop must still be the least recently used host leaf a walk
+    of the tree finds, after touches (inserts walking through host nodes), splits and parents turning into leaves."""
+    rng = random.Random(0)
+    s, tags = make(page_size=1, pages=64, host_tokens=37), Tags()  # 8 x 4 tokens + a 3-token parent of 2 x 1
+    docs = [RadixKey((i, 100 + i, 200 + i, 300 + i), "span") for i in range(8)]
+    docs += [RadixKey((50, 51, 52, 60 + i), "span") for i in range(2)]  # share a 3-token parent on the host
+    for doc in docs:
+        put(s, tags, doc)
+    s.tree.evict(s.tree.evictable_size())
+    assert s.tree.host_size() == s.host.size  # the host pool is full
+    dropped = 0
+    for step in range(12):
+        for doc in rng.sample([d for d in docs if present(s, d)], 3):  # touch host nodes without loading them
+            assert s.tree.insert(doc, torch.zeros(len(doc), dtype=torch.int64)) == len(doc)
+        expected = min(host_leaves(s), key=lambda n: (n.last_access_time, n.id))
+        fresh = RadixKey((900 + step, 1000 + step, 1100 + step, 1200 + step), "span")
+        put(s, tags, fresh)
+        s.tree.evict(4)  # `fresh` moves to the host, which first drops its LRU leaf
+        assert expected.parent is None, f"step {step}: dropped something else than the LRU host leaf"
+        dropped += 1
+        docs.append(fresh)
+        check_accounting(s)
+    assert dropped == 12
+    # Every node still on the host keeps its own KV.
+    for doc in docs:
+        hit = s.tree.match_prefix(doc).device_indices
+        assert read(s, hit) == tags.of(doc, hit.numel())
 
 
 def test_no_device_room_means_a_shorter_hit_never_a_wrong_one():
@@ -314,3 +362,12 @@ def test_isps_under_memory_pressure_reuses_spans_from_the_host(tiny_llama_1k):
             assert [o["output_ids"] for o in engine.generate(texts, params)] == expected
             computed[hicache] = engine.get_stats()["computed_prefill_tokens"]
     assert computed[True] <= 1.1 * once < computed[False] / 2, (once, computed)
+
+
+def test_eviction_benchmark_runs_with_a_host_tier():
+    """benchmark/bench_radix_evict.py --host-tier: every timed call moves a span to the full host tier."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+    import bench_radix_evict
+
+    assert bench_radix_evict.host_evict_ms(nodes=20, span_tokens=4, calls=5, seed=0) > 0
+    assert bench_radix_evict.evict_ms(nodes=20, span_tokens=4, calls=5, seed=0) > 0
