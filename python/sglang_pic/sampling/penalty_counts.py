@@ -77,16 +77,22 @@ class PenaltyCounts:
         return row
 
     def _catch_up(self) -> None:
-        """Add every row's new output ids in one scatter and free the rows of finished requests."""
-        rows, ids = [], []
+        """Add every row's new output ids in one scatter; clear and free the rows of finished requests."""
+        rows, ids, freed = [], [], []
         for req, row in list(self.rows.items()):
             if req.finished_reason is not None:
-                self._free(req, row)
+                del self.rows[req]
+                freed.append(row.index)
                 continue
             new = req.output_ids[row.counted :]
             rows += [row.index] * len(new)
             ids += new
             row.counted = len(req.output_ids)
+        if freed:
+            index = upload(freed, device=self.device)
+            self.output_counts[index] = 0.0
+            self.prompt_seen[index] = False
+            self.free += freed
         if ids:
             _scatter_add(self.output_counts, upload(rows, ids, device=self.device).view(2, -1))
 
@@ -94,12 +100,6 @@ class PenaltyCounts:
         if not self.free:
             self._grow()
         return self.free.pop()
-
-    def _free(self, req: Req, row: _Row) -> None:
-        del self.rows[req]
-        self.output_counts[row.index].zero_()
-        self.prompt_seen[row.index].zero_()
-        self.free.append(row.index)
 
     def _grow(self) -> None:
         """Double the rows (at least 8 new ones); capacity follows the most penalised requests seen at once."""
