@@ -4,14 +4,18 @@ of tokenizing and scanning afresh (a memo hit is never another text's ids)."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
+from tokenizers.processors import TemplateProcessing
 
 from sglang_pic.managers.segment_token_cache import SegmentTokenCache
 from sglang_pic.managers.segmenter import PromptSegmenter
 from sglang_pic.radix_ext import Segment
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.tokenizer import load_tokenizer
+from tiny_models import build_tiny_model
 
 VOCAB = 384
 LONG_DOC = " ".join(f"The {i}th passage says that the fox jumps over the lazy dog." for i in range(20))
@@ -81,6 +85,40 @@ def test_from_text_tokenizes_a_recurring_span_once(segmenter, monkeypatch):
     assert LONG_DOC in calls
 
 
+BATCH_TEXTS = [
+    "Preface one.<|ssep|>" + LONG_DOC + "<|pdep|>Question?",
+    "<|ssep|>" + LONG_DOC + "<|ssep|>Caf\u00e9 cr\u00e8me, na\u00efve \u65e5\u672c\u8a9e.<|pdep|>  spaces  ",
+    LONG_DOC + "<|ssep|>doc",  # the span's text as a prefix: BOS and all
+    "   ",
+    "Preface one.<|ssep|>short span<|pdep|>Question?",
+]
+
+
+def bos_tokenizer(path):
+    """The tiny tokenizer, made to add BOS as special tokens (as Llama's does), so the prefix flag matters."""
+    tokenizer = load_tokenizer(str(path))
+    bos = tokenizer.bos_token
+    tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))]
+    )
+    return tokenizer
+
+
+def test_encode_all_gives_each_segment_its_own_encoding(tiny_llama, monkeypatch):
+    """One batch call per kind must give every segment exactly what encoding it alone gives (BOS on the prefix
+    only), and from_text then encodes nothing more."""
+    args = ServerArgs.from_kwargs(model_path=str(tiny_llama))
+    alone = PromptSegmenter(bos_tokenizer(tiny_llama), args, VOCAB)
+    expected = [alone.from_text(text) for text in BATCH_TEXTS]
+    assert expected[2][0].token_ids[0] == alone.tokenizer.bos_token_id != expected[0][1].token_ids[0]
+    batched = PromptSegmenter(bos_tokenizer(tiny_llama), args, VOCAB)
+    known = batched.encode_all(BATCH_TEXTS)
+    calls = []
+    monkeypatch.setattr(batched.tokenizer, "encode", lambda text, **kw: calls.append(text))
+    assert [batched.from_text(text, known) for text in BATCH_TEXTS] == expected
+    assert calls == []
+
+
 def _from_ids_reference(ids: list[int], markers: dict[int, str]) -> list[Segment]:
     """The per-token loop the segmenter replaces, kept as the specification of its result and errors."""
     segments = [Segment("prefix", ())]
@@ -128,3 +166,14 @@ def test_input_ids_must_be_plain_ints(tiny_llama, ids):
     with pytest.raises(ValueError, match="input_ids must be a list of integers"):
         tm.build_requests(GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": 1}))
     assert tm.build_requests(GenerateReqInput(input_ids=[5, -1, 6], sampling_params={"max_new_tokens": 1}))
+
+
+def test_tokenize_benchmark_runs(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+    import bench_tokenize
+
+    model = build_tiny_model(tmp_path, "llama", name="llama_4k", max_position_embeddings=4096)  # RAG prompts fit
+    out = tmp_path / "tokenize.json"
+    result = bench_tokenize.main(["--tokenizer-path", str(model), "--num-samples", "6", "--repeats", "1",
+                                  "--out", str(out)])
+    assert result["prompts"] == 6 and result["prompt_tokens"] > 6 * 10 * 50 and out.is_file()

@@ -45,17 +45,26 @@ class SegmentTokenCache:
         return self._num_tokens
 
     def __call__(self, text: str, first: bool) -> tuple[int, ...]:
+        ids = self.get(text, first)
+        if ids is not None:
+            return ids
+        return self.put(text, first, self._encode(text, first))
+
+    def get(self, text: str, first: bool) -> tuple[int, ...] | None:
+        """The remembered ids of `text`, or None (short texts are never remembered)."""
         if len(text) < self.min_chars:
-            return self._encode(text, first)
+            return None
         key = (text, first)
         with self._lock:
             ids = self._entries.get(key)
             if ids is not None:
                 self._entries.move_to_end(key)
-                return ids
-        ids = self._encode(text, first)
-        if len(ids) <= self.max_tokens:
-            self._store(key, ids)
+            return ids
+
+    def put(self, text: str, first: bool, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Remember `ids` as the encoding of `text` if it is long enough and fits; returns `ids`."""
+        if len(text) >= self.min_chars and len(ids) <= self.max_tokens:
+            self._store((text, first), ids)
         return ids
 
     def _store(self, key: tuple[str, bool], ids: tuple[int, ...]) -> None:

@@ -29,15 +29,34 @@ class PromptSegmenter:
     def has_markers(self, text: str) -> bool:
         return any(m in text for m in self.markers)
 
-    def from_text(self, text: str) -> list[Segment]:
+    def from_text(self, text: str, known: dict[tuple[str, bool], tuple[int, ...]] | None = None) -> list[Segment]:
+        """`known`: segment ids already encoded (see encode_all)."""
         parts = self._split.split(text)
-        segments = [Segment("prefix", self._encode(parts[0], first=True))]
+        segments = [Segment("prefix", self._encode(parts[0], True, known))]
         for i in range(1, len(parts), 2):
             kind, body = self.markers[parts[i]], parts[i + 1]
             if kind == "span" and not body:
                 raise ValueError(f"empty span: the {parts[i]!r} marker at part {i // 2} is followed by no text")
-            segments.append(Segment(kind, self._encode(body, first=False)))
+            segments.append(Segment(kind, self._encode(body, False, known)))
         return self._finish(segments)
+
+    def encode_all(self, texts: list[str]) -> dict[tuple[str, bool], tuple[int, ...]]:
+        """(segment text, is prefix) -> ids for every segment of `texts`: the memo's misses are encoded in one batch
+        call per kind, which the Rust tokenizer spreads over its threads (one encode call per segment cost ~0.2 ms
+        of Python each, most of a 600-prompt RAG batch's tokenizing)."""
+        pieces: set[tuple[str, bool]] = set()
+        for text in texts:
+            parts = self._split.split(text)
+            pieces.add((parts[0], True))
+            pieces.update((body, False) for body in parts[2::2] if body)
+        known = {key: ids for key in pieces if (ids := self._tokens.get(*key)) is not None}
+        for first in (True, False):
+            batch = [text for text, is_prefix in pieces if is_prefix == first and (text, first) not in known]
+            if batch:
+                encoded = self.tokenizer(batch, add_special_tokens=first)["input_ids"]
+                for text, ids in zip(batch, encoded):
+                    known[(text, first)] = self._tokens.put(text, first, tuple(ids))
+        return known
 
     def from_ids(self, ids: list[int]) -> list[Segment]:
         """Cut `ids` at the marker ids; every other id must be in the vocabulary (the first one outside is named)."""
@@ -76,10 +95,11 @@ class PromptSegmenter:
                 found.append(i)
         return sorted(found)
 
-    def _encode(self, text: str, first: bool) -> tuple[int, ...]:
+    def _encode(self, text: str, first: bool, known: dict | None = None) -> tuple[int, ...]:
         if not text and not first:
             return ()
-        return self._tokens(text, first)
+        ids = known.get((text, first)) if known else None
+        return ids if ids is not None else self._tokens(text, first)
 
     def _tokenize(self, text: str, first: bool) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=first))

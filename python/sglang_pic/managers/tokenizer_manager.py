@@ -36,16 +36,18 @@ class TokenizerManager:
     # ---- input --------------------------------------------------------------------------------------------
     def build_requests(self, obj: GenerateReqInput) -> list[Req]:
         """Validate and tokenize every prompt; raise ValueError naming the first problem (nothing is queued)."""
+        items = [obj.item(i) for i in range(obj.batch_size())]
+        texts = [item["text"] for item in items if isinstance(item["text"], str)]
+        known = self.segmenter.encode_all(texts) if texts and self.tokenizer is not None else None
         reqs = []
-        for i in range(obj.batch_size()):
-            item = obj.item(i)
+        for i, item in enumerate(items):
             try:
-                reqs.extend(self._build_one(item))
+                reqs.extend(self._build_one(item, known))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if obj.is_batch else str(e)) from None
         return reqs
 
-    def _build_one(self, item: dict[str, Any]) -> list[Req]:
+    def _build_one(self, item: dict[str, Any], known: dict | None = None) -> list[Req]:
         params = SamplingParams.from_dict(item["sampling_params"])
         params.verify(self.vocab_size)
         params.normalize(self.tokenizer)
@@ -54,7 +56,7 @@ class TokenizerManager:
                 raise ValueError("text input needs a tokenizer; this engine runs with skip_tokenizer_init")
             if not isinstance(item["text"], str):
                 raise ValueError("text must be a string")
-            segments = self.segmenter.from_text(item["text"])
+            segments = self.segmenter.from_text(item["text"], known)
         else:
             ids = item["input_ids"]
             if not isinstance(ids, list) or not _all_ints(ids):
