@@ -148,3 +148,18 @@ def test_rows_of_aborted_requests_are_freed():
     history = table.history([other], want_seen=True)
     assert list(table.rows) == [other]
     assert history.seen[0].nonzero().flatten().tolist() == [3]
+
+
+def test_penalised_requests_keep_their_counts_through_retraction(tiny_qwen2):
+    """A retracted request computes its KV again but keeps its output, so its row stays valid: the tokens equal a
+    run with room for everyone."""
+    prompts = [f"{p} number {i}" for i, p in enumerate(PENALTY_PROMPTS * 3)]
+    params = [{"temperature": 0, "max_new_tokens": 40, "ignore_eos": True, **PENALTIES[i % 3]} for i in range(12)]
+    with Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096) as big:
+        expected = [o["output_ids"] for o in big.generate(prompts, params)]
+    with Engine(
+        model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=256, page_size=4, chunked_prefill_size=32
+    ) as small:
+        outs = small.generate(prompts, params)
+        assert small.scheduler.stats.num_retractions > 0
+    assert [o["output_ids"] for o in outs] == expected
