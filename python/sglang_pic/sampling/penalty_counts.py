@@ -5,8 +5,10 @@ batch of 128 with 2K-token prompts under a repetition penalty: tens of ms per st
 Here each penalised request owns a row of a [rows, V] table: its prompt tokens are marked once, and each step adds
 only the output tokens that arrived since the last one, all requests in one scatter. A step's batch then gathers
 its rows. Output ids are append-only, so a row's count of them stays valid across retraction and resumption.
-The table grows to the most penalised requests running at once and stays there: 5 bytes per row and vocabulary
-entry (0.76 MB per request with a 152K vocabulary), about what one step's freshly built counts took before.
+A finished request's row is cleared and reused at the next step that samples with penalties (no hook in the
+finish and abort paths). The table grows to the most penalised requests running at once and stays there: 5 bytes
+per row and vocabulary entry (0.76 MB per request with a 152K vocabulary), about what one step's freshly built
+counts took before.
 """
 
 from __future__ import annotations
