@@ -38,7 +38,8 @@ class TokenizerManager:
         """Validate and tokenize every prompt; raise ValueError naming the first problem (nothing is queued)."""
         items = [obj.item(i) for i in range(obj.batch_size())]
         texts = [item["text"] for item in items if isinstance(item["text"], str)]
-        known = self.segmenter.encode_all(texts) if texts and self.tokenizer is not None else None
+        # Batches are encoded together; a lone prompt is not (a batch call costs more than its few encodes).
+        known = self.segmenter.encode_all(texts) if len(texts) > 1 and self.tokenizer is not None else None
         reqs = []
         for i, item in enumerate(items):
             try:
