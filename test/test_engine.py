@@ -77,18 +77,21 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_llama):
     assert second["output_ids"] == ref["output_ids"]
 
 
-def test_retraction_under_small_pool_gives_same_tokens(tiny_qwen2):
-    prompts = [f"{p} number {i}" for i, p in enumerate(PROMPTS * 3)]
-    params = greedy(40)
-    with Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096) as big:
+def assert_retraction_keeps_tokens(path, prompts: list[str], params: dict | list[dict]) -> None:
+    """A pool of 256 tokens forces retractions; the tokens must equal a run with room for everyone."""
+    with Engine(model_path=str(path), dtype="float32", max_total_tokens=4096) as big:
         expected = [o["output_ids"] for o in big.generate(prompts, params)]
     with Engine(
-        model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=256, page_size=4, chunked_prefill_size=32
+        model_path=str(path), dtype="float32", max_total_tokens=256, page_size=4, chunked_prefill_size=32
     ) as small:
         outs = small.generate(prompts, params)
         assert small.scheduler.stats.num_retractions > 0
         assert [o["output_ids"] for o in outs] == expected
         assert_idle_accounting(small)
+
+
+def test_retraction_under_small_pool_gives_same_tokens(tiny_qwen2):
+    assert_retraction_keeps_tokens(tiny_qwen2, [f"{p} number {i}" for i, p in enumerate(PROMPTS * 3)], greedy(40))
 
 
 def test_abort_frees_memory(tiny_llama):

@@ -11,6 +11,7 @@ from sglang_pic import Engine
 from sglang_pic.managers.req import FinishReason, Req, ReqSegment
 from sglang_pic.sampling.penalty_counts import PenaltyCounts
 from sglang_pic.sampling.sampling_params import SamplingParams
+from test_engine import assert_retraction_keeps_tokens
 
 V = 50
 
@@ -155,11 +156,4 @@ def test_penalised_requests_keep_their_counts_through_retraction(tiny_qwen2):
     run with room for everyone."""
     prompts = [f"{p} number {i}" for i, p in enumerate(PENALTY_PROMPTS * 3)]
     params = [{"temperature": 0, "max_new_tokens": 40, "ignore_eos": True, **PENALTIES[i % 3]} for i in range(12)]
-    with Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096) as big:
-        expected = [o["output_ids"] for o in big.generate(prompts, params)]
-    with Engine(
-        model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=256, page_size=4, chunked_prefill_size=32
-    ) as small:
-        outs = small.generate(prompts, params)
-        assert small.scheduler.stats.num_retractions > 0
-    assert [o["output_ids"] for o in outs] == expected
+    assert_retraction_keeps_tokens(tiny_qwen2, prompts, params)
