@@ -8,16 +8,13 @@ import random
 import torch
 
 from sglang_pic import Engine
-from sglang_pic.managers.req import FinishReason, Req, ReqSegment
+from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.sampling.penalty_counts import PenaltyCounts
 from sglang_pic.sampling.sampling_params import SamplingParams
 from test_engine import assert_retraction_keeps_tokens
+from test_sampling import make_req
 
 V = 50
-
-
-def make_req(rid: str, params: SamplingParams, prompt: list[int]) -> Req:
-    return Req(rid, [ReqSegment("prefix", list(prompt), None)], params, len(prompt))
 
 
 def counts_from_scratch(req: Req, extra: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +40,7 @@ def test_counts_follow_outputs_through_joins_finishes_and_growth():
         # Up to 3 requests join; some finish (their rows are reused by later ones); everyone else outputs 1-3 tokens.
         for j in range(rng.randrange(4)):
             prompt = [rng.randrange(V) for _ in range(rng.randrange(1, 12))]
-            live.append(make_req(f"s{step}-{j}", kinds[rng.randrange(len(kinds))], prompt))
+            live.append(make_req(kinds[rng.randrange(len(kinds))], prompt_ids=prompt, rid=f"s{step}-{j}"))
         for req in list(live):
             if rng.random() < 0.1:
                 req.finished_reason = FinishReason("length")
@@ -72,7 +69,7 @@ def test_counts_follow_outputs_through_joins_finishes_and_growth():
 
 def test_history_without_seen_when_no_repetition_penalty():
     table = PenaltyCounts(V, "cpu")
-    req = make_req("a", SamplingParams(frequency_penalty=1.0), [1, 2])
+    req = make_req(SamplingParams(frequency_penalty=1.0), prompt_ids=[1, 2], rid="a")
     req.append_output(3)
     history = table.history([req])
     assert history.seen is None
@@ -141,11 +138,11 @@ def test_engine_penalties_match_a_from_scratch_reference(tiny_llama):
 
 def test_rows_of_aborted_requests_are_freed():
     table = PenaltyCounts(V, "cpu")
-    req = make_req("a", SamplingParams(frequency_penalty=1.0, repetition_penalty=1.1), [1])
+    req = make_req(SamplingParams(frequency_penalty=1.0, repetition_penalty=1.1), prompt_ids=[1], rid="a")
     req.append_output(2)
     table.history([req], want_seen=True)
     req.finished_reason = FinishReason("abort", message="aborted")
-    other = make_req("b", SamplingParams(repetition_penalty=1.1), [3])
+    other = make_req(SamplingParams(repetition_penalty=1.1), prompt_ids=[3], rid="b")
     history = table.history([other], want_seen=True)
     assert list(table.rows) == [other]
     assert history.seen[0].nonzero().flatten().tolist() == [3]

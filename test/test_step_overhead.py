@@ -12,13 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 
 import bench_step_overhead  # noqa: E402
 
-from sglang_pic.managers.req import Req, ReqSegment  # noqa: E402
-from sglang_pic.sampling.penalty_counts import PenaltyCounts  # noqa: E402
 from sglang_pic.sampling.sampler import Sampler  # noqa: E402
-from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
 from sglang_pic.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang_pic.tokenizer import fast_decode, load_tokenizer  # noqa: E402
 from sglang_pic.utils_tensor import host_tensor, upload  # noqa: E402
+from test_sampling import batch_info  # noqa: E402
 
 
 def test_upload_keeps_values_and_dtype():
@@ -70,9 +68,7 @@ def test_plain_greedy_means_the_sampler_picks_the_argmax(params, plain):
     if not plain:
         return
     logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
-    reqs = [Req(f"r{i}", [ReqSegment("prefix", [3, 1, 2], None)], params, 1, output_ids=[1, 2], eos_token_ids={0})
-            for i in range(4)]
-    info = SamplingBatchInfo.from_requests(reqs, 10, "cpu", PenaltyCounts(10, "cpu"))
+    info = batch_info([params] * 4, vocab_size=10, output_ids=[[1, 2]] * 4, prompt_ids=[[3]] * 4, eos=[{0}] * 4)
     assert torch.equal(Sampler()(logits, info), logits.argmax(dim=-1))
 
 
