@@ -80,17 +80,21 @@ def bench_ours(engine, args, vocab: int) -> dict:
              "tflops": flops / secs / 1e12}
         )
         print(f"ours prefill L={length}: {n * length / secs:,.0f} tok/s, {flops / secs / 1e12:.0f} TFLOP/s", flush=True)
+    overlaps = (False, True) if args.overlap_ab else (engine.scheduler.overlap,)
     for bs in args.decode_batches:
         prompts = rand_prompts(bs, args.decode_prompt_len, vocab, 1000 + bs)
         t_prefill = timed(lambda: engine.generate(input_ids=prompts, sampling_params=one))
         many = {"max_new_tokens": args.decode_steps + 1, "temperature": 0, "ignore_eos": True}
-        t_total = timed(lambda: engine.generate(input_ids=prompts, sampling_params=many))
-        secs = t_total - t_prefill
-        out["decode"].append(
-            {"batch": bs, "prompt_len": args.decode_prompt_len, "steps": args.decode_steps, "seconds": secs,
-             "tokens_per_s": bs * args.decode_steps / secs}
-        )
-        print(f"ours decode bs={bs}: {bs * args.decode_steps / secs:,.0f} tok/s", flush=True)
+        for overlap in overlaps:
+            engine.scheduler.overlap = overlap
+            t_total = timed(lambda: engine.generate(input_ids=prompts, sampling_params=many))
+            secs = t_total - t_prefill
+            out["decode"].append(
+                {"batch": bs, "prompt_len": args.decode_prompt_len, "steps": args.decode_steps, "seconds": secs,
+                 "tokens_per_s": bs * args.decode_steps / secs, "overlap_schedule": overlap}
+            )
+            print(f"ours decode bs={bs} overlap={'on' if overlap else 'off'}: {bs * args.decode_steps / secs:,.0f} "
+                  "tok/s", flush=True)
     return out
 
 
@@ -153,6 +157,11 @@ def main() -> None:
         "--rotate-keys-in-kernel",
         action="store_true",
         help="A/B of key staging: a staging bound of 0 makes every extend rotate keys inside the attention kernel",
+    )
+    ap.add_argument(
+        "--overlap-ab",
+        action="store_true",
+        help="measure each decode batch twice on the same engine: overlap scheduling off, then on",
     )
     ap.add_argument("--quick", action="store_true", help="tiny model, tiny sizes (CPU smoke run)")
     ap.add_argument("--out", default="benchmark/results/engine_e2e.json")

@@ -63,6 +63,34 @@ def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
         kv.release(req)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [GREEDY, {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16, "ignore_eos": True}],
+    ids=["greedy", "sampled"],
+)
+def test_overlapped_decode_launch_never_waits_for_the_gpu(tiny_llama, params):
+    """Launching the next decode step (its slots, the previous step's ids as its input, the forward, sampling and
+    the copy of the new ids to the host) runs on the host alone: a sync there would wait for the step in flight."""
+    with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096) as e:
+        sched = e.scheduler
+        launch_next = sched._launch_next
+        launched = []
+
+        def strict_launch_next(prev):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step = launch_next(prev)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            launched.append(step is not None)
+            return step
+
+        sched._launch_next = strict_launch_next
+        outs = e.generate(PROMPTS, params)
+        assert sum(launched) >= 10
+        assert all(len(o["output_ids"]) == 16 for o in outs)
+
+
 def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):
     """Prompts sent one at a time are one-request extends: whole short prompts first, then (spans cached) a new
     prefix and a few tokens each. Both replay the extend graphs and keep the CPU float32 engine's tokens."""

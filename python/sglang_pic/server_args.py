@@ -86,6 +86,11 @@ class ServerArgs:
         "Scales the decode tokens reserved when admitting requests; higher admits fewer.",
     )
     enable_mixed_chunk: bool = _arg(False, "Run the decodes in the same step as a prefill chunk.")
+    disable_overlap_schedule: bool = _arg(
+        False,
+        "Read each decode step's tokens before launching the next (by default the next step runs on the GPU "
+        "while the host commits and streams the last one's tokens).",
+    )
 
     # Kernels.
     attention_backend: str | None = _arg(None, "torch_native or triton; default: triton on GPU, torch_native on CPU.")

@@ -40,6 +40,9 @@ class DecodeGroup:
 
     reqs: list[Req]
     slots: torch.Tensor  # [B] KV slot of each request's new token, on the device (already in req_to_token)
+    # [B] on the device: the tokens fed, when the host has not read them yet (see managers/overlap); None: each
+    # request's last output token
+    input_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -139,6 +142,8 @@ def build_forward_batch(plan: StepPlan, runner) -> ForwardBatch:
         columns.add_decodes(plan.decode.reqs)
         slots.append(plan.decode.slots)
     input_ids, positions, attn_lo, pool_rows, seq_lens, ext_lens, starts, logit_rows = columns.tensors(runner.device)
+    if plan.decode is not None and plan.decode.input_ids is not None:
+        input_ids[input_ids.numel() - len(plan.decode.reqs) :].copy_(plan.decode.input_ids)
     is_decode = all(_is_decode_entry(e) for e in plan.entries)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,

@@ -3,6 +3,7 @@
 Each step either extends requests (prefill chunks; with `enable_mixed_chunk` the running decodes ride along) or
 decodes all running requests. Admission is checked against free + evictable KV; when decode runs out of slots the
 newest running request is retracted (its KV goes to the tree, it re-queues and later resumes where it stopped).
+While only decodes run, each decode step is launched before the previous one's tokens are committed (overlap.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_pic.managers.isps import SpanPrefillPlanner
+from sglang_pic.managers.overlap import LaunchedDecode, PendingTokens
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.host_pool import HostKVPool
@@ -25,7 +27,7 @@ from sglang_pic.sampling.logprobs import (
     get_token_logprobs,
     get_top_logprobs,
 )
-from sglang_pic.sampling.penalty_counts import PenaltyCounts
+from sglang_pic.sampling.penalty_counts import PenaltyCounts, uses_history
 from sglang_pic.sampling.sampler import Sampler
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang_pic.server_args import ServerArgs
@@ -98,6 +100,8 @@ class Scheduler:
             from sglang_pic.speculative.vericache_worker import VeriCacheWorker
 
             self.spec_worker = VeriCacheWorker(self)
+        self.overlap = not server_args.disable_overlap_schedule and self.spec_worker is None
+        self.inflight: LaunchedDecode | None = None  # a decode step whose tokens are not committed yet
 
     # ---- requests in and out ----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -121,6 +125,8 @@ class Scheduler:
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
+                    if not self.running:
+                        self.inflight = None  # only finished requests are left in it
                     return self._finish_abort(req)
         if self.chunked is not None and self.chunked.rid == rid:
             req, self.chunked = self.chunked, None
@@ -136,7 +142,7 @@ class Scheduler:
         return req
 
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running and self.chunked is None
+        return not self.waiting and not self.running and self.chunked is None and self.inflight is None
 
     def num_running(self) -> int:
         return len(self.running) + (self.chunked is not None)
@@ -155,7 +161,10 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that produced output (or finished) in it."""
+        """Run one forward; return the requests that produced output (or finished) in it (with overlap scheduling,
+        a decode step's output comes with the next call)."""
+        if self.inflight is not None:
+            return self._step_overlapped()
         plan = self._schedule_extend()
         updated, self.finished_early = self.finished_early, []
         if plan is None and self.spec_worker is not None and self.running:
@@ -165,6 +174,10 @@ class Scheduler:
         if not plan:
             return updated
         start = time.perf_counter()
+        if not plan.entries and self._can_overlap():
+            self.inflight = self._launch_decode(plan.decode)
+            self.stats.decode_step_s += time.perf_counter() - start
+            return updated
         batch = build_forward_batch(plan, self.runner)
         logits = self.runner.forward(batch)
         self.stats.num_steps += 1
@@ -176,6 +189,52 @@ class Scheduler:
         else:
             self.stats.prefill_step_s += elapsed
         return updated
+
+    # ---- overlap scheduling (managers/overlap.py) ---------------------------------------------------------------
+    def _can_overlap(self) -> bool:
+        """Whether the next decode step may run before the host has the running requests' last tokens: only
+        decodes run, and no request's sampling reads its output so far (penalties; the min_new_tokens ban) or
+        returns logprobs (they are read with the tokens)."""
+        return (
+            self.overlap and not self.waiting and self.chunked is None
+            and all(
+                not r.return_logprob and not uses_history(r) and len(r.output_ids) >= r.sampling_params.min_new_tokens
+                for r in self.running
+            )
+        )
+
+    def _launch_decode(self, group: DecodeGroup) -> LaunchedDecode:
+        logits = self.runner.forward(build_forward_batch(StepPlan([], group), self.runner))
+        self.stats.num_steps += 1
+        self.stats.num_decode_steps += 1
+        ids = self._sample_ids(group.reqs, logits[:, : self.vocab_size].float())
+        return LaunchedDecode(group.reqs, PendingTokens(ids))
+
+    def _step_overlapped(self) -> list[Req]:
+        """Launch the next decode step on the in-flight step's ids, then commit the in-flight step's tokens while
+        the GPU runs the next."""
+        start = time.perf_counter()
+        prev = self.inflight
+        self.inflight = self._launch_next(prev) if self._can_overlap() else None
+        updated, self.finished_early = self.finished_early, []
+        live = [(r, tok) for r, tok in zip(prev.reqs, prev.tokens.tolist()) if r.finished_reason is None]
+        self._commit([r for r, _ in live], [tok for _, tok in live], {}, 0, updated)
+        if not self.running:
+            self.inflight = None  # everyone in it finished in the step just committed
+        self.stats.decode_step_s += time.perf_counter() - start
+        return updated
+
+    def _launch_next(self, prev: LaunchedDecode) -> LaunchedDecode | None:
+        """The decode step after `prev`, fed by its ids on the device, without the requests certain to finish by
+        length in `prev`; None when no request goes on, or when slots are short (retraction needs committed state)."""
+        reqs = [r for r in self.running if not self._ends_by_length_after_next_token(r)]
+        if not reqs or not self.kv.ensure_free(self.kv.decode_slots_needed(reqs)):
+            return None
+        self._decay_new_token_ratio()
+        return self._launch_decode(DecodeGroup(reqs, self.kv.alloc_decode(reqs), prev.input_ids_for(reqs)))
+
+    def _ends_by_length_after_next_token(self, req: Req) -> bool:
+        return len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens or req.seq_len() + 1 >= self.context_len
 
     def _reserved_decode_tokens(self) -> float:
         reqs = self.running + ([self.chunked] if self.chunked else [])
@@ -295,10 +354,13 @@ class Scheduler:
             if self.kv.ensure_free(self.kv.decode_slots_needed(self.running)):
                 break
             self._retract_one()
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self._decay_new_token_ratio()
         if not self.running:
             return None
         return DecodeGroup(list(self.running), self.kv.alloc_decode(self.running))
+
+    def _decay_new_token_ratio(self) -> None:
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
 
     def _retract_one(self) -> None:
         """Give back the KV of the newest running request; a half-prefilled request goes before the last decode."""
@@ -374,14 +436,19 @@ class Scheduler:
                 e.req.input_logprobs_done = True
 
     def _sample(self, reqs: list[Req], num_fresh: int, logits: torch.Tensor, updated: list[Req]) -> None:
-        """Sample and commit each request's next token (logits row i is request i's).
+        """Sample and commit each request's next token (logits row i is request i's)."""
+        logits = logits[:, : self.vocab_size].float()
+        next_ids = self._sample_ids(reqs, logits).tolist()
+        self._commit(reqs, next_ids, self._output_logprobs(reqs, logits, next_ids), num_fresh, updated)
+
+    def _commit(
+        self, reqs: list[Req], next_ids: list[int], logprobs: dict[int, tuple], num_fresh: int, updated: list[Req]
+    ) -> None:
+        """Append request i's next token (with `logprobs[i]` when it returns them) and finish it if it stops.
 
         The first `num_fresh` requests have just finished their prefill: those that go on join `running`. Finished
         requests leave `running` in one pass, so a step costs O(batch) however many finish in it.
         """
-        logits = logits[:, : self.vocab_size].float()
-        next_ids = self._next_token_ids(reqs, logits)
-        logprobs = self._output_logprobs(reqs, logits, next_ids)
         finished = []
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             if req.sampling_params.max_new_tokens == 0:  # prefill-only call: the sampled token is not output
@@ -399,11 +466,12 @@ class Scheduler:
             for req in finished:
                 self._release_finished(req)
 
-    def _next_token_ids(self, reqs: list[Req], logits: torch.Tensor) -> list[int]:
+    def _sample_ids(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token, on the logits' device."""
         if all(r.sampling_params.is_plain_greedy for r in reqs):  # the common case needs no per-request tensors
-            return torch.argmax(logits, dim=-1).tolist()
+            return torch.argmax(logits, dim=-1)
         info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.penalties)
-        return self.sampler(logits, info).tolist()
+        return self.sampler(logits, info)
 
     @staticmethod
     def _output_logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: list[int]) -> dict[int, tuple]:

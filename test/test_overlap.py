@@ -1,0 +1,115 @@
+"""Overlap scheduling: the next decode step is launched before the previous one's tokens are committed, and the
+output is the same as committing each step before the next."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_pic import Engine
+from sglang_pic.managers.io_struct import GenerateReqInput
+from test_engine import PROMPTS, assert_idle_accounting
+
+PROMPTS4 = PROMPTS + ["Tools are described once and reused by every agent call that"]
+
+
+def run(path, params: list[dict], overlap: bool, **kwargs) -> tuple[list[dict], int]:
+    """Outputs, and how many forwards were launched while a decode step was still uncommitted."""
+    with Engine(
+        model_path=str(path), dtype="float32", max_total_tokens=2048, disable_overlap_schedule=not overlap, **kwargs
+    ) as engine:
+        sched = engine.scheduler
+        forward = engine.runner.forward
+        launched_ahead = 0
+
+        def counting_forward(batch):
+            nonlocal launched_ahead
+            launched_ahead += sched.inflight is not None
+            return forward(batch)
+
+        engine.runner.forward = counting_forward
+        outs = engine.generate(PROMPTS4, params)
+        assert_idle_accounting(engine)
+    return outs, launched_ahead
+
+
+def mixed_params(stop_token: int) -> list[dict]:
+    """Requests that end at different steps, by length, by a stop token and by a stop string, greedy and seeded."""
+    return [
+        {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True},
+        {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True, "stop_token_ids": [stop_token]},
+        {"temperature": 0.9, "top_p": 0.9, "sampling_seed": 7, "max_new_tokens": 14, "ignore_eos": True},
+        {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True},
+    ]
+
+
+def test_overlap_gives_same_tokens_and_finishes(tiny_llama):
+    plain = [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}] * len(PROMPTS4)
+    reference, _ = run(tiny_llama, plain, overlap=False)
+    stop_token = reference[1]["output_ids"][6]  # request 1 stops early while the others go on
+    params = mixed_params(stop_token)
+    expected, ahead_off = run(tiny_llama, params, overlap=False)
+    outs, ahead_on = run(tiny_llama, params, overlap=True)
+    assert ahead_off == 0
+    assert ahead_on > 10  # nearly every decode step ran ahead of the commit of the one before
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+    assert [o["meta_info"]["finish_reason"] for o in outs] == [o["meta_info"]["finish_reason"] for o in expected]
+    assert len(outs[1]["output_ids"]) < 20 and len(outs[3]["output_ids"]) == 3
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"repetition_penalty": 1.3}, {"min_new_tokens": 5}],
+    ids=["penalty", "min-new-tokens"],
+)
+def test_sampling_that_reads_the_output_waits_for_it(tiny_llama, extra):
+    """Penalties and the min_new_tokens ban need the last token on the host, so those steps are not run ahead;
+    the rest of the run is, and the tokens are the same."""
+    params = [{"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}] * 3
+    params.append({**params[0], **extra})
+    expected, _ = run(tiny_llama, params, overlap=False)
+    outs, ahead = run(tiny_llama, params, overlap=True)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+    if "min_new_tokens" in extra:
+        assert ahead > 0  # once the ban is over, steps run ahead again
+    else:
+        assert ahead == 0
+
+
+def test_logprobs_are_read_with_their_tokens(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
+        params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        out = engine.generate(PROMPTS[0], params, return_logprob=True, top_logprobs_num=2)
+        assert len(out["meta_info"]["output_token_logprobs"]) == 8
+        assert [t for _, t, *_ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+        assert engine.scheduler.inflight is None
+        assert_idle_accounting(engine)
+
+
+def test_abort_while_a_step_is_in_flight(tiny_llama):
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
+        expected = engine.generate(PROMPTS[1], params)["output_ids"]
+        sched = engine.scheduler
+        reqs = engine.tokenizer_manager.build_requests(GenerateReqInput(text=PROMPTS[:2], sampling_params=params))
+        for req in reqs:
+            sched.add_request(req)
+        while sched.inflight is None:
+            sched.step()
+        assert sched.abort_request(reqs[0].rid) is reqs[0]
+        while not reqs[1].finished():
+            sched.step()
+        assert reqs[1].output_ids == expected
+        assert reqs[0].finished_reason.type == "abort"
+        assert_idle_accounting(engine)
+
+
+def test_abort_of_the_last_running_request_leaves_the_scheduler_idle(tiny_llama):
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
+        sched = engine.scheduler
+        (req,) = engine.tokenizer_manager.build_requests(GenerateReqInput(text=PROMPTS[0], sampling_params=params))
+        sched.add_request(req)
+        while sched.inflight is None:
+            sched.step()
+        sched.abort_request(req.rid)
+        assert_idle_accounting(engine)
