@@ -170,6 +170,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-hierarchical-cache", action="store_true",
                    help="keep KV the cache evicts in host memory (sized by --hicache-ratio)")
     p.add_argument("--hicache-ratio", type=float, default=2.0)
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="commit each step's tokens before launching the next")
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -194,6 +196,8 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
         kwargs["chunked_prefill_size"] = args.chunked_prefill_size
     if args.enable_hierarchical_cache:
         kwargs.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio)
+    if args.disable_overlap_schedule:
+        kwargs["disable_overlap_schedule"] = True
     return kwargs
 
 

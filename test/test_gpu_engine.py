@@ -68,26 +68,27 @@ def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
     [GREEDY, {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16, "ignore_eos": True}],
     ids=["greedy", "sampled"],
 )
-def test_overlapped_decode_launch_never_waits_for_the_gpu(tiny_llama, params):
-    """Launching the next decode step (its slots, the previous step's ids as its input, the forward, sampling and
-    the copy of the new ids to the host) runs on the host alone: a sync there would wait for the step in flight."""
+def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params):
+    """Launching a step (the batch, its decodes' inputs from the previous step's ids on the device, the forward,
+    sampling, the copy of the new ids to the host, the computed spans handed to the tree) runs on the host alone:
+    a sync there would wait for the step in flight and the overlap would be gone."""
     with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096) as e:
         sched = e.scheduler
-        launch_next = sched._launch_next
-        launched = []
+        launch = sched._launch
+        ahead = []
 
-        def strict_launch_next(prev):
+        def strict_launch(plan, updated):
+            ahead.append((sched.inflight is not None, bool(plan.entries)))
             torch.cuda.set_sync_debug_mode("error")
             try:
-                step = launch_next(prev)
+                return launch(plan, updated)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            launched.append(step is not None)
-            return step
 
-        sched._launch_next = strict_launch_next
+        sched._launch = strict_launch
         outs = e.generate(PROMPTS, params)
-        assert sum(launched) >= 10
+        assert sum(a for a, _ in ahead) >= 10
+        assert any(a and extends for a, extends in ahead)  # the waiting span prompts' extends ran ahead too
         assert all(len(o["output_ids"]) == 16 for o in outs)
 
 

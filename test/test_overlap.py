@@ -3,33 +3,45 @@ output is the same as committing each step before the next."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from sglang_pic import Engine
+from sglang_pic.frontend_lang import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 from test_engine import PROMPTS, assert_idle_accounting
 
 PROMPTS4 = PROMPTS + ["Tools are described once and reused by every agent call that"]
 
 
-def run(path, params: list[dict], overlap: bool, **kwargs) -> tuple[list[dict], int]:
-    """Outputs, and how many forwards were launched while a decode step was still uncommitted."""
+def run(path, params: list[dict], overlap: bool, prompts: list[str] = PROMPTS4, **kwargs) -> tuple[list[dict], Ahead]:
+    """Outputs, and how many forwards were launched while the step before was still uncommitted."""
     with Engine(
         model_path=str(path), dtype="float32", max_total_tokens=2048, disable_overlap_schedule=not overlap, **kwargs
     ) as engine:
         sched = engine.scheduler
         forward = engine.runner.forward
-        launched_ahead = 0
+        ahead = Ahead()
 
         def counting_forward(batch):
-            nonlocal launched_ahead
-            launched_ahead += sched.inflight is not None
+            if sched.inflight is not None:
+                ahead.count += 1
+                ahead.extends += batch.forward_mode.is_extend()
             return forward(batch)
 
         engine.runner.forward = counting_forward
-        outs = engine.generate(PROMPTS4, params)
+        outs = engine.generate(prompts, params)
         assert_idle_accounting(engine)
-    return outs, launched_ahead
+        ahead.steps = sched.stats.num_steps
+    return outs, ahead
+
+
+@dataclass
+class Ahead:
+    count: int = 0  # forwards launched while the step before was uncommitted
+    extends: int = 0  # of them, prefill steps
+    steps: int = 0  # forwards in all
 
 
 def mixed_params(stop_token: int) -> list[dict]:
@@ -44,13 +56,16 @@ def mixed_params(stop_token: int) -> list[dict]:
 
 def test_overlap_gives_same_tokens_and_finishes(tiny_llama):
     plain = [{"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}] * len(PROMPTS4)
-    reference, _ = run(tiny_llama, plain, overlap=False)
+    reference, plain_off = run(tiny_llama, plain, overlap=False)
+    plain_outs, plain_on = run(tiny_llama, plain, overlap=True)
+    assert [o["output_ids"] for o in plain_outs] == [o["output_ids"] for o in reference]
+    assert plain_on.steps == plain_off.steps  # no step is launched for requests that end by length before it
     stop_token = reference[1]["output_ids"][6]  # request 1 stops early while the others go on
     params = mixed_params(stop_token)
     expected, ahead_off = run(tiny_llama, params, overlap=False)
     outs, ahead_on = run(tiny_llama, params, overlap=True)
-    assert ahead_off == 0
-    assert ahead_on > 10  # nearly every decode step ran ahead of the commit of the one before
+    assert ahead_off.count == 0
+    assert ahead_on.count > 10  # nearly every decode step ran ahead of the commit of the one before
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
     assert [o["meta_info"]["finish_reason"] for o in outs] == [o["meta_info"]["finish_reason"] for o in expected]
     assert len(outs[1]["output_ids"]) < 20 and len(outs[3]["output_ids"]) == 3
@@ -70,9 +85,9 @@ def test_sampling_that_reads_the_output_waits_for_it(tiny_llama, extra):
     outs, ahead = run(tiny_llama, params, overlap=True)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
     if "min_new_tokens" in extra:
-        assert ahead > 0  # once the ban is over, steps run ahead again
+        assert ahead.count > 0  # once the ban is over, steps run ahead again
     else:
-        assert ahead == 0
+        assert ahead.count == 0
 
 
 def test_logprobs_are_read_with_their_tokens(tiny_llama):
@@ -113,3 +128,34 @@ def test_abort_of_the_last_running_request_leaves_the_scheduler_idle(tiny_llama)
             sched.step()
         sched.abort_request(req.rid)
         assert_idle_accounting(engine)
+
+
+def test_span_prompts_and_chunked_prefills_run_ahead_with_same_tokens(tiny_llama):
+    """Prefill steps (span jobs, chunks of a long prompt, extends behind cached spans, with the decodes riding
+    along under ISPS) are launched before the step before them is committed, and change no token."""
+    doc_a = span("Position-free keys are rotated inside attention from each request's own positions.")
+    doc_b = span("The radix tree keys every span on its own tokens, so one copy serves every offset.")
+    prompts = [
+        "First question." + doc_a + doc_b + "Which doc speaks of rotation?",
+        doc_b + "Second question, with the other span first." + doc_a + "Why?",
+        "A long plain prompt that is cut into several prefill chunks, " * 6,
+        doc_a + "Short.",
+    ]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (9, 14, 6, 11)]
+    expected, _ = run(tiny_llama, params, overlap=False, prompts=prompts, chunked_prefill_size=16)
+    outs, ahead = run(tiny_llama, params, overlap=True, prompts=prompts, chunked_prefill_size=16)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [o["meta_info"]["cached_tokens"] for o in expected]
+    assert ahead.extends > 2
+
+
+def test_seats_of_requests_ending_by_length_go_to_waiting_ones_at_once(tiny_llama):
+    """With two seats, the requests ending in the step in flight hand their seats over without waiting for its
+    commit: no more steps than committing every step first."""
+    prompts = [f"{p} number {i}" for i, p in enumerate(PROMPTS * 2)]
+    params = [{"temperature": 0, "max_new_tokens": 3 + 2 * (i % 3), "ignore_eos": True} for i in range(len(prompts))]
+    expected, off = run(tiny_llama, params, overlap=False, prompts=prompts, max_running_requests=2)
+    outs, on = run(tiny_llama, params, overlap=True, prompts=prompts, max_running_requests=2)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
+    assert on.count > 0
+    assert on.steps == off.steps

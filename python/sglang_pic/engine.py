@@ -116,7 +116,7 @@ class Engine:
     def _stream(self, reqs: list[Req], with_text: bool) -> Iterator[dict]:
         """Yield a chunk (cumulative text, like SGLang's native streaming) whenever a request has new output."""
         self._submit(reqs)
-        sent = {r.rid: -1 for r in reqs}
+        sent = {r.rid: 0 for r in reqs}  # progress: output tokens, plus one once finished
         try:
             while not all(r.finished() for r in reqs):
                 self._step()

@@ -1,21 +1,22 @@
-"""Overlap scheduling: a decode step is launched before the host has read the tokens of the one before it.
+"""Overlap scheduling: a step is launched before the host has committed the tokens of the one before it.
 
 The host reads a step's sampled ids (a device-to-host copy, so it waits for the step) and then commits them:
-appends, stop checks, streaming, KV hand-back. Done in order, the GPU idles for all of that between steps. Here the
-next decode step is launched first, fed by the previous step's ids on the device, and the host commits the previous
-step while the GPU runs the next one. A request that turns out to have finished in the previous step still rides
-in the next one; its row is dropped. Its slots are freed at once: the kernels that later reuse them are queued
-behind the step that still writes them, so stream order keeps them apart.
+appends, stop checks, streaming, KV hand-back. Done in order, the GPU idles for all of that and for the next step's
+scheduling. Here the next step is scheduled and launched first, its decodes fed by the previous step's ids on the
+device (the scheduler's `next_input_ids`), and the host commits the previous step while the GPU runs the next one.
+What scheduling needs is known without the tokens: which prefills completed (they decode next), the KV slots of
+computed spans (the tree takes them at launch). A request that turns out to have finished in the previous step still
+rides in the next one and its row is dropped; one certain to finish by length is left out. Slots freed meanwhile
+are safe to reuse: the kernels that reuse them are queued behind the step that still writes them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sglang_pic.managers.req import Req
-from sglang_pic.utils_tensor import upload
 
 
 class PendingTokens:
@@ -42,15 +43,17 @@ class PendingTokens:
 
 
 @dataclass
-class LaunchedDecode:
-    """A decode step on the device whose tokens the host has not committed yet."""
+class LaunchedStep:
+    """A step on the device whose sampled tokens the host has not committed yet."""
 
-    reqs: list[Req]
+    reqs: list[Req]  # the sampled rows' requests, in row order
     tokens: PendingTokens
+    logits: torch.Tensor | None  # the sampled rows' logits, kept when some request returns logprobs
+    decode_only: bool
+    _held: set[int] = field(init=False, repr=False)
 
-    def input_ids_for(self, reqs: list[Req]) -> torch.Tensor:
-        """The sampled ids of `reqs` (all in this step), as the next step's input ids, without leaving the device."""
-        if reqs == self.reqs:
-            return self.tokens.device_ids
-        row = {id(r): i for i, r in enumerate(self.reqs)}
-        return self.tokens.device_ids[upload([row[id(r)] for r in reqs], device=self.tokens.device_ids.device)]
+    def __post_init__(self) -> None:
+        self._held = {id(r) for r in self.reqs}
+
+    def holds(self, req: Req) -> bool:
+        return id(req) in self._held

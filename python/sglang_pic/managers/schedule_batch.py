@@ -40,9 +40,6 @@ class DecodeGroup:
 
     reqs: list[Req]
     slots: torch.Tensor  # [B] KV slot of each request's new token, on the device (already in req_to_token)
-    # [B] on the device: the tokens fed, when the host has not read them yet (see managers/overlap); None: each
-    # request's last output token
-    input_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,7 +111,7 @@ class _Columns:
         tails = [r.segments[-1] for r in reqs]
         first, n = len(self.input_ids), len(reqs)
         seq_lens = [t.start + t.done for t in tails]  # alloc_decode has counted the new token
-        self.input_ids += [t.tokens[-1] for t in tails]
+        self.input_ids += [0] * n  # filled on the device from the rows' last sampled tokens
         self.positions += [s - 1 for s in seq_lens]
         self.attn_lo += [0] * n
         self.pool_rows += [r.req_pool_idx for r in reqs]
@@ -132,8 +129,9 @@ class _Columns:
         return torch.split(flat, [len(c) for c in columns])
 
 
-def build_forward_batch(plan: StepPlan, runner) -> ForwardBatch:
-    """Flatten the plan into token rows; logits rows are the logprob positions plus each sampled last token."""
+def build_forward_batch(plan: StepPlan, runner, next_input_ids: torch.Tensor) -> ForwardBatch:
+    """Flatten the plan into token rows; logits rows are the logprob positions plus each sampled last token.
+    `next_input_ids` [request rows] holds each row's last sampled token on the device."""
     columns = _Columns()
     for e in plan.entries:
         columns.add_entry(e)
@@ -142,8 +140,9 @@ def build_forward_batch(plan: StepPlan, runner) -> ForwardBatch:
         columns.add_decodes(plan.decode.reqs)
         slots.append(plan.decode.slots)
     input_ids, positions, attn_lo, pool_rows, seq_lens, ext_lens, starts, logit_rows = columns.tensors(runner.device)
-    if plan.decode is not None and plan.decode.input_ids is not None:
-        input_ids[input_ids.numel() - len(plan.decode.reqs) :].copy_(plan.decode.input_ids)
+    if plan.decode is not None:  # each decode feeds its row's last sampled token, which may not be on the host yet
+        n = len(plan.decode.reqs)
+        input_ids[input_ids.numel() - n :] = next_input_ids[pool_rows[pool_rows.numel() - n :]]
     is_decode = all(_is_decode_entry(e) for e in plan.entries)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,

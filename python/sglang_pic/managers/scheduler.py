@@ -3,7 +3,8 @@
 Each step either extends requests (prefill chunks; with `enable_mixed_chunk` the running decodes ride along) or
 decodes all running requests. Admission is checked against free + evictable KV; when decode runs out of slots the
 newest running request is retracted (its KV goes to the tree, it re-queues and later resumes where it stopped).
-While only decodes run, each decode step is launched before the previous one's tokens are committed (overlap.py).
+Each step is launched before the previous one's sampled tokens are committed (overlap.py), unless a request in it
+needs them on the host first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_pic.managers.isps import SpanPrefillPlanner
-from sglang_pic.managers.overlap import LaunchedDecode, PendingTokens
+from sglang_pic.managers.overlap import LaunchedStep, PendingTokens
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.host_pool import HostKVPool
@@ -101,7 +102,11 @@ class Scheduler:
 
             self.spec_worker = VeriCacheWorker(self)
         self.overlap = not server_args.disable_overlap_schedule and self.spec_worker is None
-        self.inflight: LaunchedDecode | None = None  # a decode step whose tokens are not committed yet
+        self.inflight: LaunchedStep | None = None  # a step whose sampled tokens are not committed yet
+        # Each request row's last sampled token, on the device: what the row's next decode step feeds.
+        self.next_input_ids = torch.zeros(
+            model_runner.req_to_token_pool.req_to_token.shape[0], dtype=torch.int64, device=model_runner.device
+        )
 
     # ---- requests in and out ----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -161,80 +166,66 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[Req]:
-        """Run one forward; return the requests that produced output (or finished) in it (with overlap scheduling,
-        a decode step's output comes with the next call)."""
-        if self.inflight is not None:
-            return self._step_overlapped()
+        """Run one forward; return the requests that produced output (or finished) since the last call.
+
+        With overlap scheduling the step's sampled tokens are committed in the next call, after the next step has
+        been launched, so the host's work on them runs while the GPU computes (managers/overlap.py)."""
+        updated: list[Req] = []
+        if self.inflight is not None and not self.kv.ensure_free(self.kv.decode_slots_needed(self.running)):
+            self._commit_inflight(updated)  # retraction needs every token committed
         plan = self._schedule_extend()
-        updated, self.finished_early = self.finished_early, []
+        updated += self.finished_early
+        self.finished_early = []
         if plan is None and self.spec_worker is not None and self.running:
             return updated + self.spec_worker.decode_round()
         if plan is None:
             plan = StepPlan([], self._schedule_decode())
         if not plan:
+            self._commit_inflight(updated)
             return updated
         start = time.perf_counter()
-        if not plan.entries and self._can_overlap():
-            self.inflight = self._launch_decode(plan.decode)
-            self.stats.decode_step_s += time.perf_counter() - start
-            return updated
-        batch = build_forward_batch(plan, self.runner)
-        logits = self.runner.forward(batch)
-        self.stats.num_steps += 1
-        updated += self._process_results(plan, logits)  # reads the sampled tokens: the step has finished
+        launched = self._launch(plan, updated)
+        self._commit_inflight(updated)
+        if self.overlap and launched.reqs and not any(self._reads_own_output(r) for r in launched.reqs):
+            # Left uncommitted; dropped if everyone in it finished with the step just committed.
+            self.inflight = launched if self.running else None
+        else:
+            self._commit(launched, updated)
         elapsed = time.perf_counter() - start
-        if batch.forward_mode.is_decode():
+        if launched.decode_only:
             self.stats.decode_step_s += elapsed
             self.stats.num_decode_steps += 1
         else:
             self.stats.prefill_step_s += elapsed
         return updated
 
-    # ---- overlap scheduling (managers/overlap.py) ---------------------------------------------------------------
-    def _can_overlap(self) -> bool:
-        """Whether the next decode step may run before the host has the running requests' last tokens: only
-        decodes run, and no request's sampling reads its output so far (penalties; the min_new_tokens ban) or
-        returns logprobs (they are read with the tokens)."""
-        return (
-            self.overlap and not self.waiting and self.chunked is None
-            and all(
-                not r.return_logprob and not uses_history(r) and len(r.output_ids) >= r.sampling_params.min_new_tokens
-                for r in self.running
-            )
+    @staticmethod
+    def _reads_own_output(req: Req) -> bool:
+        """Whether the request's next step needs its last token on the host: its sampling reads its output so far
+        (penalties; the min_new_tokens ban), or its logprobs are read with its tokens."""
+        return req.return_logprob or uses_history(req) or len(req.output_ids) < req.sampling_params.min_new_tokens
+
+    def _commit_inflight(self, updated: list[Req]) -> None:
+        if self.inflight is not None:
+            step, self.inflight = self.inflight, None
+            self._commit(step, updated)
+
+    def _pending_token(self, req: Req) -> bool:
+        """Whether the request's last sampled token is still uncommitted (in the step in flight)."""
+        return self.inflight is not None and self.inflight.holds(req)
+
+    def _num_going_on(self) -> int:
+        """Running requests that keep their seat: those finished by length by their pending token leave at its
+        commit, so their seats go to new requests already."""
+        if self.inflight is None:
+            return len(self.running)
+        return sum(not self._ends_with_pending_token(r) for r in self.running)
+
+    def _ends_with_pending_token(self, req: Req) -> bool:
+        """Whether committing the request's pending token will finish it by length: it then gets no next step."""
+        return self._pending_token(req) and (
+            len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens or req.seq_len() + 1 >= self.context_len
         )
-
-    def _launch_decode(self, group: DecodeGroup) -> LaunchedDecode:
-        logits = self.runner.forward(build_forward_batch(StepPlan([], group), self.runner))
-        self.stats.num_steps += 1
-        self.stats.num_decode_steps += 1
-        ids = self._sample_ids(group.reqs, logits[:, : self.vocab_size].float())
-        return LaunchedDecode(group.reqs, PendingTokens(ids))
-
-    def _step_overlapped(self) -> list[Req]:
-        """Launch the next decode step on the in-flight step's ids, then commit the in-flight step's tokens while
-        the GPU runs the next."""
-        start = time.perf_counter()
-        prev = self.inflight
-        self.inflight = self._launch_next(prev) if self._can_overlap() else None
-        updated, self.finished_early = self.finished_early, []
-        live = [(r, tok) for r, tok in zip(prev.reqs, prev.tokens.tolist()) if r.finished_reason is None]
-        self._commit([r for r, _ in live], [tok for _, tok in live], {}, 0, updated)
-        if not self.running:
-            self.inflight = None  # everyone in it finished in the step just committed
-        self.stats.decode_step_s += time.perf_counter() - start
-        return updated
-
-    def _launch_next(self, prev: LaunchedDecode) -> LaunchedDecode | None:
-        """The decode step after `prev`, fed by its ids on the device, without the requests certain to finish by
-        length in `prev`; None when no request goes on, or when slots are short (retraction needs committed state)."""
-        reqs = [r for r in self.running if not self._ends_by_length_after_next_token(r)]
-        if not reqs or not self.kv.ensure_free(self.kv.decode_slots_needed(reqs)):
-            return None
-        self._decay_new_token_ratio()
-        return self._launch_decode(DecodeGroup(reqs, self.kv.alloc_decode(reqs), prev.input_ids_for(reqs)))
-
-    def _ends_by_length_after_next_token(self, req: Req) -> bool:
-        return len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens or req.seq_len() + 1 >= self.context_len
 
     def _reserved_decode_tokens(self) -> float:
         reqs = self.running + ([self.chunked] if self.chunked else [])
@@ -260,7 +251,7 @@ class Scheduler:
         # Fixed while this loop admits (running and chunked don't change); O(running), so only when someone waits.
         reserved = self._reserved_decode_tokens() if self.waiting else 0.0
         # Span jobs never join the running set, so a full one holds back only requests that would decode.
-        seats = self.server_args.max_running_requests - len(self.running) - sum(not e.req.warmup for e in entries)
+        seats = self.server_args.max_running_requests - self._num_going_on() - sum(not e.req.warmup for e in entries)
         for req in self._ordered_waiting():
             if budget <= 0:
                 break
@@ -355,9 +346,10 @@ class Scheduler:
                 break
             self._retract_one()
         self._decay_new_token_ratio()
-        if not self.running:
+        reqs = [r for r in self.running if not self._ends_with_pending_token(r)]
+        if not reqs:
             return None
-        return DecodeGroup(list(self.running), self.kv.alloc_decode(self.running))
+        return DecodeGroup(reqs, self.kv.alloc_decode(reqs))
 
     def _decay_new_token_ratio(self) -> None:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
@@ -368,6 +360,7 @@ class Scheduler:
             req, self.chunked = self.chunked, None
         else:
             req = self.running.pop()
+        assert not self._pending_token(req), "retracting a request whose last token is not committed"
         if self.spec_worker is not None:
             self.spec_worker.release(req)
         if not self.running and req.output_ids and self.chunked is None:
@@ -384,9 +377,15 @@ class Scheduler:
         logger.info("retracted request %s to free KV memory", req.rid)
 
     # ---- results ----------------------------------------------------------------------------------------------
-    def _process_results(self, plan: StepPlan, logits: torch.Tensor) -> list[Req]:
+    def _launch(self, plan: StepPlan, updated: list[Req]) -> LaunchedStep:
+        """Run the plan's forward and sample on the device; settle what the host knows without the tokens: computed
+        spans and prefixes go to the tree (stream order keeps their readers behind this step), finished span jobs
+        to `updated`, requests whose prefill completed join `running`."""
+        batch = build_forward_batch(plan, self.runner, self.next_input_ids)
+        logits = self.runner.forward(batch)
+        self.stats.num_steps += 1
         row = 0
-        sample_rows, fresh, updated = [], [], []
+        sample_rows, fresh = [], []
         logprob_rows: list[tuple[BatchEntry, int]] = []
         for e in plan.entries:
             if e.num_tokens > 1 or not e.completes or not e.req.output_ids:
@@ -407,13 +406,15 @@ class Scheduler:
                 updated.append(e.req)
             elif e.num_tokens > 1 or not e.completes:
                 self.kv.cache(e.req)
-        decoding = plan.decode.reqs if plan.decode is not None else []
-        if fresh or decoding:
-            if logprob_rows:  # keep the sampled rows only: the entries' last tokens, then one row per decode
-                rows = sample_rows + list(range(row, row + len(decoding)))
-                logits = logits[upload(rows, device=logits.device)]
-            self._sample(fresh + decoding, len(fresh), logits, updated)
-        return updated
+        self.running += fresh
+        reqs = fresh + (plan.decode.reqs if plan.decode is not None else [])
+        if logprob_rows and reqs:  # keep the sampled rows only: the entries' last tokens, then one row per decode
+            rows = sample_rows + list(range(row, row + len(reqs) - len(fresh)))
+            logits = logits[upload(rows, device=logits.device)]
+        logits = logits[:, : self.vocab_size].float()
+        ids = self._sample_ids(reqs, logits) if reqs else logits.new_empty(0, dtype=torch.int64)
+        keep = logits if any(r.return_logprob for r in reqs) else None
+        return LaunchedStep(reqs, PendingTokens(ids), keep, batch.forward_mode.is_decode())
 
     def _record_input_logprobs(self, rows: list[tuple[BatchEntry, int]], logits: torch.Tensor) -> None:
         for e, start in rows:
@@ -435,20 +436,17 @@ class Scheduler:
             if e.req.prompt_len == 1 or e.completes:
                 e.req.input_logprobs_done = True
 
-    def _sample(self, reqs: list[Req], num_fresh: int, logits: torch.Tensor, updated: list[Req]) -> None:
-        """Sample and commit each request's next token (logits row i is request i's)."""
-        logits = logits[:, : self.vocab_size].float()
-        next_ids = self._sample_ids(reqs, logits).tolist()
-        self._commit(reqs, next_ids, self._output_logprobs(reqs, logits, next_ids), num_fresh, updated)
-
-    def _commit(
-        self, reqs: list[Req], next_ids: list[int], logprobs: dict[int, tuple], num_fresh: int, updated: list[Req]
-    ) -> None:
-        """Append request i's next token (with `logprobs[i]` when it returns them) and finish it if it stops.
-
-        The first `num_fresh` requests have just finished their prefill: those that go on join `running`. Finished
-        requests leave `running` in one pass, so a step costs O(batch) however many finish in it.
-        """
+    def _commit(self, step: LaunchedStep, updated: list[Req]) -> None:
+        """Append each sampled token to its request (with its logprobs when it returns them) and finish the request
+        if it stops. Rows of requests that finished or were aborted since the launch are dropped. Finished requests
+        leave `running` in one pass, so a step costs O(batch) however many finish in it."""
+        next_ids = step.tokens.tolist()
+        logprobs = self._output_logprobs(step.reqs, step.logits, next_ids) if step.logits is not None else {}
+        reqs = step.reqs
+        if any(r.finished_reason is not None for r in reqs):
+            live = [i for i, r in enumerate(reqs) if r.finished_reason is None]
+            reqs, next_ids = [reqs[i] for i in live], [next_ids[i] for i in live]
+            logprobs = {j: logprobs[i] for j, i in enumerate(live) if i in logprobs}
         finished = []
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             if req.sampling_params.max_new_tokens == 0:  # prefill-only call: the sampled token is not output
@@ -457,8 +455,6 @@ class Scheduler:
                 self._append_token(req, tok, logprobs.get(i))
             if req.finished_reason is not None:
                 finished.append(req)
-            elif i < num_fresh:
-                self.running.append(req)
         updated += reqs
         if finished:
             gone = set(finished)
@@ -467,11 +463,14 @@ class Scheduler:
                 self._release_finished(req)
 
     def _sample_ids(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
-        """Each row's next token, on the logits' device."""
+        """Each row's next token, on the logits' device, also recorded as its request's next decode input."""
         if all(r.sampling_params.is_plain_greedy for r in reqs):  # the common case needs no per-request tensors
-            return torch.argmax(logits, dim=-1)
-        info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.penalties)
-        return self.sampler(logits, info)
+            ids = torch.argmax(logits, dim=-1)
+        else:
+            info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.penalties)
+            ids = self.sampler(logits, info)
+        self.next_input_ids[upload([r.req_pool_idx for r in reqs], device=ids.device)] = ids
+        return ids
 
     @staticmethod
     def _output_logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: list[int]) -> dict[int, tuple]:
