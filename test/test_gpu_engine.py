@@ -64,11 +64,15 @@ def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
 
 
 @pytest.mark.parametrize(
-    "params",
-    [GREEDY, {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16, "ignore_eos": True}],
-    ids=["greedy", "sampled"],
+    "params,logprobs",
+    [
+        (GREEDY, {}),
+        ({"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16, "ignore_eos": True}, {}),
+        (GREEDY, {"return_logprob": [True, False, True, True], "top_logprobs_num": [2, 0, 0, 3]}),
+    ],
+    ids=["greedy", "sampled", "logprobs"],
 )
-def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params):
+def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params, logprobs):
     """Launching a step (the batch, its decodes' inputs from the previous step's ids on the device, the forward,
     sampling, the copy of the new ids to the host, the computed spans handed to the tree) runs on the host alone:
     a sync there would wait for the step in flight and the overlap would be gone."""
@@ -86,7 +90,7 @@ def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params):
                 torch.cuda.set_sync_debug_mode("default")
 
         sched._launch = strict_launch
-        outs = e.generate(PROMPTS, params)
+        outs = e.generate(PROMPTS, params, **logprobs)
         assert sum(a for a, _ in ahead) >= 10
         assert any(a and extends for a, extends in ahead)  # the waiting span prompts' extends ran ahead too
         assert all(len(o["output_ids"]) == 16 for o in outs)

@@ -15,7 +15,9 @@ from test_engine import PROMPTS, assert_idle_accounting
 PROMPTS4 = PROMPTS + ["Tools are described once and reused by every agent call that"]
 
 
-def run(path, params: list[dict], overlap: bool, prompts: list[str] = PROMPTS4, **kwargs) -> tuple[list[dict], Ahead]:
+def run(
+    path, params: list[dict], overlap: bool, prompts: list[str] = PROMPTS4, generate_kwargs: dict | None = None, **kwargs
+) -> tuple[list[dict], Ahead]:
     """Outputs, and how many forwards were launched while the step before was still uncommitted."""
     with Engine(
         model_path=str(path), dtype="float32", max_total_tokens=2048, disable_overlap_schedule=not overlap, **kwargs
@@ -31,7 +33,7 @@ def run(path, params: list[dict], overlap: bool, prompts: list[str] = PROMPTS4, 
             return forward(batch)
 
         engine.runner.forward = counting_forward
-        outs = engine.generate(prompts, params)
+        outs = engine.generate(prompts, params, **(generate_kwargs or {}))
         assert_idle_accounting(engine)
         ahead.steps = sched.stats.num_steps
     return outs, ahead
@@ -91,13 +93,21 @@ def test_sampling_that_reads_the_output_waits_for_it(tiny_llama, extra):
 
 
 def test_logprobs_are_read_with_their_tokens(tiny_llama):
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
-        params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-        out = engine.generate(PROMPTS[0], params, return_logprob=True, top_logprobs_num=2)
-        assert len(out["meta_info"]["output_token_logprobs"]) == 8
-        assert [t for _, t, *_ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
-        assert engine.scheduler.inflight is None
-        assert_idle_accounting(engine)
+    """Output logprobs are computed on the device at sampling and read with the tokens, so their steps run ahead;
+    prompt logprobs (read at launch) only cost that step its overlap."""
+    params = [{"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}] * len(PROMPTS4)
+    logprobs = dict(return_logprob=[True, False, True, True], top_logprobs_num=[2, 0, 0, 3],
+                    logprob_start_len=[-1, -1, 1, -1])
+    expected, _ = run(tiny_llama, params, overlap=False, generate_kwargs=logprobs)
+    outs, ahead = run(tiny_llama, params, overlap=True, generate_kwargs=logprobs)
+    assert ahead.count > 5
+    for got, want in zip(outs, expected):
+        assert got["output_ids"] == want["output_ids"]
+        for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs"):
+            assert got["meta_info"].get(key) == want["meta_info"].get(key)
+    assert len(outs[0]["meta_info"]["output_token_logprobs"]) == 8
+    assert [t for _, t, *_ in outs[3]["meta_info"]["output_token_logprobs"]] == outs[3]["output_ids"]
+    assert all(len(top) == 3 for top in outs[3]["meta_info"]["output_top_logprobs"])
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama):

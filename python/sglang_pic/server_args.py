@@ -88,8 +88,8 @@ class ServerArgs:
     enable_mixed_chunk: bool = _arg(False, "Run the decodes in the same step as a prefill chunk.")
     disable_overlap_schedule: bool = _arg(
         False,
-        "Read each decode step's tokens before launching the next (by default the next step runs on the GPU "
-        "while the host commits and streams the last one's tokens).",
+        "Commit each step's tokens before launching the next (by default the next step runs on the GPU while "
+        "the host commits and streams the last one's tokens).",
     )
 
     # Kernels.

@@ -17,29 +17,29 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_pic.managers.req import Req
+from sglang_pic.sampling.logprobs import SampledLogprobs
 
 
-class PendingTokens:
-    """Sampled ids on their way to the host: a non-blocking copy into pinned memory and the event that ends it.
+class PendingCopy:
+    """Device tensors on their way to the host: non-blocking copies into pinned memory and the event that ends them.
 
     A plain `.tolist()` of a device tensor would wait for everything queued on the stream, the step launched
-    after it included; waiting on the event waits only for the step that sampled them."""
+    after it included; waiting on the event waits only for the step that produced them."""
 
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.device_ids = ids
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.event = None
-        if ids.is_cuda:
-            self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            self.host.copy_(ids, non_blocking=True)
+        self.host = tensors
+        if tensors[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, device in zip(self.host, tensors):
+                host.copy_(device, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
-        else:
-            self.host = ids
 
-    def tolist(self) -> list[int]:
+    def read(self) -> list[torch.Tensor]:
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        return self.host
 
 
 @dataclass
@@ -47,8 +47,9 @@ class LaunchedStep:
     """A step on the device whose sampled tokens the host has not committed yet."""
 
     reqs: list[Req]  # the sampled rows' requests, in row order
-    tokens: PendingTokens
-    logits: torch.Tensor | None  # the sampled rows' logits, kept when some request returns logprobs
+    copy: PendingCopy  # the sampled ids, then the tensors of `logprobs`
+    logprob_rows: list[int]  # rows whose requests return logprobs
+    logprobs: SampledLogprobs | None
     decode_only: bool
     _held: set[int] = field(init=False, repr=False)
 

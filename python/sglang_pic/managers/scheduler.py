@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from sglang_pic.managers.isps import SpanPrefillPlanner
-from sglang_pic.managers.overlap import LaunchedStep, PendingTokens
+from sglang_pic.managers.overlap import LaunchedStep, PendingCopy
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.mem_cache.req_kv import ReqKVManager
 from sglang_pic.radix_ext import RadixCache
 from sglang_pic.sampling.logprobs import (
+    SampledLogprobs,
     chosen_and_top_logprobs,
     compute_logprobs,
     get_token_logprobs,
@@ -202,8 +203,8 @@ class Scheduler:
     @staticmethod
     def _reads_own_output(req: Req) -> bool:
         """Whether the request's next step needs its last token on the host: its sampling reads its output so far
-        (penalties; the min_new_tokens ban), or its logprobs are read with its tokens."""
-        return req.return_logprob or uses_history(req) or len(req.output_ids) < req.sampling_params.min_new_tokens
+        (penalties; the min_new_tokens ban)."""
+        return uses_history(req) or len(req.output_ids) < req.sampling_params.min_new_tokens
 
     def _commit_inflight(self, updated: list[Req]) -> None:
         if self.inflight is not None:
@@ -413,8 +414,9 @@ class Scheduler:
             logits = logits[upload(rows, device=logits.device)]
         logits = logits[:, : self.vocab_size].float()
         ids = self._sample_ids(reqs, logits) if reqs else logits.new_empty(0, dtype=torch.int64)
-        keep = logits if any(r.return_logprob for r in reqs) else None
-        return LaunchedStep(reqs, PendingTokens(ids), keep, batch.forward_mode.is_decode())
+        rows, logprobs = self._sampled_logprobs(reqs, logits, ids)
+        copy = PendingCopy([ids] + (logprobs.tensors if logprobs is not None else []))
+        return LaunchedStep(reqs, copy, rows, logprobs, batch.forward_mode.is_decode())
 
     def _record_input_logprobs(self, rows: list[tuple[BatchEntry, int]], logits: torch.Tensor) -> None:
         for e, start in rows:
@@ -440,8 +442,9 @@ class Scheduler:
         """Append each sampled token to its request (with its logprobs when it returns them) and finish the request
         if it stops. Rows of requests that finished or were aborted since the launch are dropped. Finished requests
         leave `running` in one pass, so a step costs O(batch) however many finish in it."""
-        next_ids = step.tokens.tolist()
-        logprobs = self._output_logprobs(step.reqs, step.logits, next_ids) if step.logits is not None else {}
+        host = step.copy.read()
+        next_ids = host[0].tolist()
+        logprobs = dict(zip(step.logprob_rows, step.logprobs.by_row(host[1:]))) if step.logprobs is not None else {}
         reqs = step.reqs
         if any(r.finished_reason is not None for r in reqs):
             live = [i for i, r in enumerate(reqs) if r.finished_reason is None]
@@ -473,14 +476,17 @@ class Scheduler:
         return ids
 
     @staticmethod
-    def _output_logprobs(reqs: list[Req], logits: torch.Tensor, next_ids: list[int]) -> dict[int, tuple]:
-        """Row i -> (logprob of its sampled token, its top logprobs), for the rows whose requests return logprobs."""
+    def _sampled_logprobs(
+        reqs: list[Req], logits: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[list[int], SampledLogprobs | None]:
+        """The rows whose requests return logprobs, and those rows' logprobs of their sampled tokens (on the device)."""
         rows = [i for i, r in enumerate(reqs) if r.return_logprob]
         if not rows:
-            return {}
-        lp = compute_logprobs(logits if len(rows) == len(reqs) else logits[upload(rows, device=logits.device)])
-        chosen = chosen_and_top_logprobs(lp, [next_ids[i] for i in rows], [reqs[i].top_logprobs_num for i in rows])
-        return dict(zip(rows, chosen))
+            return rows, None
+        if len(rows) < len(reqs):
+            index = upload(rows, device=logits.device)
+            logits, ids = logits[index], ids[index]
+        return rows, SampledLogprobs.compute(compute_logprobs(logits), ids, [reqs[i].top_logprobs_num for i in rows])
 
     def commit_token(self, req: Req, tok: int, logprobs: torch.Tensor | None = None) -> bool:
         """Append one generated token to a running request; finish it (and drop it from `running`) if it stops.
