@@ -1,5 +1,5 @@
-"""Overlap scheduling: the next decode step is launched before the previous one's tokens are committed, and the
-output is the same as committing each step before the next."""
+"""Overlap scheduling: each step is launched before the previous one's tokens are committed, and the output is the
+same as committing each step before the next."""
 
 from __future__ import annotations
 
@@ -169,3 +169,23 @@ def test_seats_of_requests_ending_by_length_go_to_waiting_ones_at_once(tiny_llam
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
     assert on.count > 0
     assert on.steps == off.steps
+
+
+def test_a_step_reports_each_request_once(tiny_llama):
+    """A call that commits the step in flight and then its own step at once (a request that needs its tokens on
+    the host joined) reports each request once: the server sends one delta per reported request."""
+    plain = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
+        sched = engine.scheduler
+        build = engine.tokenizer_manager.build_requests
+        (a,) = build(GenerateReqInput(text=PROMPTS[0], sampling_params=plain))
+        (b,) = build(GenerateReqInput(text=PROMPTS[1], sampling_params={**plain, "repetition_penalty": 1.2}))
+        sched.add_request(a)
+        while sched.inflight is None:
+            sched.step()
+        sched.add_request(b)
+        reports = []
+        while not (a.finished() and b.finished()):
+            reports.append(sched.step())
+        assert all(len(r) == len(set(map(id, r))) for r in reports)
+        assert_idle_accounting(engine)

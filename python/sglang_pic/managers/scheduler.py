@@ -192,6 +192,7 @@ class Scheduler:
             self.inflight = launched if self.running else None
         else:
             self._commit(launched, updated)
+            updated = list(dict.fromkeys(updated))  # the step in flight just committed may share its requests
         elapsed = time.perf_counter() - start
         if launched.decode_only:
             self.stats.decode_step_s += elapsed
