@@ -12,7 +12,8 @@ Ownership contract with the caller:
     itself), value[n:aligned] now belongs to the tree, and value[aligned:] (the unaligned tail) stays with the
     caller. Disabled cache: `insert` takes nothing and returns 0, so the caller frees all of `value` itself.
   * The tree frees slots only in `evict`, through `allocator.free`; `reset` forgets everything without freeing
-    (the caller clears the allocator alongside it).
+    (the caller clears the allocator alongside it). It frees them from a host copy of each node's slots taken when
+    the node got them, so eviction never waits for kernels queued on the device.
 
 Hierarchical cache (`host_pool` given): `evict` moves a node's KV to host memory instead of dropping it; the node
 stays in the tree with `host_value` set and no device slots, and `match_prefix` copies it back into fresh device
@@ -31,6 +32,7 @@ import torch
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.radix_ext.lru_heap import LruHeap
+from sglang_pic.utils_tensor import HostCopy, copy_to_host, to_device
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _SCAN_CHUNK = 64  # tokens compared per slice when locating the first mismatch
@@ -62,6 +64,8 @@ class TreeNode:
     id: int = field(default_factory=itertools.count().__next__)
     namespace: str | None = None  # the extra_key a root stands for (unused below roots)
     host_value: torch.Tensor | None = None  # host slots of a node evicted to the host pool (then `value` is empty)
+    # `value` copied to host memory when the node got it, so freeing its slots never waits for the GPU's queue
+    value_cpu: HostCopy = field(default_factory=lambda: HostCopy(_EMPTY))
 
     @property
     def is_root(self) -> bool:
@@ -173,14 +177,15 @@ class RadixCache:
             short = n - allocator.available_size()
             if short > 0:
                 self.evict(short)
-            slots = allocator.alloc(n)
+            host_slots = allocator.alloc_host(n)
         finally:
             node.lock_ref -= 1
             self.dec_lock_ref(node.parent)
-        if slots is None:
+        if host_slots is None:
             return False
+        slots = to_device(host_slots, allocator.device)
         self.host_pool.restore(node.host_value, slots)
-        node.value, node.host_value = slots, None
+        node.value, node.value_cpu, node.host_value = slots, HostCopy(host_slots), None
         self._offer(node)
         self.host_size_ -= n
         self.evictable_size_ += n
@@ -211,7 +216,9 @@ class RadixCache:
                 child = self._split(child, matched)
             node, i = child, i + matched
         if i < n:
-            leaf = TreeNode(key=tokens[i:], value=value[i:n].to(torch.int64).clone(), parent=node, last_access_time=now)
+            slots = value[i:n].to(torch.int64).clone()
+            leaf = TreeNode(key=tokens[i:], value=slots, value_cpu=copy_to_host(slots)[0], parent=node,
+                            last_access_time=now)
             node.children[self._child_key(tokens, i)] = leaf
             self._num_nodes += 1
             self.evictable_size_ += n - i
@@ -224,6 +231,7 @@ class RadixCache:
         upper = TreeNode(
             key=node.key[:at],
             value=node.value[:at],
+            value_cpu=node.value_cpu[:at],
             parent=parent,
             lock_ref=node.lock_ref,
             last_access_time=node.last_access_time,
@@ -231,7 +239,7 @@ class RadixCache:
         )
         parent.children[self._child_key(node.key, 0)] = upper
         self._num_nodes += 1
-        node.key, node.value, node.parent = node.key[at:], node.value[at:], upper
+        node.key, node.value, node.value_cpu, node.parent = node.key[at:], node.value[at:], node.value_cpu[at:], upper
         if not node.on_device:
             node.host_value = node.host_value[at:]
         upper.children[self._child_key(node.key, 0)] = node
@@ -282,8 +290,8 @@ class RadixCache:
         host = self.host_pool.backup(leaf.value)
         if host is None:
             return False
-        self.token_to_kv_pool_allocator.free(leaf.value)
-        leaf.value, leaf.host_value = self._empty, host
+        self.token_to_kv_pool_allocator.free(leaf.value_cpu.get())
+        leaf.value, leaf.value_cpu, leaf.host_value = self._empty, HostCopy(_EMPTY), host
         self.host_size_ += n
         self.backed_up_tokens += n
         self._offer(leaf)
@@ -311,7 +319,7 @@ class RadixCache:
             n = stack.pop()
             self._num_nodes -= 1
             if n.on_device:
-                self.token_to_kv_pool_allocator.free(n.value)
+                self.token_to_kv_pool_allocator.free(n.value_cpu.get())
             else:
                 self.host_pool.free(n.host_value)
                 self.host_size_ -= len(n.key)

@@ -96,6 +96,22 @@ def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params, logprobs):
         assert all(len(o["output_ids"]) == 16 for o in outs)
 
 
+def test_eviction_never_waits_for_the_gpu(tiny_llama):
+    """The tree frees evicted slots from host copies taken at insertion: under a full pool every admission evicts,
+    and a read of the slots from the device there would wait for the step in flight."""
+    with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", page_size=4, max_total_tokens=1024) as e:
+        e.generate([f"{p} variant {i}" for i in range(6) for p in PROMPTS], GREEDY)
+        tree = e.scheduler.tree
+        assert tree.evictable_size() > 0
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            freed = tree.evict(tree.evictable_size())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert freed > 0 and tree.evictable_size() == 0
+
+
 def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):
     """Prompts sent one at a time are one-request extends: whole short prompts first, then (spans cached) a new
     prefix and a few tokens each. Both replay the extend graphs and keep the CPU float32 engine's tokens."""

@@ -40,3 +40,38 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def upload(*columns: list, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """The lists in `columns`, concatenated into one tensor on `device`: one conversion and one copy."""
     return to_device(host_tensor(*columns, dtype=dtype), device)
+
+
+class HostCopy:
+    """A device tensor's values on the host, copied without making the host wait for the stream.
+
+    `.cpu()` or `.tolist()` of a device tensor waits for every kernel already queued, the step in flight included.
+    Here the copy goes non-blocking into pinned memory and an event marks its end; `get` waits on that event alone,
+    and only the first time. Slices share the copy."""
+
+    __slots__ = ("tensor", "event")
+
+    def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
+        self.tensor = tensor
+        self.event = event
+
+    def __getitem__(self, index: slice) -> HostCopy:
+        return HostCopy(self.tensor[index], self.event)
+
+    def get(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.tensor
+
+
+def copy_to_host(*tensors: torch.Tensor) -> list[HostCopy]:
+    """Start host copies of `tensors` (one event for all); host tensors are taken as they are."""
+    if not tensors[0].is_cuda:
+        return [HostCopy(t) for t in tensors]
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, device in zip(hosts, tensors):
+        host.copy_(device, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return [HostCopy(host, event) for host in hosts]

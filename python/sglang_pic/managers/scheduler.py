@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_pic.managers.isps import SpanPrefillPlanner
-from sglang_pic.managers.overlap import LaunchedStep, PendingCopy
+from sglang_pic.managers.overlap import LaunchedStep
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.host_pool import HostKVPool
@@ -34,7 +34,7 @@ from sglang_pic.sampling.sampler import Sampler
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.tokenizer import fast_decode
-from sglang_pic.utils_tensor import upload
+from sglang_pic.utils_tensor import copy_to_host, upload
 
 logger = logging.getLogger(__name__)
 
@@ -416,8 +416,8 @@ class Scheduler:
         logits = logits[:, : self.vocab_size].float()
         ids = self._sample_ids(reqs, logits) if reqs else logits.new_empty(0, dtype=torch.int64)
         rows, logprobs = self._sampled_logprobs(reqs, logits, ids)
-        copy = PendingCopy([ids] + (logprobs.tensors if logprobs is not None else []))
-        return LaunchedStep(reqs, copy, rows, logprobs, batch.forward_mode.is_decode())
+        copies = copy_to_host(ids, *(logprobs.tensors if logprobs is not None else []))
+        return LaunchedStep(reqs, copies, rows, logprobs, batch.forward_mode.is_decode())
 
     def _record_input_logprobs(self, rows: list[tuple[BatchEntry, int]], logits: torch.Tensor) -> None:
         for e, start in rows:
@@ -443,7 +443,7 @@ class Scheduler:
         """Append each sampled token to its request (with its logprobs when it returns them) and finish the request
         if it stops. Rows of requests that finished or were aborted since the launch are dropped. Finished requests
         leave `running` in one pass, so a step costs O(batch) however many finish in it."""
-        host = step.copy.read()
+        host = [c.get() for c in step.copies]
         next_ids = host[0].tolist()
         logprobs = dict(zip(step.logprob_rows, step.logprobs.by_row(host[1:]))) if step.logprobs is not None else {}
         reqs = step.reqs
