@@ -75,21 +75,23 @@ def test_overlap_gives_same_tokens_and_finishes(tiny_llama):
 
 @pytest.mark.parametrize(
     "extra",
-    [{"repetition_penalty": 1.3}, {"min_new_tokens": 5}],
-    ids=["penalty", "min-new-tokens"],
+    [{"repetition_penalty": 1.3}, {"frequency_penalty": 0.8, "presence_penalty": 0.5}, "min_new_tokens"],
+    ids=["repetition", "frequency-presence", "min-new-tokens"],
 )
-def test_sampling_that_reads_the_output_waits_for_it(tiny_llama, extra):
-    """Penalties and the min_new_tokens ban need the last token on the host, so those steps are not run ahead;
-    the rest of the run is, and the tokens are the same."""
-    params = [{"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}] * 3
-    params.append({**params[0], **extra})
+def test_sampling_that_reads_the_output_runs_ahead_with_same_tokens(tiny_llama, extra):
+    """Penalties count each sampled token on the device at once and the min_new_tokens ban counts the uncommitted
+    token, so these steps run ahead too and sample what committing every step first samples."""
+    plain = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    params = [plain] * 3
+    if extra == "min_new_tokens":  # the stop token would end request 3 at its 3rd token; the ban holds it to 6+
+        reference, _ = run(tiny_llama, [plain] * 4, overlap=False)
+        extra = {"stop_token_ids": [reference[3]["output_ids"][2]], "min_new_tokens": 6}
+    params.append({**plain, **extra})
     expected, _ = run(tiny_llama, params, overlap=False)
     outs, ahead = run(tiny_llama, params, overlap=True)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
-    if "min_new_tokens" in extra:
-        assert ahead.count > 0  # once the ban is over, steps run ahead again
-    else:
-        assert ahead.count == 0
+    assert [o["meta_info"]["finish_reason"] for o in outs] == [o["meta_info"]["finish_reason"] for o in expected]
+    assert ahead.count > 5
 
 
 def test_logprobs_are_read_with_their_tokens(tiny_llama):

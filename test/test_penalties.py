@@ -154,3 +154,27 @@ def test_penalised_requests_keep_their_counts_through_retraction(tiny_qwen2):
     prompts = [f"{p} number {i}" for i, p in enumerate(PENALTY_PROMPTS * 3)]
     params = [{"temperature": 0, "max_new_tokens": 40, "ignore_eos": True, **PENALTIES[i % 3]} for i in range(12)]
     assert_retraction_keeps_tokens(tiny_qwen2, prompts, params)
+
+
+def test_sampled_tokens_count_before_their_commit():
+    """Overlap scheduling samples step N+1 before step N's tokens are appended: add_sampled counts them on the
+    device at once, and the catch-up from the output never counts them twice."""
+    rng = random.Random(1)
+    table = PenaltyCounts(V, "cpu")
+    kinds = [SamplingParams(frequency_penalty=0.5), SamplingParams(repetition_penalty=1.2), SamplingParams()]
+    reqs = [make_req(kinds[i % 3], prompt_ids=[rng.randrange(V) for _ in range(5)], rid=f"r{i}") for i in range(6)]
+    pending: list[int] | None = None
+    for _ in range(25):
+        history = table.history(reqs, want_seen=True)  # step N+1 samples while step N's tokens are pending
+        for i, req in enumerate(reqs):
+            counts, seen = counts_from_scratch(req, [pending[i]] if pending else [])
+            if req.sampling_params == kinds[2]:
+                counts, seen = torch.zeros(V), torch.zeros(V, dtype=torch.bool)
+            assert torch.equal(history.output_counts[i], counts)
+            assert torch.equal(history.seen[i], seen)
+        sampled = [rng.randrange(V) for _ in reqs]
+        table.add_sampled(reqs, torch.tensor(sampled))
+        if pending:  # step N is committed after step N+1 was launched
+            for req, tok in zip(reqs, pending):
+                req.append_output(tok)
+        pending = sampled

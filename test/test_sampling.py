@@ -216,6 +216,15 @@ def test_min_new_tokens_bans_eos_until_reached():
     assert sample(logits, batch_info(params, output_ids=[[5, 5]], eos=eos)).item() == 1
 
 
+def test_min_new_tokens_ban_counts_an_uncommitted_token():
+    """Overlap scheduling samples before the last sampled token is in the output: it counts toward min_new_tokens."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0, 0.0, 0.0]])
+    req = make_req(SamplingParams(temperature=0.0, min_new_tokens=2), output_ids=[5], eos={1, 3})
+    penalties = PenaltyCounts(V, "cpu")
+    assert sample(logits, SamplingBatchInfo.from_requests([req], V, "cpu", penalties)).item() == 2
+    assert sample(logits, SamplingBatchInfo.from_requests([req], V, "cpu", penalties, uncommitted=[1])).item() == 1
+
+
 def test_seeded_request_is_independent_of_batch():
     vocab = 3000
     target = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)

@@ -3,8 +3,7 @@
 Each step either extends requests (prefill chunks; with `enable_mixed_chunk` the running decodes ride along) or
 decodes all running requests. Admission is checked against free + evictable KV; when decode runs out of slots the
 newest running request is retracted (its KV goes to the tree, it re-queues and later resumes where it stopped).
-Each step is launched before the previous one's sampled tokens are committed (overlap.py), unless a request in it
-needs them on the host first.
+Each step is launched before the previous one's sampled tokens are committed (overlap.py).
 """
 
 from __future__ import annotations
@@ -187,7 +186,7 @@ class Scheduler:
         start = time.perf_counter()
         launched = self._launch(plan, updated)
         self._commit_inflight(updated)
-        if self.overlap and launched.reqs and not any(self._reads_own_output(r) for r in launched.reqs):
+        if self.overlap and launched.reqs:
             # Left uncommitted; dropped if everyone in it finished with the step just committed.
             self.inflight = launched if self.running else None
         else:
@@ -200,12 +199,6 @@ class Scheduler:
         else:
             self.stats.prefill_step_s += elapsed
         return updated
-
-    @staticmethod
-    def _reads_own_output(req: Req) -> bool:
-        """Whether the request's next step needs its last token on the host: its sampling reads its output so far
-        (penalties; the min_new_tokens ban)."""
-        return uses_history(req) or len(req.output_ids) < req.sampling_params.min_new_tokens
 
     def _commit_inflight(self, updated: list[Req]) -> None:
         if self.inflight is not None:
@@ -467,12 +460,18 @@ class Scheduler:
                 self._release_finished(req)
 
     def _sample_ids(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
-        """Each row's next token, on the logits' device, also recorded as its request's next decode input."""
+        """Each row's next token, on the logits' device, also recorded as its request's next decode input (and in
+        the penalty counts), so the next step can run before the host has it."""
         if all(r.sampling_params.is_plain_greedy for r in reqs):  # the common case needs no per-request tensors
             ids = torch.argmax(logits, dim=-1)
         else:
-            info = SamplingBatchInfo.from_requests(reqs, self.vocab_size, logits.device, self.penalties)
+            uncommitted = [int(self._pending_token(r)) for r in reqs] if self.inflight is not None else None
+            info = SamplingBatchInfo.from_requests(
+                reqs, self.vocab_size, logits.device, self.penalties, uncommitted=uncommitted
+            )
             ids = self.sampler(logits, info)
+            if any(map(uses_history, reqs)):
+                self.penalties.add_sampled(reqs, ids)
         self.next_input_ids[upload([r.req_pool_idx for r in reqs], device=ids.device)] = ids
         return ids
 

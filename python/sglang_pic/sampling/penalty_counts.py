@@ -5,7 +5,8 @@ batch of 128 with 2K-token prompts under a repetition penalty: tens of ms per st
 Here each penalised request owns a row of a [rows, V] table: its prompt tokens are marked once, and each step adds
 only the output tokens that arrived since the last one, all requests in one scatter. A step's batch then gathers
 its rows. Output ids are append-only, so a row's count of them stays valid across retraction and resumption.
-A finished request's row is cleared and reused at the next step that samples with penalties (no hook in the
+A sampled token is counted on the device at once (`add_sampled`), so the next step can sample before the host has
+it. A finished request's row is cleared and reused at the next step that samples with penalties (no hook in the
 finish and abort paths). The table grows to the most penalised requests running at once and stays there: 5 bytes
 per row and vocabulary entry (0.76 MB per request with a 152K vocabulary), about what one step's freshly built
 counts took before.
@@ -43,7 +44,7 @@ class TokenHistory:
 @dataclass
 class _Row:
     index: int
-    counted: int = 0  # leading output ids already added to the row
+    counted: int = 0  # leading output ids added to the row (one more than the host has while a token is uncommitted)
 
 
 class PenaltyCounts:
@@ -91,7 +92,7 @@ class PenaltyCounts:
             new = req.output_ids[row.counted :]
             rows += [row.index] * len(new)
             ids += new
-            row.counted = len(req.output_ids)
+            row.counted += len(new)
         if freed:
             index = upload(freed, device=self.device)
             self.output_counts[index] = 0.0
@@ -99,6 +100,18 @@ class PenaltyCounts:
             self.free += freed
         if ids:
             _scatter_add(self.output_counts, upload(rows, ids, device=self.device).view(2, -1))
+
+    def add_sampled(self, reqs: list[Req], ids: torch.Tensor) -> None:
+        """Count each penalised request's just-sampled token `ids[i]` on the device, before the host has it: the
+        next step may sample before this one's tokens are committed (overlap scheduling). The catch-up then skips
+        the token once it is appended."""
+        rows = [(i, row) for i, row in enumerate(map(self.rows.get, reqs)) if row is not None]
+        if not rows:
+            return
+        index = upload([i for i, _ in rows], [row.index for _, row in rows], device=self.device).view(2, -1)
+        for _, row in rows:
+            row.counted += 1
+        _scatter_add(self.output_counts, torch.stack((index[1], ids[index[0]])))
 
     def _alloc(self) -> int:
         if not self.free:

@@ -56,9 +56,12 @@ class SamplingBatchInfo:
         device: torch.device | str,
         penalties: PenaltyCounts,
         extras: list[list[int]] | None = None,
+        uncommitted: list[int] | None = None,
     ) -> SamplingBatchInfo:
         """Row i samples request i's next token as if it had also output `extras[i]` (drafted tokens): penalties
-        count them and the min_new_tokens ban follows the longer output."""
+        count them and the min_new_tokens ban follows the longer output. `uncommitted[i]` more tokens were sampled
+        for request i but are not in its output yet (overlap scheduling): penalties have them already
+        (PenaltyCounts.add_sampled), the ban counts them."""
         batch = len(reqs)
         if extras is not None and len(extras) != batch:
             raise ValueError(f"{len(extras)} extra-token lists for a batch of {batch} requests")
@@ -112,7 +115,8 @@ class SamplingBatchInfo:
         ban = [
             (i, t)
             for i, req in enumerate(reqs)
-            if len(req.output_ids) + (len(extras[i]) if extras else 0) < req.sampling_params.min_new_tokens
+            if len(req.output_ids) + (len(extras[i]) if extras else 0) + (uncommitted[i] if uncommitted else 0)
+            < req.sampling_params.min_new_tokens
             for t in sorted(set(req.eos_token_ids) | set(req.sampling_params.stop_token_ids or []))
         ]
         if ban:
