@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sglang_pic import Engine
+from sglang_pic.managers.io_struct import GenerateReqInput
 
 PROMPTS = [
     "The quick brown fox",
@@ -100,6 +101,27 @@ def test_abort_frees_memory(tiny_llama):
         chunks = [next(stream) for _ in range(3)]
         assert chunks[-1]["meta_info"]["completion_tokens"] >= 3
         stream.close()
+        assert_idle_accounting(engine)
+
+
+@pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["tree", "no-tree"])
+def test_release_frees_the_slots_the_request_was_given_not_what_its_row_says(tiny_llama, disable_radix_cache):
+    """A request's own slots are freed from the host record kept as they were allocated: its row in req_to_token
+    lives on the device, and reading it back would wait for the step in flight. Scribbling over the row before
+    the release shows the row is not read."""
+    with Engine(model_path=str(tiny_llama), dtype="float32", page_size=4, max_total_tokens=2048,
+                disable_radix_cache=disable_radix_cache) as engine:
+        kv = engine.scheduler.kv
+        (req,) = engine.tokenizer_manager.build_requests(
+            GenerateReqInput(text=PROMPTS[1] + " by", sampling_params=greedy())
+        )
+        req.req_pool_idx = engine.runner.req_to_token_pool.alloc()
+        kv.match(req)
+        kv.alloc(req, [len(s.tokens) - s.done for s in req.segments])  # as if its prefill had run
+        kv.cache(req)
+        assert any(seg.own for seg in req.segments)  # a partial page (or, with no tree, everything) is its own
+        engine.runner.req_to_token_pool.req_to_token[req.req_pool_idx].fill_(4)  # page 1: not this request's
+        kv.release(req)
         assert_idle_accounting(engine)
 
 

@@ -40,8 +40,8 @@ def test_cuda_engine_matches_cpu_float32(tiny_model, page_size):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
-    """Matching a request's segments in the tree, allocating its slots and handing its computed KV to the tree run
-    on the host alone: a device sync there would make scheduling wait for every kernel already queued."""
+    """Matching a request's segments in the tree, allocating its slots, handing its computed KV to the tree and
+    releasing it run on the host alone: a device sync there would make scheduling wait for every kernel queued."""
     fresh_doc = "Position-free keys are rotated inside attention, from each request's own positions."
     prompt = "Fresh words here." + span(fresh_doc) + PROMPTS[3]
     with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", page_size=page_size,
@@ -56,11 +56,12 @@ def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
             kv.match(req)
             kv.alloc(req, [len(s.tokens) - s.done for s in req.segments])  # as if its prefill had run
             kv.cache(req)
+            cached = [s.cached for s in req.segments]
+            kv.release(req)  # frees its partial pages (page size 16) from the host record of its slots
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert req.cached_span_tokens > 0
-        assert all(s.cached == len(s.tokens) // page_size * page_size for s in req.segments)
-        kv.release(req)
+        assert cached == [len(s.tokens) // page_size * page_size for s in req.segments]
 
 
 @pytest.mark.parametrize(

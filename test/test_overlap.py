@@ -16,7 +16,8 @@ PROMPTS4 = PROMPTS + ["Tools are described once and reused by every agent call t
 
 
 def run(
-    path, params: list[dict], overlap: bool, prompts: list[str] = PROMPTS4, generate_kwargs: dict | None = None, **kwargs
+    path, params: list[dict], overlap: bool, prompts: list[str] = PROMPTS4, generate_kwargs: dict | None = None,
+    **kwargs,
 ) -> tuple[list[dict], Ahead]:
     """Outputs, and how many forwards were launched while the step before was still uncommitted."""
     kwargs = {"max_total_tokens": 2048, **kwargs}

@@ -4,12 +4,13 @@ A request's logical token sequence is the concatenation of its segments' tokens;
 the tail segment (the last prefix/PDEP segment, or an implicit PDEP segment after a trailing span). Token j of the
 sequence has RoPE position j and KV slot req_to_token[req_pool_idx, j]. For each segment the request tracks how
 many leading tokens have KV (`done`), and how many of those belong to the radix tree (`cached`, locked through
-`lock_node`); slots in [cached, done) belong to the request until it inserts them.
+`lock_node`); slots in [cached, done) belong to the request until it inserts them (listed in `own`).
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -30,6 +31,9 @@ class ReqSegment:
     # Slot of token done-1, so allocation continues the segment's page; -1 when the next token starts a fresh page
     # (none yet, or a full one: a full page's last slot is never needed, and reading it from the device would sync).
     last_slot: int = -1
+    # Slots of tokens [cached, done), the ones the request owns, kept on the host as they are allocated: freeing
+    # them never reads the request's row back from the device (which would wait for the step in flight).
+    own: array = field(default_factory=lambda: array("q"))
 
     @property
     def attn_lo(self) -> int:

@@ -2,12 +2,15 @@
 
 Ownership, per segment of a request (see managers/req.py):
   tokens [0, cached)     slots owned by the radix tree, locked through seg.lock_node
-  tokens [cached, done)  slots owned by the request (freed by it, or handed to the tree by `cache`)
+  tokens [cached, done)  slots owned by the request (freed by it, or handed to the tree by `cache`), listed on the
+                         host in seg.own, so freeing them never reads the request's row back from the device
   tokens [done, len)     no KV yet
 So at any moment: allocator free + tree-owned + request-owned slots == pool size.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import torch
 
@@ -71,6 +74,7 @@ class ReqKVManager:
             self.tree.inc_lock_ref(result.last_node)
             # The tree holds whole pages, so the match ends one: the next token starts a fresh page.
             seg.lock_node, seg.cached, seg.done, seg.last_slot = result.last_node, n, n, -1
+            assert not seg.own, "matched a segment that still owns slots"
             if seg.kind == "span":
                 req.cached_span_tokens += n
             else:
@@ -130,6 +134,7 @@ class ReqKVManager:
             firsts.append(seg.start + seg.done)
             seg.done += n
             seg.last_slot = int(slots[-1])  # read on the host: no device sync
+            seg.own.frombytes(slots.numpy().tobytes())
             parts.append(slots)
         if not parts:
             return torch.empty(0, dtype=torch.int64)
@@ -165,6 +170,7 @@ class ReqKVManager:
         for tail, slot in zip(tails, slots):
             tail.done += 1
             tail.last_slot = slot
+            tail.own.append(slot)
         device = self.req_to_token_pool.req_to_token.device
         rows, cols_t, out = upload([r.req_pool_idx for r in reqs], cols, slots, device=device).view(3, -1)
         self.req_to_token_pool.req_to_token[rows, cols_t] = out
@@ -184,8 +190,9 @@ class ReqKVManager:
             row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
             slots = row[seg.start : seg.start + aligned].clone()
             already = self.tree.insert(seg.key(aligned), slots)
-            if already > seg.cached:
-                self.allocator.free(slots[seg.cached : already])
+            if already > seg.cached:  # the tree had them already: ours are duplicates
+                self.allocator.free(_host_slots(seg.own[: already - seg.cached]))
+            del seg.own[: aligned - seg.cached]
             result = self.tree.match_prefix(seg.key(aligned))
             assert result.device_indices.numel() == aligned, "tree lost tokens it just inserted"
             self.req_to_token_pool.write(req.req_pool_idx, slice(seg.start, seg.start + aligned), result.device_indices)
@@ -200,14 +207,17 @@ class ReqKVManager:
         """Free the request's own slots, unlock its tree paths and give back its table row."""
         if req.req_pool_idx is None:
             return
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         for seg in req.segments:
             if seg.kind == "span":
                 self._unclaim(req, seg)
-            if seg.done > seg.cached:
-                self.allocator.free(row[seg.start + seg.cached : seg.start + seg.done])
+            self.allocator.free(_host_slots(seg.own))
             if seg.lock_node is not None:
                 self.tree.dec_lock_ref(seg.lock_node)
-            seg.lock_node, seg.cached, seg.done, seg.last_slot = None, 0, 0, -1
+            seg.lock_node, seg.cached, seg.done, seg.last_slot, seg.own = None, 0, 0, -1, array("q")
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
+
+
+def _host_slots(slots: array) -> torch.Tensor:
+    """Slot numbers kept on the host, as a tensor for the allocator (a copy: the array may change afterwards)."""
+    return torch.frombuffer(slots, dtype=torch.int64).clone() if slots else torch.empty(0, dtype=torch.int64)

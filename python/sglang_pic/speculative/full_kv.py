@@ -109,6 +109,7 @@ class DeviceFullKV:
         """The tail's next token (already in the request) now has KV in `slot`."""
         req.tail.done += 1
         req.tail.last_slot = slot
+        req.tail.own.append(slot)
 
     def end_round(self, req: Req, draft: DraftCache, slots: torch.Tensor, kept: int, alive: bool) -> None:
         free_rejected(self.allocator, slots, kept)
