@@ -15,41 +15,41 @@ from test_engine import PROMPTS, assert_idle_accounting
 PROMPTS4 = PROMPTS + ["Tools are described once and reused by every agent call that"]
 
 
+@dataclass
+class RunStats:
+    ahead: int = 0  # forwards launched while the step before was uncommitted
+    ahead_extends: int = 0  # of them, prefill steps
+    steps: int = 0  # forwards in all
+    retractions: int = 0
+
+
 def run(
     path, params: list[dict], overlap: bool, prompts: list[str] = PROMPTS4, generate_kwargs: dict | None = None,
     **kwargs,
-) -> tuple[list[dict], Ahead]:
-    """Outputs, and how many forwards were launched while the step before was still uncommitted."""
+) -> tuple[list[dict], RunStats]:
+    """Outputs, and how the steps ran."""
     kwargs = {"max_total_tokens": 2048, **kwargs}
     with Engine(model_path=str(path), dtype="float32", disable_overlap_schedule=not overlap, **kwargs) as engine:
         sched = engine.scheduler
         forward = engine.runner.forward
-        ahead = Ahead()
+        stats = RunStats()
 
         def counting_forward(batch):
             if sched.inflight is not None:
-                ahead.count += 1
-                ahead.extends += batch.forward_mode.is_extend()
+                stats.ahead += 1
+                stats.ahead_extends += batch.forward_mode.is_extend()
             return forward(batch)
 
         engine.runner.forward = counting_forward
         outs = engine.generate(prompts, params, **(generate_kwargs or {}))
         assert_idle_accounting(engine)
-        ahead.steps = sched.stats.num_steps
-        ahead.retractions = sched.stats.num_retractions
-    return outs, ahead
-
-
-@dataclass
-class Ahead:
-    count: int = 0  # forwards launched while the step before was uncommitted
-    extends: int = 0  # of them, prefill steps
-    steps: int = 0  # forwards in all
-    retractions: int = 0
+        stats.steps = sched.stats.num_steps
+        stats.retractions = sched.stats.num_retractions
+    return outs, stats
 
 
 def mixed_params(stop_token: int) -> list[dict]:
-    """Requests that end at different steps, by length, by a stop token and by a stop string, greedy and seeded."""
+    """Requests that end at different steps, by length and by a stop token, greedy and seeded."""
     return [
         {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True},
         {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True, "stop_token_ids": [stop_token]},
@@ -66,10 +66,10 @@ def test_overlap_gives_same_tokens_and_finishes(tiny_llama):
     assert plain_on.steps == plain_off.steps  # no step is launched for requests that end by length before it
     stop_token = reference[1]["output_ids"][6]  # request 1 stops early while the others go on
     params = mixed_params(stop_token)
-    expected, ahead_off = run(tiny_llama, params, overlap=False)
-    outs, ahead_on = run(tiny_llama, params, overlap=True)
-    assert ahead_off.count == 0
-    assert ahead_on.count > 10  # nearly every decode step ran ahead of the commit of the one before
+    expected, off = run(tiny_llama, params, overlap=False)
+    outs, on = run(tiny_llama, params, overlap=True)
+    assert off.ahead == 0
+    assert on.ahead > 10  # nearly every decode step ran ahead of the commit of the one before
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
     assert [o["meta_info"]["finish_reason"] for o in outs] == [o["meta_info"]["finish_reason"] for o in expected]
     assert len(outs[1]["output_ids"]) < 20 and len(outs[3]["output_ids"]) == 3
@@ -90,10 +90,10 @@ def test_sampling_that_reads_the_output_runs_ahead_with_same_tokens(tiny_llama, 
         extra = {"stop_token_ids": [reference[3]["output_ids"][2]], "min_new_tokens": 6}
     params.append({**plain, **extra})
     expected, _ = run(tiny_llama, params, overlap=False)
-    outs, ahead = run(tiny_llama, params, overlap=True)
+    outs, on = run(tiny_llama, params, overlap=True)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
     assert [o["meta_info"]["finish_reason"] for o in outs] == [o["meta_info"]["finish_reason"] for o in expected]
-    assert ahead.count > 5
+    assert on.ahead > 5
 
 
 def test_logprobs_are_read_with_their_tokens(tiny_llama):
@@ -103,8 +103,8 @@ def test_logprobs_are_read_with_their_tokens(tiny_llama):
     logprobs = dict(return_logprob=[True, False, True, True], top_logprobs_num=[2, 0, 0, 3],
                     logprob_start_len=[-1, -1, 1, -1])
     expected, _ = run(tiny_llama, params, overlap=False, generate_kwargs=logprobs)
-    outs, ahead = run(tiny_llama, params, overlap=True, generate_kwargs=logprobs)
-    assert ahead.count > 5
+    outs, on = run(tiny_llama, params, overlap=True, generate_kwargs=logprobs)
+    assert on.ahead > 5
     for got, want in zip(outs, expected):
         assert got["output_ids"] == want["output_ids"]
         for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs"):
@@ -157,10 +157,10 @@ def test_span_prompts_and_chunked_prefills_run_ahead_with_same_tokens(tiny_llama
     ]
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (9, 14, 6, 11)]
     expected, _ = run(tiny_llama, params, overlap=False, prompts=prompts, chunked_prefill_size=16)
-    outs, ahead = run(tiny_llama, params, overlap=True, prompts=prompts, chunked_prefill_size=16)
+    outs, on = run(tiny_llama, params, overlap=True, prompts=prompts, chunked_prefill_size=16)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
     assert [o["meta_info"]["cached_tokens"] for o in outs] == [o["meta_info"]["cached_tokens"] for o in expected]
-    assert ahead.extends > 2
+    assert on.ahead_extends > 2
 
 
 def test_seats_of_requests_ending_by_length_go_to_waiting_ones_at_once(tiny_llama):
@@ -171,7 +171,7 @@ def test_seats_of_requests_ending_by_length_go_to_waiting_ones_at_once(tiny_llam
     expected, off = run(tiny_llama, params, overlap=False, prompts=prompts, max_running_requests=2)
     outs, on = run(tiny_llama, params, overlap=True, prompts=prompts, max_running_requests=2)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in expected]
-    assert on.count > 0
+    assert on.ahead > 0
     assert on.steps == off.steps
 
 
@@ -213,7 +213,7 @@ def test_mixed_workload_under_retraction_matches_committed_run(tiny_llama):
     small = dict(max_total_tokens=256, page_size=4, chunked_prefill_size=32)
     expected, off = run(tiny_llama, params, overlap=False, prompts=prompts, generate_kwargs=logprobs, **small)
     outs, on = run(tiny_llama, params, overlap=True, prompts=prompts, generate_kwargs=logprobs, **small)
-    assert on.count > 10 and on.retractions > 0 and off.retractions > 0
+    assert on.ahead > 10 and on.retractions > 0 and off.retractions > 0
     for got, want in zip(outs, expected):
         assert got["output_ids"] == want["output_ids"]
         assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
