@@ -29,10 +29,10 @@ class LaunchedStep:
     logprob_rows: list[int]  # rows whose requests return logprobs
     logprobs: SampledLogprobs | None
     decode_only: bool
-    _held: set[int] = field(init=False, repr=False)
+    held: set[int] = field(init=False, repr=False)  # id() of each request in `reqs`
 
     def __post_init__(self) -> None:
-        self._held = {id(r) for r in self.reqs}
+        self.held = {id(r) for r in self.reqs}
 
     def holds(self, req: Req) -> bool:
-        return id(req) in self._held
+        return id(req) in self.held

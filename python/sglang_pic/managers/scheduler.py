@@ -209,18 +209,17 @@ class Scheduler:
         """Whether the request's last sampled token is still uncommitted (in the step in flight)."""
         return self.inflight is not None and self.inflight.holds(req)
 
-    def _num_going_on(self) -> int:
-        """Running requests that keep their seat: those finished by length by their pending token leave at its
-        commit, so their seats go to new requests already."""
+    def _going_on(self) -> list[Req]:
+        """The running requests that get a next step: not those whose uncommitted token finishes them by length.
+        Those leave at its commit, so their seats go to new requests already. One pass, run per step."""
         if self.inflight is None:
-            return len(self.running)
-        return sum(not self._ends_with_pending_token(r) for r in self.running)
-
-    def _ends_with_pending_token(self, req: Req) -> bool:
-        """Whether committing the request's pending token will finish it by length: it then gets no next step."""
-        return self._pending_token(req) and (
-            len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens or req.seq_len() + 1 >= self.context_len
-        )
+            return list(self.running)
+        held, ctx = self.inflight.held, self.context_len
+        return [
+            r for r in self.running
+            if not ((len(r.output_ids) + 1 >= r.sampling_params.max_new_tokens or r.seq_len() + 1 >= ctx)
+                    and id(r) in held)
+        ]
 
     def _reserved_decode_tokens(self) -> float:
         reqs = self.running + ([self.chunked] if self.chunked else [])
@@ -246,7 +245,10 @@ class Scheduler:
         # Fixed while this loop admits (running and chunked don't change); O(running), so only when someone waits.
         reserved = self._reserved_decode_tokens() if self.waiting else 0.0
         # Span jobs never join the running set, so a full one holds back only requests that would decode.
-        seats = self.server_args.max_running_requests - self._num_going_on() - sum(not e.req.warmup for e in entries)
+        seats = 0
+        if self.waiting:
+            going_on = len(decode.reqs) if decode is not None else len(self._going_on())
+            seats = self.server_args.max_running_requests - going_on - sum(not e.req.warmup for e in entries)
         for req in self._ordered_waiting():
             if budget <= 0:
                 break
@@ -341,7 +343,7 @@ class Scheduler:
                 break
             self._retract_one()
         self._decay_new_token_ratio()
-        reqs = [r for r in self.running if not self._ends_with_pending_token(r)]
+        reqs = self._going_on()
         if not reqs:
             return None
         return DecodeGroup(reqs, self.kv.alloc_decode(reqs))
