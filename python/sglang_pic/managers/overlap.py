@@ -33,6 +33,3 @@ class LaunchedStep:
 
     def __post_init__(self) -> None:
         self.held = {id(r) for r in self.reqs}
-
-    def holds(self, req: Req) -> bool:
-        return id(req) in self.held

@@ -95,7 +95,9 @@ class Scheduler:
         # VeriCache decodes in its own draft/verify rounds, so decodes never ride along with prefill steps then.
         self.mix_decodes = (self.isps or server_args.enable_mixed_chunk) and server_args.speculative_algorithm is None
         self.planner = SpanPrefillPlanner(self.kv, server_args.isps_max_wait_steps)
-        self.finished_early: list[Req] = []  # finished outside a forward (e.g. can never fit the pool)
+        # Reported with this step's output but not from its forward: finished outside one (e.g. can never fit the
+        # pool), or committed early from the step in flight so that a retraction could run.
+        self.finished_early: list[Req] = []
         self.spec_worker = None
         if server_args.speculative_algorithm == "vericache":
             from sglang_pic.speculative.vericache_worker import VeriCacheWorker
@@ -170,16 +172,13 @@ class Scheduler:
 
         With overlap scheduling the step's sampled tokens are committed in the next call, after the next step has
         been launched, so the host's work on them runs while the GPU computes (managers/overlap.py)."""
-        updated: list[Req] = []
-        if self.inflight is not None and not self.kv.ensure_free(self.kv.decode_slots_needed(self.running)):
-            self._commit_inflight(updated)  # retraction needs every token committed
         plan = self._schedule_extend()
-        updated += self.finished_early
-        self.finished_early = []
         if plan is None and self.spec_worker is not None and self.running:
+            updated, self.finished_early = self.finished_early, []
             return updated + self.spec_worker.decode_round()
         if plan is None:
             plan = StepPlan([], self._schedule_decode())
+        updated, self.finished_early = self.finished_early, []
         if not plan:
             self._commit_inflight(updated)
             return updated
@@ -207,7 +206,7 @@ class Scheduler:
 
     def _pending_token(self, req: Req) -> bool:
         """Whether the request's last sampled token is still uncommitted (in the step in flight)."""
-        return self.inflight is not None and self.inflight.holds(req)
+        return self.inflight is not None and id(req) in self.inflight.held
 
     def _going_on(self) -> list[Req]:
         """The running requests that get a next step: not those whose uncommitted token finishes them by length.
@@ -341,15 +340,15 @@ class Scheduler:
         while self.running:
             if self.kv.ensure_free(self.kv.decode_slots_needed(self.running)):
                 break
+            if self.inflight is not None:  # retraction needs every token committed; those that finish free slots
+                self._commit_inflight(self.finished_early)
+                continue
             self._retract_one()
-        self._decay_new_token_ratio()
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         reqs = self._going_on()
         if not reqs:
             return None
         return DecodeGroup(reqs, self.kv.alloc_decode(reqs))
-
-    def _decay_new_token_ratio(self) -> None:
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
 
     def _retract_one(self) -> None:
         """Give back the KV of the newest running request; a half-prefilled request goes before the last decode."""
