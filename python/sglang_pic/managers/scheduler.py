@@ -344,11 +344,15 @@ class Scheduler:
                 self._commit_inflight(self.finished_early)
                 continue
             self._retract_one()
-        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.decay_new_token_ratio()
         reqs = self._going_on()
         if not reqs:
             return None
         return DecodeGroup(reqs, self.kv.alloc_decode(reqs))
+
+    def decay_new_token_ratio(self) -> None:
+        """After each decode step (or VeriCache round) admission relaxes its reserve of decode tokens."""
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
 
     def _retract_one(self) -> None:
         """Give back the KV of the newest running request; a half-prefilled request goes before the last decode."""

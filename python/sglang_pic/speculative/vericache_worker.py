@@ -30,7 +30,6 @@ import time
 import torch
 
 from sglang_pic.managers.req import Req
-from sglang_pic.managers.scheduler import MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.sampling.logprobs import compute_logprobs
 from sglang_pic.sampling.penalty_counts import uses_history
@@ -101,7 +100,7 @@ class VeriCacheWorker:
 
     def decode_round(self) -> list[Req]:
         """Draft, verify and commit for every running request; return those that got tokens (or finished)."""
-        self._decay_new_token_ratio()
+        self.sched.decay_new_token_ratio()  # a round is a decode step for admission control
         start = self._now()
         self._prepare_drafts()
         self.stats.build_time_s += self._now() - start
@@ -346,10 +345,6 @@ class VeriCacheWorker:
         self.stats.committed_tokens += committed
 
     # ---- helpers ----------------------------------------------------------------------------------------------
-    def _decay_new_token_ratio(self) -> None:
-        """A round is a decode step for admission control, which relaxes its reserve as decoding goes on."""
-        self.sched.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.sched.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-
     def _now(self) -> float:
         """Wall time once the compute stream is idle; host-tier copies in flight on the copy stream keep running."""
         if self.cuda:
