@@ -27,6 +27,7 @@ from hypothesis.stateful import (
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang_pic.mem_cache import host_pool
 from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.radix_ext import RadixCache, RadixKey, TreeNode
@@ -104,6 +105,51 @@ def test_evicted_span_waits_on_the_host_and_comes_back_with_its_kv():
     assert read(s, again.device_indices) == tags.of(doc, 5)
     assert s.tree.host_size() == 0 and s.tree.loaded_tokens == 5
     check_accounting(s)
+
+
+class HeldCopy:
+    """Stands in for the CUDA event of a backup's copies: they have landed once `done` is set (or waited for)."""
+
+    def __init__(self) -> None:
+        self.done = self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_backups_land_oldest_first_and_only_restore_waits(monkeypatch):
+    """Backups return before their copies land, and land in the order they were made: a later backup into slots
+    freed from an earlier one still out must not be overwritten by it. Restoring waits for what is still out."""
+    copies: list[HeldCopy] = []
+    monkeypatch.setattr(host_pool, "record_event", lambda device: copies.append(HeldCopy()) or copies[-1])
+    s = make(page_size=1, pages=8, host_tokens=4)
+    host = s.host
+    host.k.zero_()
+    host.v.zero_()
+    slots = s.allocator.alloc(2)
+    write(s, slots, [1.0, 2.0])
+    first = host.backup(slots)
+    assert host.k[1, first].flatten().tolist() == [0.0, 0.0]  # still on its way
+    host.free(first)  # e.g. its node dropped from the host tier at once
+    write(s, slots, [3.0, 4.0])
+    second = host.backup(slots)
+    assert sorted(second.tolist()) == sorted(first.tolist())  # the freed slots, reused
+    copies[1].done = True
+    host.settle()
+    assert len(host.pending) == 2  # the later copy has landed but waits for the earlier one
+    copies[0].done = True
+    host.settle()
+    assert not host.pending and host.k[1, second].flatten().tolist() == [3.0, 4.0]
+    assert host.v[0, second].flatten().tolist() == [-3.0, -4.0]
+    write(s, slots, [5.0, 6.0])
+    third = host.backup(slots)
+    assert not any(c.waited for c in copies)
+    back = s.allocator.alloc(2)
+    host.restore(third, back)
+    assert copies[2].waited and read(s, back) == [5.0, 6.0]
 
 
 def test_partial_match_splits_a_host_node_and_loads_only_the_matched_part():

@@ -4,9 +4,17 @@ When the tree evicts a node from the device, its keys and values of every layer 
 the tree; a later match copies them back into fresh device slots. Keys are stored unrotated, so a span's KV is the
 same at every offset: a block comes back into any request without a position fix-up. Host slots are plain token
 indices (no pages): each layer is a [size, Hkv, D] tensor, pinned on CUDA so the copies are DMA transfers.
+
+A backup must not make the host wait for the GPU: eviction runs at admission, while the step in flight computes.
+So the KV goes out by non-blocking copies into pinned staging with an event, and lands in its host slots (a scatter
+on the host) once that event has passed: `settle`, called by every pool operation. Backups land oldest first, so a
+slot freed while its backup was still out and then reused by a later backup ends up holding the later one.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +32,23 @@ def host_kv_buffers(pool: MHATokenToKVPool, tokens: int) -> tuple[torch.Tensor, 
     )
 
 
+def record_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event marking the work queued so far on `device`'s current stream; None on the CPU, where it is done."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+@dataclass
+class PendingBackup:
+    host: torch.Tensor  # the host slots it lands in
+    k: torch.Tensor  # [layers, n, Hkv, D] staging, filled by the stream up to `event`
+    v: torch.Tensor
+    event: torch.cuda.Event | None
+
+
 class HostKVPool:
     def __init__(self, device_pool: MHATokenToKVPool, size: int) -> None:
         if size < 1:
@@ -31,6 +56,7 @@ class HostKVPool:
         self.device_pool = device_pool
         self.size = size
         self.k, self.v = host_kv_buffers(device_pool, size)
+        self.pending: deque[PendingBackup] = deque()
         self.clear()
 
     @classmethod
@@ -47,6 +73,7 @@ class HostKVPool:
     def clear(self) -> None:
         self.free_slots = torch.arange(self.size, dtype=torch.int64)
         self.num_free = self.size
+        self.pending.clear()
 
     def available_size(self) -> int:
         return self.num_free
@@ -55,24 +82,48 @@ class HostKVPool:
         return self.size * self.device_pool.bytes_per_token()
 
     def backup(self, device_slots: torch.Tensor) -> torch.Tensor | None:
-        """Copy the KV in `device_slots` (every layer) into new host slots; None when the host pool is short."""
+        """Start copying the KV in `device_slots` (every layer) into new host slots, returned at once; None when
+        the host pool is short. The device slots may be reused right away: later kernels queue behind the copies."""
         n = device_slots.numel()
         if n > self.num_free:
             return None
         self.num_free -= n
         host = self.free_slots[self.num_free : self.num_free + n].clone()
-        src = device_slots.to(self.device_pool.device)
-        for layer in range(self.device_pool.layer_num):
-            self.k[layer, host] = self.device_pool.k_buffer[layer][src].cpu()
-            self.v[layer, host] = self.device_pool.v_buffer[layer][src].cpu()
+        pool = self.device_pool
+        src = device_slots.to(pool.device)
+        k, v = host_kv_buffers(pool, n)
+        for layer in range(pool.layer_num):
+            k[layer].copy_(pool.k_buffer[layer][src], non_blocking=True)
+            v[layer].copy_(pool.v_buffer[layer][src], non_blocking=True)
+        self.pending.append(PendingBackup(host, k, v, record_event(torch.device(pool.device))))
+        self.settle()
         return host
 
+    def settle(self, wait: bool = False) -> None:
+        """Scatter the backups whose copies have landed into their host slots, oldest first; all of them (waiting
+        for their copies) with `wait`."""
+        while self.pending:
+            backup = self.pending[0]
+            if backup.event is not None and not backup.event.query():
+                if not wait:
+                    return
+                backup.event.synchronize()
+            self.k[:, backup.host] = backup.k
+            self.v[:, backup.host] = backup.v
+            self.pending.popleft()
+
     def restore(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        """Copy a backup into `device_slots` and give its host slots back."""
-        dst = device_slots.to(self.device_pool.device)
-        for layer in range(self.device_pool.layer_num):
-            self.device_pool.k_buffer[layer][dst] = self.k[layer, host_slots].to(dst.device, non_blocking=True)
-            self.device_pool.v_buffer[layer][dst] = self.v[layer, host_slots].to(dst.device, non_blocking=True)
+        """Copy a backup into `device_slots` and give its host slots back. The rows are gathered into pinned
+        staging first: a copy from pageable memory may wait for the stream."""
+        self.settle(wait=True)
+        pool = self.device_pool
+        dst = device_slots.to(pool.device)
+        k, v = host_kv_buffers(pool, host_slots.numel())
+        torch.index_select(self.k, 1, host_slots, out=k)
+        torch.index_select(self.v, 1, host_slots, out=v)
+        for layer in range(pool.layer_num):
+            pool.k_buffer[layer][dst] = k[layer].to(dst.device, non_blocking=True)
+            pool.v_buffer[layer][dst] = v[layer].to(dst.device, non_blocking=True)
         self.free(host_slots)
 
     def free(self, host_slots: torch.Tensor) -> None:
