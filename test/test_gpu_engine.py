@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -22,6 +24,16 @@ PROMPTS = [
     + "Which one?",
 ]
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+
+
+@contextmanager
+def no_device_syncs() -> Iterator[None]:
+    """Any operation in the block that makes the host wait for the stream raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -51,15 +63,12 @@ def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
         kv = e.scheduler.kv
         req.req_pool_idx = e.runner.req_to_token_pool.alloc()
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_device_syncs():
             kv.match(req)
             kv.alloc(req, [len(s.tokens) - s.done for s in req.segments])  # as if its prefill had run
             kv.cache(req)
             cached = [s.cached for s in req.segments]
             kv.release(req)  # frees its partial pages (page size 16) from the host record of its slots
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert req.cached_span_tokens > 0
         assert cached == [len(s.tokens) // page_size * page_size for s in req.segments]
 
@@ -70,8 +79,10 @@ def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
         (GREEDY, {}),
         ({"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16, "ignore_eos": True}, {}),
         (GREEDY, {"return_logprob": [True, False, True, True], "top_logprobs_num": [2, 0, 0, 3]}),
+        (GREEDY, {"return_logprob": [True, False, True, True], "top_logprobs_num": [2, 0, 0, 3],
+                  "logprob_start_len": [0, -1, 2, -1]}),
     ],
-    ids=["greedy", "sampled", "logprobs"],
+    ids=["greedy", "sampled", "logprobs", "prompt_logprobs"],
 )
 def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params, logprobs):
     """Launching a step (the batch, its decodes' inputs from the previous step's ids on the device, the forward,
@@ -84,11 +95,8 @@ def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params, logprobs):
 
         def strict_launch(plan, updated):
             ahead.append((sched.inflight is not None, bool(plan.entries)))
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with no_device_syncs():
                 return launch(plan, updated)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
 
         sched._launch = strict_launch
         outs = e.generate(PROMPTS, params, **logprobs)
@@ -105,12 +113,27 @@ def test_eviction_never_waits_for_the_gpu(tiny_llama):
         tree = e.scheduler.tree
         assert tree.evictable_size() > 0
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_device_syncs():
             freed = tree.evict(tree.evictable_size())
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert freed > 0 and tree.evictable_size() == 0
+
+
+def test_backup_to_the_host_tier_never_waits_for_the_gpu(tiny_llama):
+    """With the hierarchical cache an evicted node's KV goes to host memory: the copies start without waiting for
+    the stream (eviction runs at admission, beside the step in flight), and what comes back later is what went
+    out, so greedy tokens equal a run that never evicted."""
+    common = dict(device="cuda", model_path=str(tiny_llama), dtype="float32", page_size=4, max_total_tokens=4096)
+    with Engine(**common) as roomy:
+        expected = [o["output_ids"] for o in roomy.generate(PROMPTS, GREEDY)]
+    with Engine(enable_hierarchical_cache=True, hicache_ratio=1.0, **common) as e:
+        e.generate(PROMPTS, GREEDY)
+        tree = e.scheduler.tree
+        torch.cuda.synchronize()
+        with no_device_syncs():
+            moved = tree.evict(tree.evictable_size())
+        assert moved > 0 and tree.host_size() == moved
+        assert [o["output_ids"] for o in e.generate(PROMPTS, GREEDY)] == expected
+        assert e.get_stats()["hicache_loaded_tokens"] > 0
 
 
 def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
@@ -97,8 +98,7 @@ def test_sampling_that_reads_the_output_runs_ahead_with_same_tokens(tiny_llama, 
 
 
 def test_logprobs_are_read_with_their_tokens(tiny_llama):
-    """Output logprobs are computed on the device at sampling and read with the tokens, so their steps run ahead;
-    prompt logprobs (read at launch) only cost that step its overlap."""
+    """Output and prompt logprobs are computed on the device and read with the tokens, so their steps run ahead."""
     params = [{"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}] * len(PROMPTS4)
     logprobs = dict(return_logprob=[True, False, True, True], top_logprobs_num=[2, 0, 0, 3],
                     logprob_start_len=[-1, -1, 1, -1])
@@ -112,6 +112,32 @@ def test_logprobs_are_read_with_their_tokens(tiny_llama):
     assert len(outs[0]["meta_info"]["output_token_logprobs"]) == 8
     assert [t for _, t, *_ in outs[3]["meta_info"]["output_token_logprobs"]] == outs[3]["output_ids"]
     assert all(len(top) == 3 for top in outs[3]["meta_info"]["output_top_logprobs"])
+
+
+def test_prompt_logprobs_over_prefill_chunks_are_the_models(tiny_llama):
+    """Prompt logprobs are recorded when their step commits, chunk after chunk of a prefill launched ahead: each is
+    the model's log-softmax at its position (the first prompt token once, without one), from `logprob_start_len`."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPTS4[1] + " " + PROMPTS4[-1]
+    params = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
+    kwargs = dict(return_logprob=True, top_logprobs_num=[2, 0], logprob_start_len=[0, 5])
+    outs, on = run(tiny_llama, [params] * 2, overlap=True, prompts=[prompt] * 2, generate_kwargs=kwargs,
+                   chunked_prefill_size=8)
+    assert on.ahead_extends >= 2
+    whole, late = outs[0]["meta_info"], outs[1]["meta_info"]
+    ids = [t for _, t, *_ in whole["input_token_logprobs"]]
+    assert len(ids) == whole["prompt_tokens"] > 3 * 8
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    want = [lp[i - 1, t].item() for i, t in enumerate(ids) if i > 0]
+    assert whole["input_token_logprobs"][0][0] is None and whole["input_top_logprobs"][0] is None
+    assert [v for v, *_ in whole["input_token_logprobs"][1:]] == pytest.approx(want, abs=1e-4)
+    for i, top in enumerate(whole["input_top_logprobs"][1:]):
+        assert [t for _, t, *_ in top] == lp[i].topk(2).indices.tolist()
+    assert [t for _, t, *_ in late["input_token_logprobs"]] == ids[5:]
+    assert [v for v, *_ in late["input_token_logprobs"]] == pytest.approx(want[4:], abs=1e-4)
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama):

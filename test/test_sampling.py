@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from sglang_pic.managers.req import Req, ReqSegment
-from sglang_pic.sampling.logprobs import compute_logprobs, get_token_logprobs, get_top_logprobs
+from sglang_pic.sampling.logprobs import SampledLogprobs, compute_logprobs
 from sglang_pic.sampling.penalty_counts import PenaltyCounts
 from sglang_pic.sampling.sampler import Sampler, adjust_logits, filter_probs, make_generator
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
@@ -329,10 +329,11 @@ def test_logprob_helpers():
     assert torch.allclose(lp, torch.log_softmax(logits, -1)) and lp.dtype == torch.float32
     scaled = compute_logprobs(logits, torch.tensor([[2.0], [1.0]]))
     assert torch.allclose(scaled[0], torch.log_softmax(logits[0] / 2, -1))
-    top = get_top_logprobs(lp, [2, 0])
-    assert [t for _, t in top[0]] == [1, 2] and top[1] == []
-    assert top[0][0][0] == pytest.approx(lp[0, 1].item())
-    assert get_token_logprobs(lp, [0, 2]) == pytest.approx([lp[0, 0].item(), lp[1, 2].item()])
+    sampled = SampledLogprobs.compute(lp, torch.tensor([0, 2]), [2, 0])
+    (chosen0, top0), (chosen1, top1) = sampled.by_row(sampled.tensors)
+    assert [t for _, t in top0] == [1, 2] and top1 == []
+    assert top0[0][0] == pytest.approx(lp[0, 1].item())
+    assert [chosen0, chosen1] == pytest.approx([lp[0, 0].item(), lp[1, 2].item()])
 
 
 @pytest.mark.gpu

@@ -21,6 +21,27 @@ from sglang_pic.utils_tensor import HostCopy
 
 
 @dataclass
+class PromptLogprobs:
+    """One batch entry's prompt logprobs on their way to the host: for each position it scored, the logprob of
+    the prompt token that follows (`targets`) and the top alternatives."""
+
+    req: Req
+    targets: list[int]
+    first: int | None  # the prompt's first token, recorded without a logprob, when this entry starts the prompt
+    logprobs: SampledLogprobs
+    copies: list[HostCopy]
+
+    def record(self) -> None:
+        req = self.req
+        if self.first is not None:
+            req.input_token_logprobs.append((None, self.first))
+            req.input_top_logprobs.append(None)
+        for target, (value, top) in zip(self.targets, self.logprobs.by_row([c.get() for c in self.copies])):
+            req.input_token_logprobs.append((value, target))
+            req.input_top_logprobs.append(top)
+
+
+@dataclass
 class LaunchedStep:
     """A step on the device whose sampled tokens the host has not committed yet."""
 
@@ -29,6 +50,7 @@ class LaunchedStep:
     logprob_rows: list[int]  # rows whose requests return logprobs
     logprobs: SampledLogprobs | None
     decode_only: bool
+    prompt_logprobs: list[PromptLogprobs]  # recorded before the sampled tokens are appended
     held: set[int] = field(init=False, repr=False)  # id() of each request in `reqs`
 
     def __post_init__(self) -> None:

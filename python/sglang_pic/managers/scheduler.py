@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_pic.managers.isps import SpanPrefillPlanner
-from sglang_pic.managers.overlap import LaunchedStep
+from sglang_pic.managers.overlap import LaunchedStep, PromptLogprobs
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.host_pool import HostKVPool
@@ -25,8 +25,6 @@ from sglang_pic.sampling.logprobs import (
     SampledLogprobs,
     chosen_and_top_logprobs,
     compute_logprobs,
-    get_token_logprobs,
-    get_top_logprobs,
 )
 from sglang_pic.sampling.penalty_counts import PenaltyCounts, uses_history
 from sglang_pic.sampling.sampler import Sampler
@@ -397,8 +395,7 @@ class Scheduler:
                 sample_rows.append(row)
                 fresh.append(e.req)
                 row += 1
-        if logprob_rows:
-            self._record_input_logprobs(logprob_rows, logits)
+        prompt_logprobs = self._prompt_logprobs(logprob_rows, logits) if logprob_rows else []
         # Hand freshly computed spans and prefixes to the tree now, so waiting requests can reuse them.
         for e in plan.entries:
             if e.completes and e.req.warmup:
@@ -415,32 +412,32 @@ class Scheduler:
         ids = self._sample_ids(reqs, logits) if reqs else logits.new_empty(0, dtype=torch.int64)
         rows, logprobs = self._sampled_logprobs(reqs, logits, ids)
         copies = copy_to_host(ids, *(logprobs.tensors if logprobs is not None else []))
-        return LaunchedStep(reqs, copies, rows, logprobs, batch.forward_mode.is_decode())
+        return LaunchedStep(reqs, copies, rows, logprobs, batch.forward_mode.is_decode(), prompt_logprobs)
 
-    def _record_input_logprobs(self, rows: list[tuple[BatchEntry, int]], logits: torch.Tensor) -> None:
+    @staticmethod
+    def _prompt_logprobs(rows: list[tuple[BatchEntry, int]], logits: torch.Tensor) -> list[PromptLogprobs]:
+        """Each entry's prompt logprobs, computed on the device and on their way to the host (recorded at commit);
+        the entries' requests stop asking for them once their last prompt position is covered."""
+        out = []
         for e, start in rows:
             req = e.req
             n = len(e.logprob_positions)
-            lp = compute_logprobs(logits[start : start + n])
             ids = req.prompt_ids()
             targets = [ids[p + 1] for p in e.logprob_positions]
-            values = get_token_logprobs(lp, targets)
-            tops = get_top_logprobs(lp, [req.top_logprobs_num] * n) if req.top_logprobs_num else [[]] * n
-            if not req.input_token_logprobs and req.logprob_start_len == 0:
-                req.input_token_logprobs.append((None, ids[0]))
-                req.input_top_logprobs.append(None)
-            req.input_token_logprobs.extend(zip(values, targets))
-            req.input_top_logprobs.extend(tops)
-            if e.logprob_positions[-1] >= req.prompt_len - 2:
+            lp = compute_logprobs(logits[start : start + n])
+            sampled = SampledLogprobs.compute(lp, upload(targets, device=lp.device), [req.top_logprobs_num] * n)
+            first = ids[0] if req.logprob_start_len == 0 and e.logprob_positions[0] == 0 else None
+            out.append(PromptLogprobs(req, targets, first, sampled, copy_to_host(*sampled.tensors)))
+            if e.logprob_positions[-1] >= req.prompt_len - 2 or e.completes:
                 req.input_logprobs_done = True
-        for e, _ in rows:
-            if e.req.prompt_len == 1 or e.completes:
-                e.req.input_logprobs_done = True
+        return out
 
     def _commit(self, step: LaunchedStep, updated: list[Req]) -> None:
         """Append each sampled token to its request (with its logprobs when it returns them) and finish the request
         if it stops. Rows of requests that finished or were aborted since the launch are dropped. Finished requests
         leave `running` in one pass, so a step costs O(batch) however many finish in it."""
+        for prompt in step.prompt_logprobs:
+            prompt.record()
         host = [c.get() for c in step.copies]
         next_ids = host[0].tolist()
         logprobs = dict(zip(step.logprob_rows, step.logprobs.by_row(host[1:]))) if step.logprobs is not None else {}

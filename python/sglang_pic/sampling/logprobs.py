@@ -21,33 +21,13 @@ def compute_logprobs(logits: torch.Tensor, temperatures: torch.Tensor | None = N
     return torch.log_softmax(logits, dim=-1)
 
 
-def get_top_logprobs(logprobs: torch.Tensor, k: list[int]) -> list[list[tuple[float, int]]]:
-    """Row i's k[i] most likely tokens as (logprob, token_id), best first; one topk and one copy to the host."""
-    if len(k) != logprobs.shape[0]:
-        raise ValueError(f"got {len(k)} top-logprob counts for {logprobs.shape[0]} rows")
-    widest = min(max(k, default=0), logprobs.shape[-1])
-    if widest <= 0:
-        return [[] for _ in k]
-    values, ids = logprobs.topk(widest, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    return [list(zip(v[: max(n, 0)], i[: max(n, 0)])) for v, i, n in zip(values, ids, k)]
-
-
-def get_token_logprobs(logprobs: torch.Tensor, ids: list[int] | torch.Tensor) -> list[float]:
-    """Row i's logprob of token ids[i]."""
-    index = torch.as_tensor(ids, dtype=torch.int64, device=logprobs.device).view(-1, 1)
-    if index.shape[0] != logprobs.shape[0]:
-        raise ValueError(f"got {index.shape[0]} token ids for {logprobs.shape[0]} rows")
-    return logprobs.gather(1, index).view(-1).tolist()
-
-
 @dataclass
 class SampledLogprobs:
     """The logprobs of sampled tokens and the top alternatives, computed on the device when the tokens are sampled
     and read by the host later, with the tokens (overlap scheduling reads a step's tokens after the next launch).
 
     One gather for the chosen tokens and one topk per distinct count, instead of two host round trips per row;
-    rows sharing a count are exactly what get_top_logprobs gives each alone."""
+    rows sharing a count get what a topk of each row alone gives."""
 
     top_nums: list[int]
     tensors: list[torch.Tensor]  # chosen [R]; then per distinct count k > 0, ascending: values, ids [rows with k, k]
