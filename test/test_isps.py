@@ -139,6 +139,27 @@ def test_isps_starts_decodes_while_span_prefills_remain(tiny_llama):
         assert overlapped >= 3, f"decodes ran next to span prefills in only {overlapped} steps"
 
 
+@pytest.mark.timeout(120)  # the bug this guards against was a request requeued forever
+def test_prompt_logprobs_over_a_span_compute_it_in_the_request(tiny_llama):
+    """A request returning prompt logprobs over a span needs the span's logits, so it computes the span itself and
+    must not wait for its cached KV: it used to be released and requeued every step once the span was cached. Its
+    logprobs are the same whether the span was cached or not; logprobs that start after the span reuse it."""
+    prompt = "Preface." + span(DOCS[1]) + "Which one?"
+    logprobs = dict(return_logprob=True, logprob_start_len=0)
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as cold:
+        want = cold.generate(prompt, GREEDY, **logprobs)["meta_info"]
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as warm:
+        warm.warm_spans([DOCS[1]])
+        got = warm.generate(prompt, GREEDY, **logprobs)["meta_info"]
+        assert got["cached_span_tokens"] == 0
+        assert len(got["input_token_logprobs"]) == got["prompt_tokens"]
+        assert [v for v, *_ in got["input_token_logprobs"][1:]] == pytest.approx(
+            [v for v, *_ in want["input_token_logprobs"][1:]], abs=1e-5
+        )
+        late = warm.generate(prompt, GREEDY, return_logprob=True, logprob_start_len=got["prompt_tokens"] - 2)
+        assert late["meta_info"]["cached_span_tokens"] > 0 and len(late["meta_info"]["input_token_logprobs"]) == 2
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_1k(tmp_path_factory: pytest.TempPathFactory):
     from tiny_models import build_tiny_model

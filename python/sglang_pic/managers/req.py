@@ -126,6 +126,16 @@ class Req:
     def needs_input_logprobs(self) -> bool:
         return self.return_logprob and not self.input_logprobs_done and 0 <= self.logprob_start_len < self.prompt_len
 
+    def reuse_limit(self) -> int | None:
+        """The first prompt position whose KV must be computed here rather than reused from the cache: its logits
+        give a prompt logprob the request returns. None: everything may be reused."""
+        return max(self.logprob_start_len - 1, 0) if self.needs_input_logprobs() else None
+
+    def reuses_whole(self, seg: ReqSegment) -> bool:
+        """Whether the request may take all of `seg`'s KV from the cache (else it computes the rest itself)."""
+        limit = self.reuse_limit()
+        return limit is None or seg.start + len(seg.tokens) <= limit
+
     def cached_tokens(self) -> int:
         return self.cached_prefix_tokens + self.cached_span_tokens
 

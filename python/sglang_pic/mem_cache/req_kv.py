@@ -56,7 +56,7 @@ class ReqKVManager:
     def match(self, req: Req) -> None:
         """Reuse cached KV for every segment; lock what was matched and write its slots into the request's row."""
         last_nonempty = max((i for i, s in enumerate(req.segments) if s.tokens), default=0)
-        limit = max(req.logprob_start_len - 1, 0) if req.needs_input_logprobs() else None
+        limit = req.reuse_limit()
         req.cached_prefix_tokens = req.cached_span_tokens = 0
         for i, seg in enumerate(req.segments):
             cap = len(seg.tokens)
@@ -81,8 +81,12 @@ class ReqKVManager:
                 req.cached_prefix_tokens += n
 
     def _shareable_uncached_spans(self, req: Req) -> list[ReqSegment]:
-        # Only whole pages are shared, so a span with less than a page left to compute is not worth waiting for.
-        return [s for s in req.segments if s.kind == "span" and len(s.tokens) - s.done >= self.page_size]
+        # Only whole pages are shared, so a span with less than a page left to compute is not worth waiting for;
+        # nor is one whose prompt logprobs the request computes itself.
+        return [
+            s for s in req.segments
+            if s.kind == "span" and len(s.tokens) - s.done >= self.page_size and req.reuses_whole(s)
+        ]
 
     def has_shareable_uncached_span(self, req: Req) -> bool:
         return bool(self._shareable_uncached_spans(req))
@@ -93,7 +97,7 @@ class ReqKVManager:
             return []
         out = []
         for seg in req.segments:
-            if seg.kind == "span" and len(seg.tokens) >= self.page_size:
+            if seg.kind == "span" and len(seg.tokens) >= self.page_size and req.reuses_whole(seg):
                 hit = int(self.tree.match_prefix(seg.key()).device_indices.numel())
                 if len(seg.tokens) - hit >= self.page_size:
                     out.append(seg)
