@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_pic.entrypoints.tool_calls import TOOL_CALL_PARSERS
+
 
 def _arg(default: Any, help: str) -> Any:
     """A field whose help text `python -m sglang_pic.launch_server --help` shows."""
@@ -51,6 +53,12 @@ class ServerArgs:
         None,
         "Chat template for /v1/chat/completions: a built-in name (chatml, llama-3-instruct), a Jinja file, or "
         "a JSON file with a chat_template key; default: the tokenizer's.",
+    )
+    tool_call_parser: str | None = _arg(
+        None,
+        "How /v1/chat/completions finds tool calls in replies: qwen25 (<tool_call> JSON, Qwen2.5/Qwen3 and "
+        "Hermes-style templates) or llama3 (JSON objects); default: the model family's (qwen25 for Qwen, llama3 "
+        "for Llama).",
     )
 
     # Memory and caching.
@@ -170,6 +178,9 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            choices = ", ".join(TOOL_CALL_PARSERS)
+            raise ValueError(f"tool_call_parser must be one of {choices}, got {self.tool_call_parser!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.load_format not in ("auto", "dummy", "gguf"):

@@ -20,11 +20,13 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from sglang_pic.entrypoints.openai_protocol import (
+    CalledFunction,
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -33,13 +35,16 @@ from sglang_pic.entrypoints.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    ToolCallItem,
     TopLogprob,
     UsageInfo,
     describe_validation_error,
 )
+from sglang_pic.entrypoints.tool_calls import ToolCall, ToolCallStream, mark_tool_spans, tool_call_parser
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req
 from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerTokenizerManager
@@ -100,6 +105,43 @@ def _sse(model: BaseModel, exclude_none: bool = False) -> str:
 def _finish(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
     reason = out["meta_info"]["finish_reason"]
     return (reason["type"], reason.get("matched")) if reason else (None, None)
+
+
+def _tool_names(body: ChatCompletionRequest) -> set[str]:
+    return {t.function.name for t in body.tools or []}
+
+
+def _tool_items(calls: list[ToolCall]) -> list[ToolCallItem] | None:
+    """Calls as the API returns them (each with its index, which stream deltas need and messages tolerate)."""
+    if not calls:
+        return None
+    return [
+        ToolCallItem(index=i, id=c.id, function=CalledFunction(name=c.name, arguments=c.arguments))
+        for i, c in enumerate(calls)
+    ]
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: earlier calls with their arguments as objects (templates render
+    them with tojson), a tool message with the call it answers."""
+    entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name is not None:
+        entry["name"] = m.name
+    if m.tool_call_id is not None:
+        entry["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        entry["tool_calls"] = [
+            {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _json_args(c.function)}}
+            for c in m.tool_calls
+        ]
+    return entry
+
+
+def _json_args(call: FunctionCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return call.arguments
 
 
 def _usage(outs: list[dict[str, Any]], n: int) -> UsageInfo:
@@ -167,6 +209,7 @@ class OpenAIServing:
         self.manager = manager
         self.tokenizer = manager.tokenizer
         self.chat_template = load_chat_template(manager.server_args.chat_template, self.tokenizer)
+        self.tool_parser = tool_call_parser(manager.server_args.tool_call_parser, manager.model_config.architecture)
         self.defaults = {**CHAT_SAMPLING_DEFAULTS, **generation_defaults(manager.files.model_dir)}
         bos = self.tokenizer.bos_token_id
         self.strip_bos = bos is not None and self.tokenizer.encode("a")[:1] == [bos]
@@ -325,7 +368,13 @@ class OpenAIServing:
             if body.logprobs:
                 logprobs = _chat_logprobs(meta["output_token_logprobs"], meta["output_top_logprobs"])
             reason, matched = _finish(out)
-            message = ChatResponseMessage(role="assistant", content=out["text"] or None)
+            content, calls = out["text"], []
+            if body.uses_tools():
+                content, calls = self.tool_parser.parse(content, _tool_names(body))
+                content = content.strip()
+            message = ChatResponseMessage(role="assistant", content=content or None, tool_calls=_tool_items(calls))
+            if calls:
+                reason, matched = "tool_calls", None
             choices.append(
                 ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
             )
@@ -333,9 +382,17 @@ class OpenAIServing:
         return Response(response.model_dump_json(), media_type="application/json")
 
     def _chat_input(self, body: ChatCompletionRequest, rid: str) -> GenerateReqInput:
+        sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens)
+        if body.uses_tools():
+            if self.tool_parser is None:
+                raise ValueError(
+                    f"no tool-call parser for {self.manager.model_config.architecture}; start the server with "
+                    "--tool-call-parser"
+                )
+            sampling["skip_special_tokens"] = False  # call tags (Qwen's <tool_call>) may be special tokens
         return GenerateReqInput(
             text=self.render_chat(body),
-            sampling_params=self._sampling(body, body.max_completion_tokens or body.max_tokens),
+            sampling_params=sampling,
             rid=rid,
             return_logprob=body.logprobs,
             top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,
@@ -347,17 +404,14 @@ class OpenAIServing:
         """The prompt text, kept as text (not ids) so PIC markers inside messages still split it into segments."""
         if self.chat_template is None:
             raise ValueError("the model has no chat template; start the server with --chat-template")
-        messages = []
-        for m in body.messages:
-            entry = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name is not None:
-                entry["name"] = m.name
-            messages.append(entry)
+        messages = [_template_message(m) for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.uses_tools() else None
         continue_final = body.continue_final_message and body.messages[-1].role == "assistant"
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 chat_template=self.chat_template,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=not continue_final,
                 continue_final_message=continue_final,
@@ -368,6 +422,9 @@ class OpenAIServing:
         bos = self.tokenizer.bos_token
         if self.strip_bos and bos and text.startswith(bos):
             text = text[len(bos) :]  # the tokenizer adds it again
+        if tools and body.tool_spans:
+            args = self.manager.server_args
+            text = mark_tool_spans(text, tools, args.ssep_marker, args.pdep_marker)
         return text
 
     async def _chat_stream(
@@ -375,6 +432,8 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         cursors = [_Cursor() for _ in reqs]
         finals: dict[int, dict] = {}
+        names = _tool_names(body)
+        tool_streams = [ToolCallStream(self.tool_parser, names) for _ in reqs] if body.uses_tools() else None
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
         def chunk(choice: ChatStreamChoice, out: dict) -> str:
@@ -390,11 +449,21 @@ class OpenAIServing:
                         opening = ChatStreamChoice(index=i, delta=ChatResponseMessage(role="assistant", content=""))
                         yield chunk(opening, out)
                     delta, triples, tops = cursor.advance(out)
+                    reason, matched = _finish(out)
+                    calls = []
+                    if tool_streams is not None:
+                        delta = tool_streams[i].feed(delta)
+                        if reason is not None:
+                            rest, calls = tool_streams[i].finish()
+                            delta += rest
                     logprobs = _chat_logprobs(triples, tops) if body.logprobs and triples else None
                     if delta or logprobs:
                         content = ChatStreamChoice(index=i, delta=ChatResponseMessage(content=delta), logprobs=logprobs)
                         yield chunk(content, out)
-                    reason, matched = _finish(out)
+                    if calls:
+                        message = ChatResponseMessage(tool_calls=_tool_items(calls))
+                        yield chunk(ChatStreamChoice(index=i, delta=message), out)
+                        reason, matched = "tool_calls", None
                     if reason is not None:
                         finals[i] = out
                         closing = ChatStreamChoice(

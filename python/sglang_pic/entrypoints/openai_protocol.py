@@ -97,10 +97,46 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class MessageToolCall(_Request):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+    index: int | None = None  # ignored: there when a client sends back a call as it was streamed
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    reasoning_content: str | None = None  # ignored: there when a client sends back a reply message as it came
 
     def text(self) -> str:
         if self.content is None:
@@ -127,8 +163,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # sglang_pic extension: each tool description becomes a span, reused whatever tools precede it.
+    tool_spans: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 
@@ -155,10 +194,22 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v: list[dict] | None) -> list[dict] | None:
-        if v:
-            raise ValueError("tool calling is not supported")
+    def _distinct_tool_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tool names must be distinct")
         return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_supported(cls, v):
+        if v == "required" or isinstance(v, NamedToolChoice):
+            raise ValueError("forcing a tool call needs constrained decoding, which is not supported; use 'auto'")
+        return v
+
+    def uses_tools(self) -> bool:
+        """Whether the tools are shown to the model and its reply parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def describe_validation_error(err: ValidationError) -> str:
@@ -241,7 +292,7 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
-FinishReasonType = Literal["stop", "length", "abort"]
+FinishReasonType = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class CompletionChoice(BaseModel):
@@ -261,11 +312,23 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class CalledFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallItem(BaseModel):
+    index: int | None = None  # in stream deltas
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list | None = None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -1,0 +1,183 @@
+"""Tool calls in chat completions: the model's calls parsed out of its text, and tool descriptions as spans.
+
+A parser knows one model family's call format. `qwen25` (Qwen2.5/Qwen3, Hermes-style): each call is a JSON object
+{"name", "arguments"} between <tool_call> and </tool_call>, text may surround them; small models often drop the
+tags, so a reply made only of such objects counts too. `llama3` (Llama 3.1+): the whole reply is one or more JSON
+objects {"name", "parameters"} separated by ";" (after an optional <|python_tag|>). Only calls to the request's
+tools with JSON-object arguments count; anything else stays text, so a malformed call reaches the client as
+content rather than an error.
+
+`mark_tool_spans` makes each tool description a span: agents resend the same tools in varying subsets and orders,
+and as spans each description is prefilled once and reused behind any system prompt, at any offset.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str
+
+
+def _call(name: object, arguments: object, names: set[str]) -> ToolCall | None:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _reply_of_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls when `text` is nothing but JSON call objects (separated by whitespace or ";"), else []."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    body = text.strip()
+    while pos < len(body):
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return []
+        if not isinstance(obj, dict):
+            return []
+        call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})), names)
+        if call is None:
+            return []
+        calls.append(call)
+        while pos < len(body) and body[pos] in " \t\n;":
+            pos += 1
+    return calls
+
+
+def _may_be_calls(text: str, prefix: str = "") -> bool:
+    """Whether a reply so far may still turn out to be only calls (it opens with `prefix` or a JSON object)."""
+    head = text.lstrip()
+    return not head or head.startswith("{") or (bool(prefix) and (head.startswith(prefix) or prefix.startswith(head)))
+
+
+class ToolCallParser(ABC):
+    @abstractmethod
+    def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+        """(the text without the calls, the calls to tools in `names`)."""
+
+    @abstractmethod
+    def call_starts(self, text: str) -> int:
+        """Where a call may begin in `text`, counting a partial opener at its end (len(text): nowhere)."""
+
+
+class HermesParser(ToolCallParser):
+    start = "<tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+        calls, kept, pos = [], [], 0
+        for m in self._block.finditer(text):
+            try:
+                obj = json.loads(m.group(1))
+            except json.JSONDecodeError:
+                continue
+            call = _call(obj.get("name"), obj.get("arguments", {}), names) if isinstance(obj, dict) else None
+            if call is not None:
+                calls.append(call)
+                kept.append(text[pos : m.start()])
+                pos = m.end()
+        kept.append(text[pos:])
+        if not calls:
+            calls = _reply_of_calls(text, names)
+            return ("", calls) if calls else (text, [])
+        return "".join(kept), calls
+
+    def call_starts(self, text: str) -> int:
+        if _may_be_calls(text):
+            return 0
+        i = text.find(self.start)
+        if i >= 0:
+            return i
+        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
+            if text.endswith(self.start[:n]):
+                return len(text) - n
+        return len(text)
+
+
+class Llama3JsonParser(ToolCallParser):
+    _tag = "<|python_tag|>"
+
+    def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+        calls = _reply_of_calls(text.strip().removeprefix(self._tag), names)
+        return ("", calls) if calls else (text, [])
+
+    def call_starts(self, text: str) -> int:
+        """Calls fill the whole reply: hold it back while it could still be one."""
+        return 0 if _may_be_calls(text, self._tag) else len(text)
+
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {"qwen25": HermesParser, "llama3": Llama3JsonParser}
+ARCHITECTURE_PARSERS = {
+    "Qwen2ForCausalLM": "qwen25",
+    "Qwen3ForCausalLM": "qwen25",
+    "LlamaForCausalLM": "llama3",
+}
+
+
+def tool_call_parser(name: str | None, architecture: str) -> ToolCallParser | None:
+    """The parser named by --tool-call-parser, else the one of the model's family (None if it has none)."""
+    name = name or ARCHITECTURE_PARSERS.get(architecture)
+    return TOOL_CALL_PARSERS[name]() if name else None
+
+
+class ToolCallStream:
+    """Streams a reply's text while holding back what may be a tool call; `finish` parses the whole reply."""
+
+    def __init__(self, parser: ToolCallParser, names: set[str]) -> None:
+        self.parser = parser
+        self.names = names
+        self.text = ""
+        self.sent = 0  # characters of `text` already streamed as content
+
+    def feed(self, delta: str) -> str:
+        """The content that can be streamed now."""
+        self.text += delta
+        safe = max(self.parser.call_starts(self.text), self.sent)
+        out, self.sent = self.text[self.sent : safe], safe
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not streamed yet, the calls)."""
+        content, calls = self.parser.parse(self.text, self.names)
+        rest = content[self.sent :] if content.startswith(self.text[: self.sent]) else ""
+        return rest, calls
+
+
+def mark_tool_spans(prompt: str, tools: list[dict], ssep: str, pdep: str) -> str:
+    """Make each tool's rendering in `prompt` a span (SSEP before it, PDEP after it unless the next tool follows
+    at once). Templates render tools with json.dumps (Jinja's tojson), compactly or indented; the first layout
+    that finds every tool, in order, is used."""
+    for indent in (None, 4, 2):
+        places, pos = [], 0
+        for tool in tools:
+            rendered = json.dumps(tool, ensure_ascii=False, indent=indent)
+            at = prompt.find(rendered, pos)
+            if at < 0:
+                break
+            places.append((at, at + len(rendered)))
+            pos = at + len(rendered)
+        else:
+            out, pos = [], 0
+            for i, (begin, end) in enumerate(places):
+                out += [prompt[pos:begin], ssep, prompt[begin:end]]
+                following = places[i + 1][0] if i + 1 < len(places) else len(prompt)
+                if following > end:
+                    out.append(pdep)
+                pos = end
+            out.append(prompt[pos:])
+            return "".join(out)
+    raise ValueError("tool_spans: the chat template's rendering of the tools was not found in the prompt")

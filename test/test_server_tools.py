@@ -1,0 +1,105 @@
+"""Tools in /v1/chat/completions on a live server: shown to the model through the chat template, earlier calls and
+their results rendered, forced calls refused with the reason, and tool descriptions reused as spans in any order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from server_utils import start_server, stop_server
+
+# A Hermes-style template (the layout Qwen2.5 uses): one JSON line per tool, calls in <tool_call> tags.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these functions:\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tool(name: str, description: str) -> dict:
+    params = {"type": "object", "properties": {"query": {"type": "string", "description": "what to look up"}}}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
+
+
+TOOLS = [
+    tool("search_docs", "Search the engineering handbook for pages about a topic and return the best matching titles."),
+    tool("get_weather", "Look up the current weather and the forecast for the next three days in a given city."),
+    tool("run_sql", "Run a read-only SQL query against the analytics warehouse and return at most fifty rows."),
+]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tools")
+    model = build_tiny_model(root, "qwen2", max_position_embeddings=2048)  # tool JSON is long in the tiny vocab
+    template = root / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    srv = start_server(model, "--chat-template", str(template))
+    yield srv
+    stop_server(srv)
+
+
+def chat(server, **body):
+    request = {"messages": USER, "max_tokens": 4, "temperature": 0, **body}
+    return server.post("/v1/chat/completions", json=request)
+
+
+def test_tools_reach_the_model_unless_tool_choice_is_none(server):
+    plain = chat(server).json()["usage"]["prompt_tokens"]
+    reply = chat(server, tools=TOOLS)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["usage"]["prompt_tokens"] > plain + 60
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")  # the tiny model calls nothing
+    assert body["choices"][0]["message"]["tool_calls"] is None
+    assert chat(server, tools=TOOLS, tool_choice="none").json()["usage"]["prompt_tokens"] == plain
+
+
+def test_earlier_calls_and_their_results_are_rendered(server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"query": "Paris"}'}}
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."},
+    ]
+    short = chat(server, tools=TOOLS).json()["usage"]["prompt_tokens"]
+    reply = chat(server, tools=TOOLS, messages=history)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] > short + 10
+
+
+def test_forcing_a_call_is_refused_with_the_reason(server):
+    for choice in ("required", {"type": "function", "function": {"name": "run_sql"}}):
+        reply = chat(server, tools=TOOLS, tool_choice=choice)
+        assert reply.status_code == 400 and "constrained decoding" in reply.json()["message"]
+    bad = chat(server, tools=[{"type": "function", "function": {"description": "nameless"}}])
+    assert bad.status_code == 400 and "name" in bad.json()["message"]
+
+
+def test_streamed_content_with_tools_equals_the_reply(server):
+    whole = chat(server, tools=TOOLS, max_tokens=12).json()["choices"][0]["message"]["content"]
+    lines = chat(server, tools=TOOLS, max_tokens=12, stream=True).text.splitlines()
+    chunks = [line.removeprefix("data: ") for line in lines if line.startswith("data: {")]
+    deltas = [json.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks]
+    assert "".join(deltas) == (whole or "")
+
+
+def test_tool_spans_reuse_each_description_in_any_order(server):
+    """As spans, descriptions cached by one request are reused by a later one that lists them in another order;
+    as plain prompt text only the common prefix before the first tool is."""
+
+    def cached(tools: list[dict], spans: bool) -> int:
+        reply = chat(server, tools=tools, tool_spans=spans)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(TOOLS, True)
+    cached(TOOLS, False)
+    as_spans = cached([TOOLS[2], TOOLS[0]], True)
+    as_text = cached([TOOLS[2], TOOLS[1]], False)
+    assert as_spans > as_text + 60

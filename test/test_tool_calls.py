@@ -1,0 +1,136 @@
+"""Tool calls: parsing each family's call format, streaming around calls, tool descriptions marked as spans."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest
+from sglang_pic.entrypoints.tool_calls import (
+    HermesParser,
+    Llama3JsonParser,
+    ToolCallStream,
+    mark_tool_spans,
+    tool_call_parser,
+)
+
+NAMES = {"get_weather", "add"}
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}'
+
+
+def as_pairs(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_calls_are_cut_out_of_the_text():
+    add = '{"name": "add", "arguments": "{\\"a\\": 1}"}'  # arguments given as JSON text
+    text = f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{add}\n</tool_call>"
+    content, calls = HermesParser().parse(text, NAMES)
+    assert content.strip() == "Let me check."
+    assert as_pairs(calls) == [("get_weather", {"city": "Paris", "unit": "°C"}), ("add", {"a": 1})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert "°C" in calls[0].arguments  # arguments keep non-ASCII text as is
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\n{not json}\n</tool_call>",
+        '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # not one of the request's tools
+        '<tool_call>\n{"name": "add", "arguments": [1, 2]}\n</tool_call>',  # arguments must be an object
+        "No tools needed: 4.",
+    ],
+)
+def test_hermes_anything_but_a_valid_call_stays_text(text):
+    assert HermesParser().parse(text, NAMES) == (text, [])
+
+
+def test_hermes_accepts_a_last_call_cut_before_its_closing_tag_and_calls_without_tags():
+    content, calls = HermesParser().parse(f"<tool_call>\n{WEATHER}", NAMES)
+    assert content == "" and as_pairs(calls)[0][0] == "get_weather"
+    # Qwen2.5-Coder-0.5B-Instruct answers with the bare object (tool_call_demo_cpu.log)
+    content, calls = HermesParser().parse(f" {WEATHER}\n", NAMES)
+    assert content == "" and as_pairs(calls) == [("get_weather", {"city": "Paris", "unit": "°C"})]
+    prose = f"You could call {WEATHER}"
+    assert HermesParser().parse(prose, NAMES) == (prose, [])
+
+
+def test_llama3_reply_of_json_calls():
+    text = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {}}'
+    content, calls = Llama3JsonParser().parse(text, NAMES)
+    assert content == "" and as_pairs(calls) == [("add", {"a": 1, "b": 2}), ("get_weather", {})]
+    prose = 'The answer is {"a": 1}, as you see.'
+    assert Llama3JsonParser().parse(prose, NAMES) == (prose, [])
+    half = '{"name": "add", "parameters": {"a": 1}} and then some text'
+    assert Llama3JsonParser().parse(half, NAMES) == (half, [])
+
+
+def test_parser_follows_the_flag_then_the_model_family():
+    assert isinstance(tool_call_parser(None, "Qwen2ForCausalLM"), HermesParser)
+    assert isinstance(tool_call_parser(None, "LlamaForCausalLM"), Llama3JsonParser)
+    assert isinstance(tool_call_parser("qwen25", "LlamaForCausalLM"), HermesParser)
+    assert tool_call_parser(None, "MistralForCausalLM") is None
+
+
+def stream(parser, pieces: list[str]) -> tuple[list[str], str, list]:
+    s = ToolCallStream(parser, NAMES)
+    sent = [s.feed(p) for p in pieces]
+    rest, calls = s.finish()
+    return sent, rest, calls
+
+
+def test_stream_holds_back_what_may_open_a_call_and_never_streams_it():
+    pieces = ["Sure", ". <tool", "_call>\n{\"name\": \"add\", ", '"arguments": {"a": 2}}\n</tool_call>']
+    sent, rest, calls = stream(HermesParser(), pieces)
+    assert sent == ["Sure", ". ", "", ""]  # "<tool" waits until it is known to open a call
+    assert rest == "" and as_pairs(calls) == [("add", {"a": 2})]
+
+
+def test_stream_releases_held_text_that_was_not_a_call():
+    pieces = ["a < b", " and <tool", "s> are fine"]
+    sent, rest, calls = stream(HermesParser(), pieces)
+    assert "".join(sent) + rest == "a < b and <tools> are fine" and calls == []
+    assert sent[1] == " and "  # "<tool" held back, then released once it cannot open a call
+    sent, rest, calls = stream(Llama3JsonParser(), ['{"x": 1} is a', " dict"])
+    assert sent == ["", ""] and rest == '{"x": 1} is a dict' and calls == []
+    sent, rest, calls = stream(HermesParser(), ["{\"name\": \"add\", ", '"arguments": {}}'])
+    assert sent == ["", ""] and rest == "" and as_pairs(calls) == [("add", {})]
+
+
+def test_each_tool_rendering_becomes_a_span():
+    tools = [{"type": "function", "function": {"name": n, "description": f"{n} tool"}} for n in ("a", "b")]
+    rendered = [json.dumps(t) for t in tools]
+    prompt = f"<tools>\n{rendered[0]}\n{rendered[1]}\n</tools>\nQ"
+    marked = mark_tool_spans(prompt, tools, "<S>", "<P>")
+    assert marked == f"<tools>\n<S>{rendered[0]}<P>\n<S>{rendered[1]}<P>\n</tools>\nQ"
+    indented = "<tools>" + "".join(json.dumps(t, indent=4) for t in tools) + "</tools>"  # adjacent: no PDEP between
+    assert mark_tool_spans(indented, tools, "<S>", "<P>").count("<P>") == 1
+    with pytest.raises(ValueError, match="tool_spans"):
+        mark_tool_spans("a template that renders tools its own way", tools, "<S>", "<P>")
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    return ChatCompletionRequest.model_validate_json(json.dumps(body))
+
+
+def test_request_validation_of_tools():
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    assert chat(tools=[tool]).uses_tools() and not chat(tools=[tool], tool_choice="none").uses_tools()
+    with pytest.raises(ValidationError, match="constrained decoding"):
+        chat(tools=[tool], tool_choice="required")
+    with pytest.raises(ValidationError, match="constrained decoding"):
+        chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "add"}})
+    with pytest.raises(ValidationError, match="distinct"):
+        chat(tools=[tool, tool])
+    with pytest.raises(ValidationError):
+        chat(tools=[{"type": "function", "function": {"description": "no name"}}])
+
+
+def test_unknown_tool_call_parser_is_refused(tiny_llama):
+    from sglang_pic.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="tool_call_parser must be one of qwen25, llama3"):
+        ServerArgs(model_path=str(tiny_llama), tool_call_parser="hermes2")
