@@ -88,6 +88,15 @@ def test_stream_holds_back_what_may_open_a_call_and_never_streams_it():
     assert rest == "" and as_pairs(calls) == [("add", {"a": 2})]
 
 
+def test_without_parallel_calls_only_the_first_counts():
+    add = '{"name": "add", "arguments": {}}'
+    reply = f"<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{add}\n</tool_call>"
+    for parallel, names in ((True, ["get_weather", "add"]), (False, ["get_weather"])):
+        reader = ToolCallStream(HermesParser(), NAMES, parallel)
+        reader.feed(reply)
+        assert [c.name for c in reader.finish()[1]] == names
+
+
 def test_stream_releases_held_text_that_was_not_a_call():
     pieces = ["a < b", " and <tool", "s> are fine"]
     sent, rest, calls = stream(HermesParser(), pieces)

@@ -65,6 +65,16 @@ class HostCopy:
         return self.tensor
 
 
+def record_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event marking the work queued so far on `device`'s current stream; None off CUDA, where queued work is
+    done already."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def copy_to_host(*tensors: torch.Tensor) -> list[HostCopy]:
     """Start host copies of `tensors` (one event for all); host tensors are taken as they are."""
     if not tensors[0].is_cuda:
@@ -72,6 +82,5 @@ def copy_to_host(*tensors: torch.Tensor) -> list[HostCopy]:
     hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     for host, device in zip(hosts, tensors):
         host.copy_(device, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
+    event = record_event(tensors[0].device)
     return [HostCopy(host, event) for host in hosts]

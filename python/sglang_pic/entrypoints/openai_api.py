@@ -107,10 +107,6 @@ def _finish(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
     return (reason["type"], reason.get("matched")) if reason else (None, None)
 
 
-def _tool_names(body: ChatCompletionRequest) -> set[str]:
-    return {t.function.name for t in body.tools or []}
-
-
 def _tool_items(calls: list[ToolCall]) -> list[ToolCallItem] | None:
     """Calls as the API returns them (each with its index, which stream deltas need and messages tolerate)."""
     if not calls:
@@ -370,8 +366,10 @@ class OpenAIServing:
             reason, matched = _finish(out)
             content, calls = out["text"], []
             if body.uses_tools():
-                content, calls = self.tool_parser.parse(content, _tool_names(body))
-                content = content.strip()
+                reader = self._tool_reader(body)
+                content = reader.feed(content)
+                rest, calls = reader.finish()
+                content = (content + rest).strip()
             message = ChatResponseMessage(role="assistant", content=content or None, tool_calls=_tool_items(calls))
             if calls:
                 reason, matched = "tool_calls", None
@@ -380,6 +378,10 @@ class OpenAIServing:
             )
         response = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(outs, body.n))
         return Response(response.model_dump_json(), media_type="application/json")
+
+    def _tool_reader(self, body: ChatCompletionRequest) -> ToolCallStream:
+        names = {t.function.name for t in body.tools}
+        return ToolCallStream(self.tool_parser, names, body.parallel_tool_calls)
 
     def _chat_input(self, body: ChatCompletionRequest, rid: str) -> GenerateReqInput:
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens)
@@ -432,8 +434,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         cursors = [_Cursor() for _ in reqs]
         finals: dict[int, dict] = {}
-        names = _tool_names(body)
-        tool_streams = [ToolCallStream(self.tool_parser, names) for _ in reqs] if body.uses_tools() else None
+        tool_streams = [self._tool_reader(body) for _ in reqs] if body.uses_tools() else None
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
         def chunk(choice: ChatStreamChoice, out: dict) -> str:

@@ -135,13 +135,15 @@ def tool_call_parser(name: str | None, architecture: str) -> ToolCallParser | No
 
 
 class ToolCallStream:
-    """Streams a reply's text while holding back what may be a tool call; `finish` parses the whole reply."""
+    """Reads a reply, streamed or whole: passes its text on while holding back what may be a tool call; `finish`
+    parses the whole reply (keeping the first call only unless calls may run in parallel)."""
 
-    def __init__(self, parser: ToolCallParser, names: set[str]) -> None:
+    def __init__(self, parser: ToolCallParser, names: set[str], parallel: bool = True) -> None:
         self.parser = parser
         self.names = names
+        self.parallel = parallel
         self.text = ""
-        self.sent = 0  # characters of `text` already streamed as content
+        self.sent = 0  # characters of `text` already passed on as content
 
     def feed(self, delta: str) -> str:
         """The content that can be streamed now."""
@@ -154,7 +156,7 @@ class ToolCallStream:
         """(content not streamed yet, the calls)."""
         content, calls = self.parser.parse(self.text, self.names)
         rest = content[self.sent :] if content.startswith(self.text[: self.sent]) else ""
-        return rest, calls
+        return rest, calls if self.parallel else calls[:1]
 
 
 def mark_tool_spans(prompt: str, tools: list[dict], ssep: str, pdep: str) -> str:

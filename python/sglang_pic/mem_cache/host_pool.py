@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
+from sglang_pic.utils_tensor import record_event
 
 
 def host_kv_buffers(pool: MHATokenToKVPool, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,15 +31,6 @@ def host_kv_buffers(pool: MHATokenToKVPool, tokens: int) -> tuple[torch.Tensor, 
         torch.empty((*shape, pool.head_dim), dtype=pool.dtype, pin_memory=pin),
         torch.empty((*shape, pool.v_head_dim), dtype=pool.dtype, pin_memory=pin),
     )
-
-
-def record_event(device: torch.device) -> torch.cuda.Event | None:
-    """An event marking the work queued so far on `device`'s current stream; None on the CPU, where it is done."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 @dataclass
