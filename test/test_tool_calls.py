@@ -11,6 +11,7 @@ from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest
 from sglang_pic.entrypoints.tool_calls import (
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     ToolCallStream,
     mark_tool_spans,
     tool_call_parser,
@@ -67,11 +68,22 @@ def test_llama3_reply_of_json_calls():
     assert Llama3JsonParser().parse(half, NAMES) == (half, [])
 
 
+def test_mistral_calls_follow_their_marker():
+    text = 'Checking. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]'
+    content, calls = MistralParser().parse(text, NAMES)
+    assert content == "Checking. " and as_pairs(calls) == [("add", {"a": 1}), ("get_weather", {})]
+    for bad in ('[TOOL_CALLS] [{"name": "nope", "arguments": {}}]', '[TOOL_CALLS] [{"name": "add"', "no calls"):
+        assert MistralParser().parse(bad, NAMES) == (bad, [])
+    sent, rest, calls = stream(MistralParser(), ["Checking. [TOOL", '_CALLS] [{"name": "add", "arguments": {}}]'])
+    assert sent == ["Checking. ", ""] and rest == "" and as_pairs(calls) == [("add", {})]
+
+
 def test_parser_follows_the_flag_then_the_model_family():
     assert isinstance(tool_call_parser(None, "Qwen2ForCausalLM"), HermesParser)
     assert isinstance(tool_call_parser(None, "LlamaForCausalLM"), Llama3JsonParser)
+    assert isinstance(tool_call_parser(None, "MistralForCausalLM"), MistralParser)
     assert isinstance(tool_call_parser("qwen25", "LlamaForCausalLM"), HermesParser)
-    assert tool_call_parser(None, "MistralForCausalLM") is None
+    assert tool_call_parser(None, "GPT2LMHeadModel") is None
 
 
 def stream(parser, pieces: list[str]) -> tuple[list[str], str, list]:
@@ -141,5 +153,5 @@ def test_request_validation_of_tools():
 def test_unknown_tool_call_parser_is_refused(tiny_llama):
     from sglang_pic.server_args import ServerArgs
 
-    with pytest.raises(ValueError, match="tool_call_parser must be one of qwen25, llama3"):
+    with pytest.raises(ValueError, match="tool_call_parser must be one of qwen25, llama3, mistral"):
         ServerArgs(model_path=str(tiny_llama), tool_call_parser="hermes2")

@@ -57,8 +57,8 @@ class ServerArgs:
     tool_call_parser: str | None = _arg(
         None,
         "How /v1/chat/completions finds tool calls in replies: qwen25 (<tool_call> JSON, Qwen2.5/Qwen3 and "
-        "Hermes-style templates) or llama3 (JSON objects); default: the model family's (qwen25 for Qwen, llama3 "
-        "for Llama).",
+        "Hermes-style templates), llama3 (JSON objects) or mistral ([TOOL_CALLS] and a JSON list); default: the "
+        "model family's.",
     )
 
     # Memory and caching.

@@ -3,9 +3,9 @@
 A parser knows one model family's call format. `qwen25` (Qwen2.5/Qwen3, Hermes-style): each call is a JSON object
 {"name", "arguments"} between <tool_call> and </tool_call>, text may surround them; small models often drop the
 tags, so a reply made only of such objects counts too. `llama3` (Llama 3.1+): the whole reply is one or more JSON
-objects {"name", "parameters"} separated by ";" (after an optional <|python_tag|>). Only calls to the request's
-tools with JSON-object arguments count; anything else stays text, so a malformed call reaches the client as
-content rather than an error.
+objects {"name", "parameters"} separated by ";" (after an optional <|python_tag|>). `mistral`: text, then
+[TOOL_CALLS] and a JSON list of {"name", "arguments"}. Only calls to the request's tools with JSON-object arguments
+count; anything else stays text, so a malformed call reaches the client as content rather than an error.
 
 `mark_tool_spans` makes each tool description a span: agents resend the same tools in varying subsets and orders,
 and as spans each description is prefilled once and reused behind any system prompt, at any offset.
@@ -64,6 +64,17 @@ def _may_be_calls(text: str, prefix: str = "") -> bool:
     return not head or head.startswith("{") or (bool(prefix) and (head.startswith(prefix) or prefix.startswith(head)))
 
 
+def _opener_at(text: str, opener: str) -> int:
+    """Where `opener` starts in `text`, or where a partial opener ends it; len(text) if neither."""
+    i = text.find(opener)
+    if i >= 0:
+        return i
+    for n in range(min(len(opener) - 1, len(text)), 0, -1):
+        if text.endswith(opener[:n]):
+            return len(text) - n
+    return len(text)
+
+
 class ToolCallParser(ABC):
     @abstractmethod
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -97,15 +108,7 @@ class HermesParser(ToolCallParser):
         return "".join(kept), calls
 
     def call_starts(self, text: str) -> int:
-        if _may_be_calls(text):
-            return 0
-        i = text.find(self.start)
-        if i >= 0:
-            return i
-        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if text.endswith(self.start[:n]):
-                return len(text) - n
-        return len(text)
+        return 0 if _may_be_calls(text) else _opener_at(text, self.start)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -120,11 +123,43 @@ class Llama3JsonParser(ToolCallParser):
         return 0 if _may_be_calls(text, self._tag) else len(text)
 
 
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {"qwen25": HermesParser, "llama3": Llama3JsonParser}
+class MistralParser(ToolCallParser):
+    start = "[TOOL_CALLS]"
+
+    def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+        at = text.find(self.start)
+        if at < 0:
+            return text, []
+        try:
+            listed, end = json.JSONDecoder().raw_decode(text, _skip_space(text, at + len(self.start)))
+        except json.JSONDecodeError:
+            return text, []
+        objs = listed if isinstance(listed, list) else [listed]
+        calls = [_call(o.get("name"), o.get("arguments", {}), names) if isinstance(o, dict) else None for o in objs]
+        if not calls or None in calls or text[end:].strip():
+            return text, []
+        return text[:at], calls
+
+    def call_starts(self, text: str) -> int:
+        return _opener_at(text, self.start)
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
+    "qwen25": HermesParser,
+    "llama3": Llama3JsonParser,
+    "mistral": MistralParser,
+}
 ARCHITECTURE_PARSERS = {
     "Qwen2ForCausalLM": "qwen25",
     "Qwen3ForCausalLM": "qwen25",
     "LlamaForCausalLM": "llama3",
+    "MistralForCausalLM": "mistral",
 }
 
 
