@@ -6,7 +6,8 @@
 # (two versions of a package make the install there fail). The pins match the CPU development environment where
 # the server tests pass; the last group shadows older copies in the image that the newer server stack needs
 # (httpx2 wants anyio>=4.10 and idna>=3.18, pydantic wants typing-extensions>=4.14.1).
-# gguf lets transformers there dequantize the real model's GGUF (benchmark/README.md: carrying it in parts).
+# gguf lets transformers there dequantize the real model's GGUF (benchmark/README.md: carrying it in parts); xgrammar
+# (with apache-tvm-ffi) compiles the grammars of constrained decoding.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +35,8 @@ PINS=(
   h11==0.16.0
   click==8.5.1
   gguf==0.19.0
+  xgrammar==0.2.9
+  apache-tvm-ffi==0.1.15.post2
 )
 
 PLATFORMS=()

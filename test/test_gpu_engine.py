@@ -136,6 +136,22 @@ def test_backup_to_the_host_tier_never_waits_for_the_gpu(tiny_llama):
         assert e.get_stats()["hicache_loaded_tokens"] > 0
 
 
+def test_constrained_decoding_on_cuda_matches_cpu_float32(tiny_llama):
+    """Grammar masks reach the CUDA logits (Triton's mask kernel) and pick the CPU engine's tokens."""
+    from test_grammar import CONSTRAINED, check
+
+    params = [{"temperature": 0, "max_new_tokens": 48, **c} for c in CONSTRAINED] + [GREEDY]
+    prompts = (PROMPTS * 2)[: len(params)]
+    common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096)
+    with Engine(device="cpu", **common) as cpu:
+        expected = [o["output_ids"] for o in cpu.generate(prompts, params)]
+    with Engine(device="cuda", attention_backend="triton", **common) as gpu:
+        outs = gpu.generate(prompts, params)
+    assert [o["output_ids"] for o in outs] == expected
+    for c, out in zip(CONSTRAINED, outs):
+        check(c, out["text"])
+
+
 def test_one_request_extends_replay_graphs_with_cpu_float32_tokens(tiny_model):
     """Prompts sent one at a time are one-request extends: whole short prompts first, then (spans cached) a new
     prefix and a few tokens each. Both replay the extend graphs and keep the CPU float32 engine's tokens."""

@@ -99,9 +99,8 @@ def test_from_dict_nulls_mean_default_and_ints_become_floats():
         ({"logit_bias": {"x": 1.0}}, "logit_bias"),
         ({"logit_bias": {"3": "big"}}, "logit_bias"),
         ({"temprature": 0.5, "topp": 1}, "temprature, topp"),
-        ({"regex": "a+"}, "regex constrained decoding is not supported"),
-        ({"json_schema": "{}"}, "json_schema constrained decoding is not supported"),
-        ({"ebnf": "root ::= 'a'"}, "ebnf constrained decoding is not supported"),
+        ({"regex": "a+", "json_schema": "{}"}, "at most one of json_schema, regex and ebnf"),
+        ({"regex": ["a+"]}, "regex must be a string"),
         ({"structural_tag": "{}"}, "structural_tag constrained decoding is not supported"),
     ],
 )

@@ -124,3 +124,22 @@ def test_span_program_reuses_warmed_spans(backend, engine):
     prompt, answer = split_chat(state)
     assert prompt.count("<|ssep|>") == 2
     assert engine_text(engine, prompt, max_new_tokens=8, ignore_eos=True) == answer
+
+
+@sgl.function
+def constrained(s):
+    s += "Pick a colour and a count:" + sgl.gen("colour", regex=r"(red|green|blue)", max_tokens=8)
+    s += " x" + sgl.gen("count", dtype=int, max_tokens=8)
+    s += " as JSON:" + sgl.gen("json", json_schema='{"type": "object", "properties": {"ok": {"type": "boolean"}},'
+                               ' "required": ["ok"], "additionalProperties": false}', max_tokens=24)
+
+
+def test_gen_regex_dtype_and_json_schema(backend):
+    """sgl.gen's regex, dtype (a regex the frontend writes) and json_schema constrain the server's output."""
+    import json
+    import re
+
+    state = constrained.run(temperature=1.0)
+    assert state["colour"] in ("red", "green", "blue")
+    assert re.fullmatch(r"[-+]?\d+", state["count"]), state["count"]
+    assert isinstance(json.loads(state["json"])["ok"], bool)

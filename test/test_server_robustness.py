@@ -47,7 +47,12 @@ NATIVE_BAD = [
     ("prompt too long", json.dumps({"text": TOO_LONG}).encode(), "context length"),
     ("stream not bool", json.dumps({"text": "hi", "stream": "yes"}).encode(), "stream"),
     ("bad logprob start", json.dumps({"text": "hi", "logprob_start_len": -5}).encode(), "logprob_start_len"),
-    ("regex unsupported", json.dumps({"text": "hi", "sampling_params": {"regex": "a+"}}).encode(), "regex"),
+    ("bad regex", json.dumps({"text": "hi", "sampling_params": {"regex": "(a+"}}).encode(), "regex is not valid"),
+    ("bad json_schema", json.dumps({"text": "hi", "sampling_params": {"json_schema": "{"}}).encode(), "json_schema"),
+    ("two grammars", json.dumps({"text": "hi", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}).encode(),
+     "at most one"),
+    ("stop_regex unsupported", json.dumps({"text": "hi", "sampling_params": {"stop_regex": "a+"}}).encode(),
+     "stop_regex"),
     ("empty batch", json.dumps({"text": []}).encode(), "empty"),
     ("duplicate rid", json.dumps({"text": ["a", "b"], "rid": ["x", "x"]}).encode(), "unique"),
 ]

@@ -1,5 +1,6 @@
 """Tools in /v1/chat/completions on a live server: shown to the model through the chat template, earlier calls and
-their results rendered, forced calls refused with the reason, and tool descriptions reused as spans in any order."""
+their results rendered, forced calls constrained to the tools' schemas, JSON response formats, and tool descriptions
+reused as spans in any order."""
 
 from __future__ import annotations
 
@@ -73,12 +74,47 @@ def test_earlier_calls_and_their_results_are_rendered(server):
     assert reply.json()["usage"]["prompt_tokens"] > short + 10
 
 
-def test_forcing_a_call_is_refused_with_the_reason(server):
-    for choice in ("required", {"type": "function", "function": {"name": "run_sql"}}):
-        reply = chat(server, tools=TOOLS, tool_choice=choice)
-        assert reply.status_code == 400 and "constrained decoding" in reply.json()["message"]
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}
+FORECAST = [tool("get_weather", "Current weather in a city."), tool("get_forecast", "Forecast for a city.")]
+for t in FORECAST:
+    t["function"]["parameters"] = CITY
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_follow_the_tool_schema(server, stream):
+    """tool_choice 'required' or a named function constrains the reply to one call (a grammar from the tools'
+    parameter schemas), which comes back as a tool call even from a model that never learnt to call tools."""
+    for choice, names in (("required", {"get_weather", "get_forecast"}), (
+            {"type": "function", "function": {"name": "get_forecast"}}, {"get_forecast"})):
+        reply = chat(server, tools=FORECAST, tool_choice=choice, max_tokens=64, stream=stream)
+        assert reply.status_code == 200, reply.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+            calls = [c for ch in chunks for c in ch["choices"][0]["delta"].get("tool_calls") or []]
+            finish = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]]
+        else:
+            choice_out = reply.json()["choices"][0]
+            calls, finish = choice_out["message"]["tool_calls"], [choice_out["finish_reason"]]
+        assert finish == ["tool_calls"] and len(calls) == 1
+        assert calls[0]["function"]["name"] in names
+        assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Oslo")
+
+
+def test_bad_tool_requests_are_refused_with_the_reason(server):
+    unknown = chat(server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "launch"}})
+    assert unknown.status_code == 400 and "not among the tools" in unknown.json()["message"]
     bad = chat(server, tools=[{"type": "function", "function": {"description": "nameless"}}])
     assert bad.status_code == 400 and "name" in bad.json()["message"]
+    both = chat(server, tools=FORECAST, tool_choice="required", response_format={"type": "json_object"})
+    assert both.status_code == 400 and "only one output constraint" in both.json()["message"]
+
+
+def test_response_format_json_schema(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    reply = chat(server, response_format=fmt, max_tokens=64)
+    assert reply.status_code == 200, reply.text
+    assert json.loads(reply.json()["choices"][0]["message"]["content"])["city"] in ("Paris", "Oslo")
 
 
 def test_streamed_content_with_tools_equals_the_reply(server):

@@ -140,10 +140,14 @@ def chat(**fields) -> ChatCompletionRequest:
 def test_request_validation_of_tools():
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
     assert chat(tools=[tool]).uses_tools() and not chat(tools=[tool], tool_choice="none").uses_tools()
-    with pytest.raises(ValidationError, match="constrained decoding"):
-        chat(tools=[tool], tool_choice="required")
-    with pytest.raises(ValidationError, match="constrained decoding"):
-        chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "add"}})
+    assert chat(tools=[tool]).forced_tools() is None
+    assert [t.function.name for t in chat(tools=[tool], tool_choice="required").forced_tools()] == ["add"]
+    named = {"type": "function", "function": {"name": "add"}}
+    assert [t.function.name for t in chat(tools=[tool], tool_choice=named).forced_tools()] == ["add"]
+    with pytest.raises(ValueError, match="not among the tools"):
+        chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "sub"}}).forced_tools()
+    with pytest.raises(ValueError, match="needs tools"):
+        chat(tool_choice="required").forced_tools()
     with pytest.raises(ValidationError, match="distinct"):
         chat(tools=[tool, tool])
     with pytest.raises(ValidationError):

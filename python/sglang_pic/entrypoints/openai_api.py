@@ -44,10 +44,19 @@ from sglang_pic.entrypoints.openai_protocol import (
     UsageInfo,
     describe_validation_error,
 )
-from sglang_pic.entrypoints.tool_calls import ToolCall, ToolCallStream, mark_tool_spans, tool_call_parser
+from sglang_pic.entrypoints.tool_calls import (
+    ToolCall,
+    ToolCallStream,
+    mark_tool_spans,
+    tool_call_parser,
+)
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req
-from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerTokenizerManager
+from sglang_pic.managers.server_tokenizer_manager import (
+    ClientDisconnected,
+    ServerTokenizerManager,
+)
+from sglang_pic.sampling.sampling_params import GRAMMAR_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -385,6 +394,11 @@ class OpenAIServing:
 
     def _chat_input(self, body: ChatCompletionRequest, rid: str) -> GenerateReqInput:
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens)
+        constraints = [name for name in GRAMMAR_FIELDS if sampling[name]]
+        schema = body.response_format.schema_text() if body.response_format is not None else None
+        if schema is not None:
+            constraints.append("response_format")
+            sampling["json_schema"] = schema
         if body.uses_tools():
             if self.tool_parser is None:
                 raise ValueError(
@@ -392,6 +406,13 @@ class OpenAIServing:
                     "--tool-call-parser"
                 )
             sampling["skip_special_tokens"] = False  # call tags (Qwen's <tool_call>) may be special tokens
+            forced = body.forced_tools()
+            if forced is not None:
+                functions = [t.function.model_dump(exclude_none=True) for t in forced]
+                constraints.append("tool_choice")
+                sampling["json_schema"] = json.dumps(self.tool_parser.forced_call_schema(functions))
+        if len(constraints) > 1:
+            raise ValueError(f"only one output constraint may be given, got {', '.join(constraints)}")
         return GenerateReqInput(
             text=self.render_chat(body),
             sampling_params=sampling,

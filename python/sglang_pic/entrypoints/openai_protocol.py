@@ -7,6 +7,7 @@ client's typo surfaces as a 400 instead of a silently ignored setting. Range che
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Literal
 
@@ -146,8 +147,26 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the reply must follow (None: free text)."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            return json.dumps(self.json_schema.schema_)
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -200,16 +219,23 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("tool names must be distinct")
         return v
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice_supported(cls, v):
-        if v == "required" or isinstance(v, NamedToolChoice):
-            raise ValueError("forcing a tool call needs constrained decoding, which is not supported; use 'auto'")
-        return v
-
     def uses_tools(self) -> bool:
         """Whether the tools are shown to the model and its reply parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> list[Tool] | None:
+        """The tools one of which the reply must call (tool_choice required or a named function), else None."""
+        if self.tool_choice == "required":
+            if not self.tools:
+                raise ValueError("tool_choice 'required' needs tools")
+            return self.tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            named = [t for t in self.tools or [] if t.function.name == name]
+            if not named:
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+            return named
+        return None
 
 
 def describe_validation_error(err: ValidationError) -> str:

@@ -76,9 +76,31 @@ def _opener_at(text: str, opener: str) -> int:
 
 
 class ToolCallParser(ABC):
+    arguments_key: str | None = None  # how a reply that is one bare JSON call names its arguments; None: no such reply
+
     @abstractmethod
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         """(the text without the calls, the calls to tools in `names`)."""
+
+    def forced_call_schema(self, functions: list[dict]) -> dict:
+        """A JSON schema for a reply that is one call to one of `functions` (OpenAI function objects), which this
+        parser reads as a call: what tool_choice 'required' or a named function constrains the reply to."""
+        if self.arguments_key is None:
+            raise ValueError("forcing a tool call is not supported for this model family's call format")
+        return {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": f["name"]},
+                        self.arguments_key: f.get("parameters") or {"type": "object"},
+                    },
+                    "required": ["name", self.arguments_key],
+                    "additionalProperties": False,
+                }
+                for f in functions
+            ]
+        }
 
     @abstractmethod
     def call_starts(self, text: str) -> int:
@@ -87,6 +109,7 @@ class ToolCallParser(ABC):
 
 class HermesParser(ToolCallParser):
     start = "<tool_call>"
+    arguments_key = "arguments"
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -113,6 +136,7 @@ class HermesParser(ToolCallParser):
 
 class Llama3JsonParser(ToolCallParser):
     _tag = "<|python_tag|>"
+    arguments_key = "parameters"
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         calls = _reply_of_calls(text.strip().removeprefix(self._tag), names)

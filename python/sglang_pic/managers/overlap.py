@@ -52,6 +52,8 @@ class LaunchedStep:
     decode_only: bool
     prompt_logprobs: list[PromptLogprobs]  # recorded before the sampled tokens are appended
     held: set[int] = field(init=False, repr=False)  # id() of each request in `reqs`
+    constrained: bool = field(init=False)  # some request has a grammar: commit before the next launch
 
     def __post_init__(self) -> None:
         self.held = {id(r) for r in self.reqs}
+        self.constrained = any(r.grammar is not None for r in self.reqs)

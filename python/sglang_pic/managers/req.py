@@ -93,6 +93,8 @@ class Req:
     # A span prefill job (ISPS or warm-up): computes its span's KV into the tree, samples nothing.
     warmup: bool = False
     span_id: tuple | None = None  # a span job's (namespace, tokens): what identifies the KV it computes
+    # The output grammar's matcher (sampling/grammar.py), built by the scheduler: it has accepted the output so far.
+    grammar: Any = field(default=None, repr=False, compare=False)
     arrival_step: int = 0
 
     # ---- derived views -------------------------------------------------------------------------------------

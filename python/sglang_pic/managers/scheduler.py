@@ -26,6 +26,7 @@ from sglang_pic.sampling.logprobs import (
     chosen_and_top_logprobs,
     compute_logprobs,
 )
+from sglang_pic.sampling.grammar import GrammarBackend
 from sglang_pic.sampling.penalty_counts import PenaltyCounts, uses_history
 from sglang_pic.sampling.sampler import Sampler
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
@@ -103,6 +104,7 @@ class Scheduler:
             self.spec_worker = VeriCacheWorker(self)
         self.overlap = not server_args.disable_overlap_schedule and self.spec_worker is None
         self.inflight: LaunchedStep | None = None  # a step whose sampled tokens are not committed yet
+        self._grammars: GrammarBackend | None = None
         # Each request row's last sampled token, on the device: what the row's next decode step feeds.
         self.next_input_ids = torch.zeros(
             model_runner.req_to_token_pool.req_to_token.shape[0], dtype=torch.int64, device=model_runner.device
@@ -111,7 +113,22 @@ class Scheduler:
     # ---- requests in and out ----------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         req.arrival_step = self.stats.num_steps
+        if req.sampling_params.grammar() is not None:
+            try:
+                req.grammar = self.grammars().matcher(req.sampling_params)
+            except ValueError as e:  # the front end compiles it too, so only a direct caller gets here
+                req.finished_reason = FinishReason("abort", message=str(e))
+                self.finished_early.append(req)
+                return
         self.waiting.append(req)
+
+    def grammars(self) -> GrammarBackend:
+        """The grammar compiler, built on first use (most servers never see a constrained request)."""
+        if self._grammars is None:
+            if self.spec_worker is not None:
+                raise ValueError("constrained decoding is not supported with speculative decoding")
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def add_span_jobs(self, spans: list[tuple[str | None, list[int]]]) -> list[Req]:
         """Queue prefill-only jobs for spans (extra_key, tokens); returns the jobs (shared with ISPS's own)."""
@@ -170,6 +187,8 @@ class Scheduler:
 
         With overlap scheduling the step's sampled tokens are committed in the next call, after the next step has
         been launched, so the host's work on them runs while the GPU computes (managers/overlap.py)."""
+        if self.inflight is not None and self.inflight.constrained:
+            self._commit_inflight(self.finished_early)  # their grammars take its tokens before the next masks
         plan = self._schedule_extend()
         if plan is None and self.spec_worker is not None and self.running:
             updated, self.finished_early = self.finished_early, []
@@ -464,6 +483,8 @@ class Scheduler:
     def _sample_ids(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         """Each row's next token, on the logits' device, also recorded as its request's next decode input (and in
         the penalty counts), so the next step can run before the host has it."""
+        if self._grammars is not None and any(r.grammar is not None for r in reqs):
+            self._grammars.mask_logits(logits, [r.grammar for r in reqs])
         if all(r.sampling_params.is_plain_greedy for r in reqs):  # the common case needs no per-request tensors
             ids = torch.argmax(logits, dim=-1)
         else:
@@ -519,6 +540,11 @@ class Scheduler:
         req.append_output(tok)
         self.stats.generation_tokens += 1
         self._check_finished(req)
+        if req.grammar is not None and req.finished_reason is None:
+            if not req.grammar.accept_token(tok):  # only if a mask was not applied: never leave the grammar
+                req.finished_reason = FinishReason("abort", message=f"token {tok} is outside the output's grammar")
+            elif req.grammar.is_terminated():  # only stop tokens were allowed and one came (ignore_eos or not)
+                req.finished_reason = FinishReason("stop", matched=tok)
         return req.finished_reason is not None
 
     def _check_finished(self, req: Req) -> None:

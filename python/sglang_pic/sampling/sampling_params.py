@@ -14,12 +14,12 @@ from typing import Any, Protocol
 # Below this a temperature is treated as zero, i.e. greedy decoding (as in SGLang).
 SAMPLING_EPS = 1e-6
 
-# SGLang fields this engine knows but cannot honour: it has no grammar backend. Asking for one is an error rather
-# than an unconstrained answer the client would take for a constrained one.
+# Constrained decoding: a request may set one of these (compiled and applied by sampling/grammar.py).
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+
+# SGLang fields this engine knows but cannot honour. Asking for one is an error rather than an unconstrained answer
+# the client would take for a constrained one.
 _UNSUPPORTED = {
-    "json_schema": "json_schema constrained decoding is not supported",
-    "regex": "regex constrained decoding is not supported",
-    "ebnf": "ebnf constrained decoding is not supported",
     "structural_tag": "structural_tag constrained decoding is not supported",
     "stop_regex": "stop_regex is not supported",
 }
@@ -55,10 +55,11 @@ class SamplingParams:
     # SGLang hands these to a custom logit processor; none is ever loaded here, so they have no effect (as in
     # SGLang when a request names no processor).
     custom_params: dict[str, Any] | None = None
-    # Known but unsupported: setting any of these raises ValueError.
+    # Constrained decoding (sampling/grammar.py): at most one of these.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Known but unsupported: setting any of these raises ValueError.
     structural_tag: str | None = None
     stop_regex: str | list[str] | None = None
     # Filled by normalize(): the longest stop string in tokens (characters without a tokenizer), which bounds how
@@ -113,6 +114,10 @@ class SamplingParams:
         if bad:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {bad}")
 
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, source) of the output's grammar, if the request constrains it."""
+        return next(((name, getattr(self, name)) for name in GRAMMAR_FIELDS if getattr(self, name)), None)
+
     def normalize(self, tokenizer: StopTokenizer | None = None) -> None:
         """Turn `stop` into a list and measure its longest entry."""
         if self.stop is None:
@@ -125,6 +130,13 @@ class SamplingParams:
         for name, message in _UNSUPPORTED.items():
             if getattr(self, name):  # empty values (the frontend sends stop_regex=()) ask for nothing
                 raise ValueError(message)
+
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name)]
+        for name in grammars:
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if len(grammars) > 1:
+            raise ValueError(f"at most one of json_schema, regex and ebnf may be set, got {', '.join(grammars)}")
 
         self.max_new_tokens = _int("max_new_tokens", self.max_new_tokens)
         self.min_new_tokens = _int("min_new_tokens", self.min_new_tokens)

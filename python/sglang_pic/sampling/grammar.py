@@ -1,0 +1,72 @@
+"""Constrained decoding: a request's json_schema, regex or EBNF grammar limits each next token to those that keep
+its output inside the language (xgrammar compiles the grammar against the tokenizer's vocabulary).
+
+Each constrained request carries a matcher that has accepted its output so far. Before sampling, the matcher fills
+its row of a token bitmask, which masks the logits to the allowed tokens; after sampling, the token is accepted.
+Once the grammar is complete only stop tokens are allowed, and the request ends with the first. Because the next
+mask depends on the token just sampled, a step with constrained requests is committed before the next one is
+launched (the overlap scheduler does so, managers/overlap.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from sglang_pic.sampling.sampling_params import SamplingParams
+from sglang_pic.utils_tensor import to_device, upload
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer; compiled grammars are cached by source, so repeated schemas (every
+    call of an agent's tool, a client's fixed response format) compile once."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise ValueError("constrained decoding needs xgrammar: pip install 'sglang-pic[grammar]'") from None
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(self.info)
+
+    def compile(self, name: str, source: str) -> Any:
+        """The compiled grammar; ValueError naming the field and the problem when `source` is not valid."""
+        try:
+            if name == "json_schema":
+                json.loads(source)
+                return self.compiler.compile_json_schema(source, any_whitespace=False)
+            if name == "regex":
+                return self.compiler.compile_regex(source)
+            return self.compiler.compile_grammar(source)
+        except (json.JSONDecodeError, RuntimeError, ValueError) as e:
+            detail = str(e).strip().splitlines()[-1]
+            raise ValueError(f"{name} is not valid: {detail.split(': ', 1)[-1] if '.cc:' in detail else detail}")
+
+    def matcher(self, params: SamplingParams) -> Any | None:
+        """A fresh matcher for the request's grammar (None without one)."""
+        grammar = params.grammar()
+        if grammar is None:
+            return None
+        return self._xgr.GrammarMatcher(self.compile(*grammar))
+
+    @torch.inference_mode()  # logits come out of the forward as inference tensors, updated in place here
+    def mask_logits(self, logits: torch.Tensor, matchers: list[Any | None]) -> None:
+        """Mask, in place, each row with a matcher to the tokens its grammar allows next ([B, V] logits)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            matchers[i].fill_next_token_bitmask(bitmask, j)
+        bitmask = to_device(bitmask, logits.device)
+        # xgrammar's CUDA kernel is compiled on first use, which needs a CUDA toolchain; Triton's is at hand.
+        backend = "triton" if logits.is_cuda else "cpu"
+        if len(rows) == len(matchers):
+            self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, backend=backend)
+            return
+        index = upload(rows, device=logits.device)  # only the constrained rows' masks cross to the device
+        part = logits[index]
+        self._xgr.apply_token_bitmask_inplace(part, bitmask, vocab_size=self.vocab_size, backend=backend)
+        logits[index] = part

@@ -1,0 +1,69 @@
+"""Constrained decoding: json_schema, regex and EBNF outputs stay inside their language, under overlap scheduling
+too, and a constrained request leaves its unconstrained neighbours' tokens alone."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from sglang_pic import Engine
+from test_engine import PROMPTS
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["answer", "colour"],
+    "additionalProperties": False,
+}
+CONSTRAINED = [
+    {"json_schema": json.dumps(ANSWER)},
+    {"regex": r"(red|green|blue) [0-9]{2}"},
+    {"ebnf": 'root ::= "The answer is " ("yes" | "no") "."'},
+]
+FREE = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+
+
+def check(constraint: dict, text: str) -> None:
+    if "json_schema" in constraint:
+        out = json.loads(text)
+        assert out["answer"] in ("yes", "no") and out["colour"] in ("red", "green", "blue") and len(out) == 2
+    elif "regex" in constraint:
+        assert re.fullmatch(constraint["regex"], text), text
+    else:
+        assert text in ("The answer is yes.", "The answer is no."), text
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_constrained_outputs_stay_in_their_language(tiny_llama, overlap):
+    params = [{"temperature": t, "max_new_tokens": 64, "seed": 3, **c} for c in CONSTRAINED for t in (0, 1.0)]
+    prompts = (PROMPTS * 2)[: len(params)]
+    with Engine(model_path=str(tiny_llama), dtype="float32", disable_overlap_schedule=not overlap) as engine:
+        outs = engine.generate(prompts + [PROMPTS[0]], params + [FREE])
+        alone = engine.generate(PROMPTS[0], FREE)
+    for p, out in zip(params, outs):
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+        check(p, out["text"])
+    assert outs[-1]["output_ids"] == alone["output_ids"]  # the free neighbour is not masked
+
+
+def test_overlap_scheduling_gives_the_same_constrained_tokens(tiny_llama):
+    params = [{"temperature": 0.8, "max_new_tokens": 64, "seed": 5, **c} for c in CONSTRAINED] + [FREE]
+    runs = []
+    for overlap in (False, True):
+        with Engine(model_path=str(tiny_llama), dtype="float32", disable_overlap_schedule=not overlap) as engine:
+            runs.append([o["output_ids"] for o in engine.generate((PROMPTS * 2)[: len(params)], params)])
+    assert runs[0] == runs[1]
+
+
+def test_bad_grammars_are_refused_with_the_reason(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32") as engine:
+        for params, needle in (
+            ({"json_schema": '{"type": "object",'}, "json_schema is not valid"),
+            ({"regex": "(a|b"}, "regex is not valid"),
+            ({"ebnf": "root ::= undefined_rule"}, "ebnf is not valid"),
+        ):
+            with pytest.raises(ValueError, match=needle):
+                engine.generate("hi", params)
+        assert engine.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
