@@ -25,6 +25,10 @@ CONSTRAINED = [
 FREE = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 
 
+def engine_for(model, overlap: bool = True) -> Engine:
+    return Engine(model_path=str(model), dtype="float32", max_total_tokens=2048, disable_overlap_schedule=not overlap)
+
+
 def check(constraint: dict, text: str) -> None:
     if "json_schema" in constraint:
         out = json.loads(text)
@@ -39,7 +43,7 @@ def check(constraint: dict, text: str) -> None:
 def test_constrained_outputs_stay_in_their_language(tiny_llama, overlap):
     params = [{"temperature": t, "max_new_tokens": 64, "seed": 3, **c} for c in CONSTRAINED for t in (0, 1.0)]
     prompts = (PROMPTS * 2)[: len(params)]
-    with Engine(model_path=str(tiny_llama), dtype="float32", disable_overlap_schedule=not overlap) as engine:
+    with engine_for(tiny_llama, overlap) as engine:
         outs = engine.generate(prompts + [PROMPTS[0]], params + [FREE])
         alone = engine.generate(PROMPTS[0], FREE)
     for p, out in zip(params, outs):
@@ -52,13 +56,13 @@ def test_overlap_scheduling_gives_the_same_constrained_tokens(tiny_llama):
     params = [{"temperature": 0.8, "max_new_tokens": 64, "seed": 5, **c} for c in CONSTRAINED] + [FREE]
     runs = []
     for overlap in (False, True):
-        with Engine(model_path=str(tiny_llama), dtype="float32", disable_overlap_schedule=not overlap) as engine:
+        with engine_for(tiny_llama, overlap) as engine:
             runs.append([o["output_ids"] for o in engine.generate((PROMPTS * 2)[: len(params)], params)])
     assert runs[0] == runs[1]
 
 
 def test_bad_grammars_are_refused_with_the_reason(tiny_llama):
-    with Engine(model_path=str(tiny_llama), dtype="float32") as engine:
+    with engine_for(tiny_llama) as engine:
         for params, needle in (
             ({"json_schema": '{"type": "object",'}, "json_schema is not valid"),
             ({"regex": "(a|b"}, "regex is not valid"),
