@@ -18,6 +18,7 @@ import torch
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.utils_tensor import to_device, upload
 
+
 class GrammarBackend:
     """Compiles grammars for one tokenizer; compiled grammars are cached by source, so repeated schemas (every
     call of an agent's tool, a client's fixed response format) compile once."""
@@ -42,16 +43,12 @@ class GrammarBackend:
             if name == "regex":
                 return self.compiler.compile_regex(source)
             return self.compiler.compile_grammar(source)
-        except (json.JSONDecodeError, RuntimeError, ValueError) as e:
-            detail = str(e).strip().splitlines()[-1]
-            raise ValueError(f"{name} is not valid: {detail.split(': ', 1)[-1] if '.cc:' in detail else detail}")
+        except (RuntimeError, ValueError) as e:  # JSON errors are ValueErrors, xgrammar's RuntimeErrors
+            raise ValueError(f"{name} is not valid: {_reason(e)}") from None
 
-    def matcher(self, params: SamplingParams) -> Any | None:
-        """A fresh matcher for the request's grammar (None without one)."""
-        grammar = params.grammar()
-        if grammar is None:
-            return None
-        return self._xgr.GrammarMatcher(self.compile(*grammar))
+    def matcher(self, params: SamplingParams) -> Any:
+        """A fresh matcher for the grammar of a request that has one."""
+        return self._xgr.GrammarMatcher(self.compile(*params.grammar()))
 
     @torch.inference_mode()  # logits come out of the forward as inference tensors, updated in place here
     def mask_logits(self, logits: torch.Tensor, matchers: list[Any | None]) -> None:
@@ -70,3 +67,9 @@ class GrammarBackend:
         part = logits[index]
         self._xgr.apply_token_bitmask_inplace(part, bitmask, vocab_size=self.vocab_size, backend=backend)
         logits[index] = part
+
+
+def _reason(error: Exception) -> str:
+    """The message of a compile error without the timestamp and C++ source location xgrammar puts first."""
+    line = str(error).strip().splitlines()[-1]
+    return line.split(": ", 1)[-1] if ".cc:" in line else line
