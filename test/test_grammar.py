@@ -22,6 +22,10 @@ CONSTRAINED = [
     {"regex": r"(red|green|blue) [0-9]{2}"},
     {"ebnf": 'root ::= "The answer is " ("yes" | "no") "."'},
 ]
+# SGLang's structural tag: free text, but what follows a trigger must complete a structure.
+TAGGED = {"structural_tag": json.dumps({
+    "structures": [{"begin": "<pick>", "schema": {"enum": ["red", "blue"]}, "end": "</pick>"}], "triggers": ["<pick>"],
+})}
 FREE = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 
 
@@ -61,12 +65,32 @@ def test_overlap_scheduling_gives_the_same_constrained_tokens(tiny_llama):
     assert runs[0] == runs[1]
 
 
+def test_structural_tag_constrains_what_follows_its_trigger(tiny_llama):
+    """Text is free until a trigger; then the structure's schema and end tag must follow."""
+    from transformers import AutoTokenizer
+
+    from sglang_pic.sampling.grammar import GrammarBackend
+    from sglang_pic.sampling.sampling_params import SamplingParams
+
+    backend = GrammarBackend(AutoTokenizer.from_pretrained(tiny_llama), 384)
+
+    def accepts(text: str) -> bool:
+        return backend.matcher(SamplingParams(**TAGGED)).accept_string(text)
+
+    assert accepts("any words at all <pick>") and accepts('then <pick>"red"</pick> and more')
+    assert not accepts('<pick>"green"') and not accepts('<pick>"red" </pick>')
+    with engine_for(tiny_llama) as engine:
+        out = engine.generate("Choose:", {"temperature": 1.0, "seed": 1, "max_new_tokens": 8, **TAGGED})
+    assert out["meta_info"]["completion_tokens"] >= 1
+
+
 def test_bad_grammars_are_refused_with_the_reason(tiny_llama):
     with engine_for(tiny_llama) as engine:
         for params, needle in (
             ({"json_schema": '{"type": "object",'}, "json_schema is not valid"),
             ({"regex": "(a|b"}, "regex is not valid"),
             ({"ebnf": "root ::= undefined_rule"}, "ebnf is not valid"),
+            ({"structural_tag": '{"structures": [{"begin": "<a>"}], "triggers": ["<a>"]}'}, "structural_tag is not"),
         ):
             with pytest.raises(ValueError, match=needle):
                 engine.generate("hi", params)

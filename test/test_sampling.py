@@ -99,9 +99,9 @@ def test_from_dict_nulls_mean_default_and_ints_become_floats():
         ({"logit_bias": {"x": 1.0}}, "logit_bias"),
         ({"logit_bias": {"3": "big"}}, "logit_bias"),
         ({"temprature": 0.5, "topp": 1}, "temprature, topp"),
-        ({"regex": "a+", "json_schema": "{}"}, "at most one of json_schema, regex and ebnf"),
+        ({"regex": "a+", "json_schema": "{}"}, "at most one of json_schema, regex, ebnf, structural_tag"),
         ({"regex": ["a+"]}, "regex must be a string"),
-        ({"structural_tag": "{}"}, "structural_tag constrained decoding is not supported"),
+        ({"stop_regex": "a+"}, "stop_regex is not supported"),
     ],
 )
 def test_from_dict_rejects(d, field):

@@ -1,5 +1,5 @@
-"""Constrained decoding: a request's json_schema, regex or EBNF grammar limits each next token to those that keep
-its output inside the language (xgrammar compiles the grammar against the tokenizer's vocabulary).
+"""Constrained decoding: a request's json_schema, regex, EBNF grammar or structural tag limits each next token to
+those that keep its output inside the language (xgrammar compiles it against the tokenizer's vocabulary).
 
 Each constrained request carries a matcher that has accepted its output so far. Before sampling, the matcher fills
 its row of a token bitmask, which masks the logits to the allowed tokens; after sampling, the token is accepted.
@@ -42,9 +42,25 @@ class GrammarBackend:
                 return self.compiler.compile_json_schema(source, any_whitespace=False)
             if name == "regex":
                 return self.compiler.compile_regex(source)
+            if name == "structural_tag":
+                return self._compile_structural_tag(source)
             return self.compiler.compile_grammar(source)
-        except (RuntimeError, ValueError) as e:  # JSON errors are ValueErrors, xgrammar's RuntimeErrors
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:  # xgrammar raises RuntimeErrors
             raise ValueError(f"{name} is not valid: {_reason(e)}") from None
+
+    def _compile_structural_tag(self, source: str) -> Any:
+        """SGLang's form ({"structures": [{"begin", "schema", "end"}], "triggers"}: free text in which each trigger
+        opens a structure whose body follows its schema) or xgrammar's own ({"format": ...})."""
+        tag = json.loads(source)
+        if not isinstance(tag, dict):
+            raise ValueError("a structural tag is a JSON object")
+        if "structures" not in tag:
+            return self.compiler.compile_structural_tag(source)
+        items = [
+            self._xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            for s in tag["structures"]
+        ]
+        return self.compiler.compile_structural_tag(items, tag["triggers"])
 
     def matcher(self, params: SamplingParams) -> Any:
         """A fresh matcher for the grammar of a request that has one."""

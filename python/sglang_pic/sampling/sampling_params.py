@@ -15,12 +15,11 @@ from typing import Any, Protocol
 SAMPLING_EPS = 1e-6
 
 # Constrained decoding: a request may set one of these (compiled and applied by sampling/grammar.py).
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
-# SGLang fields this engine knows but cannot honour. Asking for one is an error rather than an unconstrained answer
-# the client would take for a constrained one.
+# SGLang fields this engine knows but cannot honour. Asking for one is an error rather than an answer the client
+# would take for what it asked.
 _UNSUPPORTED = {
-    "structural_tag": "structural_tag constrained decoding is not supported",
     "stop_regex": "stop_regex is not supported",
 }
 
@@ -59,8 +58,8 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
-    # Known but unsupported: setting any of these raises ValueError.
     structural_tag: str | None = None
+    # Known but unsupported: setting any of these raises ValueError.
     stop_regex: str | list[str] | None = None
     # Filled by normalize(): the longest stop string in tokens (characters without a tokenizer), which bounds how
     # much trailing output the detokenizer must hold back while a stop string may still be forming.
@@ -136,7 +135,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
         if len(grammars) > 1:
-            raise ValueError(f"at most one of json_schema, regex and ebnf may be set, got {', '.join(grammars)}")
+            raise ValueError(f"at most one of {', '.join(GRAMMAR_FIELDS)} may be set, got {', '.join(grammars)}")
 
         self.max_new_tokens = _int("max_new_tokens", self.max_new_tokens)
         self.min_new_tokens = _int("min_new_tokens", self.min_new_tokens)
