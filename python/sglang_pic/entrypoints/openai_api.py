@@ -394,7 +394,7 @@ class OpenAIServing:
 
     def _chat_input(self, body: ChatCompletionRequest, rid: str) -> GenerateReqInput:
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens)
-        constraints = [name for name in GRAMMAR_FIELDS if sampling[name]]
+        constraints = [name for name in GRAMMAR_FIELDS if sampling.get(name)]
         schema = body.response_format.schema_text() if body.response_format is not None else None
         if schema is not None:
             constraints.append("response_format")
