@@ -33,6 +33,7 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info)
+        self.filler = xgr.BatchGrammarMatcher()  # fills a batch's masks on several host threads
 
     def compile(self, name: str, source: str) -> Any:
         """The compiled grammar; ValueError naming the field and the problem when `source` is not valid."""
@@ -71,8 +72,7 @@ class GrammarBackend:
         """Mask, in place, each row with a matcher to the tokens its grammar allows next ([B, V] logits)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for j, i in enumerate(rows):
-            matchers[i].fill_next_token_bitmask(bitmask, j)
+        self.filler.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask)
         bitmask = to_device(bitmask, logits.device)
         # xgrammar's CUDA kernel is compiled on first use, which needs a CUDA toolchain; Triton's is at hand.
         backend = "triton" if logits.is_cuda else "cpu"
