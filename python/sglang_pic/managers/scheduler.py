@@ -26,7 +26,7 @@ from sglang_pic.sampling.logprobs import (
     chosen_and_top_logprobs,
     compute_logprobs,
 )
-from sglang_pic.sampling.grammar import GrammarBackend
+from sglang_pic.sampling.grammar import GrammarBackend, grammar_backend
 from sglang_pic.sampling.penalty_counts import PenaltyCounts, uses_history
 from sglang_pic.sampling.sampler import Sampler
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
@@ -123,11 +123,10 @@ class Scheduler:
         self.waiting.append(req)
 
     def grammars(self) -> GrammarBackend:
-        """The grammar compiler, built on first use (most servers never see a constrained request)."""
-        if self._grammars is None:
-            if self.spec_worker is not None:
-                raise ValueError("constrained decoding is not supported with speculative decoding")
-            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size)
+        """The grammar compiler (sampling/grammar.grammar_backend), kept for the masks of later steps."""
+        if self.spec_worker is not None:
+            raise ValueError("constrained decoding is not supported with speculative decoding")
+        self._grammars = grammar_backend(self.tokenizer, self.vocab_size)
         return self._grammars
 
     def add_span_jobs(self, spans: list[tuple[str | None, list[int]]]) -> list[Req]:

@@ -15,7 +15,7 @@ from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.managers.segmenter import PromptSegmenter
 from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys, tail_key
-from sglang_pic.sampling.grammar import GrammarBackend
+from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.tokenizer import DecodeWindow, fast_decode, plain_backend
@@ -33,7 +33,6 @@ class TokenizerManager:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.segmenter = PromptSegmenter(tokenizer, server_args, self.vocab_size)
-        self._grammars: GrammarBackend | None = None  # built for the first constrained request
 
     # ---- input --------------------------------------------------------------------------------------------
     def build_requests(self, obj: GenerateReqInput) -> list[Req]:
@@ -56,9 +55,7 @@ class TokenizerManager:
             raise ValueError("constrained decoding is not supported with speculative decoding")
         if self.tokenizer is None:
             raise ValueError("constrained decoding needs a tokenizer; this engine runs with skip_tokenizer_init")
-        if self._grammars is None:
-            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size)
-        self._grammars.compile(*params.grammar())
+        grammar_backend(self.tokenizer, self.vocab_size).compile(*params.grammar())
 
     def _build_one(self, item: dict[str, Any], known: dict | None = None) -> list[Req]:
         params = SamplingParams.from_dict(item["sampling_params"])

@@ -11,6 +11,7 @@ launched (the overlap scheduler does so, managers/overlap.py).
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any
 
 import torch
@@ -83,6 +84,19 @@ class GrammarBackend:
         part = logits[index]
         self._xgr.apply_token_bitmask_inplace(part, bitmask, vocab_size=self.vocab_size, backend=backend)
         logits[index] = part
+
+
+_BACKENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its backend in this process
+
+
+def grammar_backend(tokenizer: Any, vocab_size: int) -> GrammarBackend:
+    """The process's grammar compiler for `tokenizer`, built on first use (most servers never see a constrained
+    request). An offline Engine's front end and scheduler share one tokenizer, so they share one backend: its
+    vocabulary is indexed once and a grammar the front end compiled to validate is a cache hit for the scheduler."""
+    backend = _BACKENDS.get(tokenizer)
+    if backend is None or backend.vocab_size != vocab_size:
+        backend = _BACKENDS[tokenizer] = GrammarBackend(tokenizer, vocab_size)
+    return backend
 
 
 def _reason(error: Exception) -> str:
