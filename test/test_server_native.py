@@ -106,42 +106,62 @@ def test_prefill_only_request(server):
     assert out["text"] == "" and out["output_ids"] == []
 
 
-def test_abort_request_ends_stream(server):
-    body = {
-        "text": PROMPTS[0],
-        "rid": "abort-me",
-        "sampling_params": {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True},
-        "stream": True,
-    }
-    resp = server.post("/generate", json=body, stream=True)
+LONG = {"temperature": 0, "max_new_tokens": 230, "ignore_eos": True}
+
+
+def aborted_stream(server, attempt: int) -> dict:
+    """Stream a long request, abort it by rid after its first chunk; return the final event's meta_info."""
+    rid = f"abort-me-{attempt}"
+    resp = server.post(
+        "/generate", json={"text": PROMPTS[0], "rid": rid, "sampling_params": LONG, "stream": True}, stream=True
+    )
     lines = resp.iter_lines(decode_unicode=True)
     first = next(line for line in lines if line.startswith("data: "))
     assert json.loads(first[6:])["meta_info"]["finish_reason"] is None
-    assert server.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
+    assert server.post("/abort_request", json={"rid": rid}).status_code == 200
     rest = [line[6:] for line in lines if line.startswith("data: ")]
     assert rest[-1] == "[DONE]"
-    final = json.loads(rest[-2])
-    assert final["meta_info"]["finish_reason"]["type"] == "abort"
-    assert final["meta_info"]["completion_tokens"] < 200
+    return json.loads(rest[-2])["meta_info"]
 
 
-def test_abort_all(server):
+def test_abort_request_ends_stream(server):
+    # On a loaded 2-core CI box a tiny model can finish before the abort lands; a few tries make that race
+    # vanishingly rare while a broken abort still fails every try.
+    metas = []
+    for attempt in range(3):
+        metas.append(aborted_stream(server, attempt))
+        if metas[-1]["finish_reason"]["type"] == "abort":
+            break
+    assert metas[-1]["finish_reason"]["type"] == "abort", metas
+    assert metas[-1]["completion_tokens"] < LONG["max_new_tokens"]
+
+
+def aborted_pair(server) -> list[str]:
+    """Two long requests in flight, ended by `abort_all`; their finish reasons."""
     results = []
 
     def call() -> None:
-        body = {"text": PROMPTS[1], "sampling_params": {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}}
-        results.append(server.post("/generate", json=body).json())
+        results.append(server.post("/generate", json={"text": PROMPTS[1], "sampling_params": LONG}).json())
 
     threads = [threading.Thread(target=call) for _ in range(2)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
     while server.get("/get_load").json()[0]["num_reqs"] < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.01)
     assert server.post("/abort_request", json={"abort_all": True}).status_code == 200
     for t in threads:
         t.join(30)
-    assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["abort", "abort"]
+    return [r["meta_info"]["finish_reason"]["type"] for r in results]
+
+
+def test_abort_all(server):
+    reasons = []
+    for _ in range(3):
+        reasons.append(aborted_pair(server))
+        if reasons[-1] == ["abort", "abort"]:
+            break
+    assert reasons[-1] == ["abort", "abort"], reasons
 
 
 def test_information_routes(server):
