@@ -101,7 +101,9 @@ def test_from_dict_nulls_mean_default_and_ints_become_floats():
         ({"temprature": 0.5, "topp": 1}, "temprature, topp"),
         ({"regex": "a+", "json_schema": "{}"}, "at most one of json_schema, regex, ebnf, structural_tag"),
         ({"regex": ["a+"]}, "regex must be a string"),
-        ({"stop_regex": "a+"}, "stop_regex is not supported"),
+        ({"stop_regex": "(a"}, "is not a valid regular expression"),
+        ({"stop_regex": ["ok", "a*"]}, "can match an empty string"),
+        ({"stop_regex": 3}, "stop_regex must be a string or a list of strings"),
     ],
 )
 def test_from_dict_rejects(d, field):
@@ -126,15 +128,15 @@ def test_normalize_stop():
         def encode(self, text, add_special_tokens=True):
             return list(range((len(text) + 1) // 2))
 
-    p = SamplingParams(stop="</s>")
+    p = SamplingParams(stop="</s>", stop_regex=r"\d{2}")
     p.normalize()
-    assert p.stop == ["</s>"] and p.stop_str_max_len == 4
+    assert p.stop == ["</s>"] and p.stop_regex == [r"\d{2}"] and p.stops.window == 5  # 4 characters + 1
     p = SamplingParams(stop=["ab", "abcde"])
     p.normalize(CharPairs())
-    assert p.stop_str_max_len == 3
+    assert p.stops.window == 4  # 3 tokens + 1
     p = SamplingParams()
     p.normalize()
-    assert p.stop == [] and p.stop_str_max_len == 0
+    assert p.stop == [] and p.stops is None
 
 
 # ---- Sampler ----

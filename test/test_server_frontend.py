@@ -86,6 +86,19 @@ def test_run_batch(backend, engine):
         assert answer == engine_text(engine, prompt, max_new_tokens=16, stop="\n")
 
 
+def test_gen_stop_regex_matches_engine(backend, engine):
+    pattern = r"[aeiou][a-z]"
+
+    @sgl.function
+    def stopped(s):
+        s += BASE + sgl.gen("tail", max_tokens=16, temperature=0, ignore_eos=True, stop_regex=pattern)
+
+    tail = stopped.run()["tail"]
+    out = engine.generate(BASE, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True, "stop_regex": pattern})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+    assert tail == out["text"]
+
+
 def test_select(backend):
     state = pick.run()
     assert state["choice"] in (" jumps", " sleeps", " runs")

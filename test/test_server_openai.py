@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
 from server_utils import start_server, stop_server
@@ -127,6 +129,20 @@ def test_chat_stream_and_stop(client):
         assert stopped.choices[0].matched_stop == stop
         assert stop not in content
         assert text.startswith(content)
+
+        streamed = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stop=[stop], stream=True,
+            extra_body=IGNORE_EOS,
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == content
+
+        pattern = re.escape(stop[0]) + "."
+        by_regex = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={**IGNORE_EOS, "stop_regex": pattern}
+        )
+        assert by_regex.choices[0].finish_reason == "stop"
+        assert by_regex.choices[0].matched_stop == pattern
+        assert re.search(pattern, by_regex.choices[0].message.content or "") is None
 
 
 def test_chat_n_choices(client):

@@ -49,6 +49,7 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None
     message: str | None = None
+    cut: int = 0  # a stop string or regex: trailing characters of the output text it cuts off (from its start)
 
     def to_json(self) -> dict:
         out: dict = {"type": self.type, "matched": self.matched}

@@ -557,14 +557,28 @@ class Scheduler:
             if not sp.ignore_eos and tok in req.eos_token_ids:
                 req.finished_reason = FinishReason("stop", matched=tok)
                 return
-            if sp.stop and self.tokenizer is not None:
-                tail = self._decode(req.output_ids[-(sp.stop_str_max_len + 1) :])
-                for s in sp.stop:
-                    if s and s in tail:
-                        req.finished_reason = FinishReason("stop", matched=s)
-                        return
+            if sp.stops is not None and self._decode is not None:
+                self._check_stop_text(req)
+                if req.finished_reason is not None:
+                    return
         if n >= sp.max_new_tokens or req.seq_len() >= self.context_len:
             req.finished_reason = FinishReason("length", matched=None)
+
+    def _check_stop_text(self, req: Req) -> None:
+        """End `req` at the earliest stop string or regex in the text of its newest tokens, decoded as its output
+        will be, and record how much of that text the stop cuts off."""
+        sp = req.sampling_params
+        window = sp.stops.window
+        whole = window is None or len(req.output_ids) <= window
+        ids = req.output_ids if whole else req.output_ids[-window:]
+        tail = self._decode(
+            ids,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        )
+        match = sp.stops.search(tail, 0 if whole else 1)
+        if match is not None:
+            req.finished_reason = FinishReason("stop", matched=match.stop, cut=len(tail) - match.start)
 
     def _finish_span_job(self, job: Req) -> None:
         job.finished_reason = FinishReason("length", matched=None)

@@ -149,21 +149,24 @@ class TokenizerManager:
             "skip_special_tokens": sp.skip_special_tokens,
             "spaces_between_special_tokens": sp.spaces_between_special_tokens,
         }
-        if reason is None:  # streaming: hold back a partial multi-byte character
-            if self._incremental:
-                req.decode_window = req.decode_window or DecodeWindow()
-                text = req.decode_window.advance(ids, self._decode, **kwargs)
-                if text is not None:
-                    return text
-            return self._decode(ids, **kwargs).rstrip("\ufffd")
+        if reason is None:
+            text = self._streamed_text(req, kwargs)
+            return text[: len(text) - sp.stops.hold_back(text)] if sp.stops is not None else text
         if reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:
             ids = ids[:-1]
         text = self._decode(ids, **kwargs)
-        if reason.type == "stop" and isinstance(reason.matched, str) and not sp.no_stop_trim:
-            cut = text.find(reason.matched)
-            if cut >= 0:
-                text = text[:cut]
+        if reason.type == "stop" and not sp.no_stop_trim:
+            text = text[: len(text) - reason.cut]
         return text
+
+    def _streamed_text(self, req: Req, kwargs: dict[str, Any]) -> str:
+        """The output so far without a trailing partial multi-byte character."""
+        if self._incremental:
+            req.decode_window = req.decode_window or DecodeWindow()
+            text = req.decode_window.advance(req.output_ids, self._decode, **kwargs)
+            if text is not None:
+                return text
+        return self._decode(req.output_ids, **kwargs).rstrip("\ufffd")
 
     def format_output(self, req: Req, return_text_in_logprobs: bool = False) -> dict[str, Any]:
         now = time.time()

@@ -9,25 +9,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
-from typing import Any, Protocol
+from typing import Any
+
+from sglang_pic.sampling.stop_conditions import StopConditions, StopTokenizer, check_stop_regex
 
 # Below this a temperature is treated as zero, i.e. greedy decoding (as in SGLang).
 SAMPLING_EPS = 1e-6
 
 # Constrained decoding: a request may set one of these (compiled and applied by sampling/grammar.py).
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
-
-# SGLang fields this engine knows but cannot honour. Asking for one is an error rather than an answer the client
-# would take for what it asked.
-_UNSUPPORTED = {
-    "stop_regex": "stop_regex is not supported",
-}
-
-
-class StopTokenizer(Protocol):
-    """Anything with an HF-style `encode`; a `tokenizers.Tokenizer` (returning an Encoding) also fits."""
-
-    def encode(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 
 
 @dataclass
@@ -59,11 +49,10 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
-    # Known but unsupported: setting any of these raises ValueError.
+    # Python regular expressions that end the output where they first match (like stop strings).
     stop_regex: str | list[str] | None = None
-    # Filled by normalize(): the longest stop string in tokens (characters without a tokenizer), which bounds how
-    # much trailing output the detokenizer must hold back while a stop string may still be forming.
-    stop_str_max_len: int = field(default=0, init=False)
+    # Filled by normalize(): the stop strings and regexes compiled for searching the output (None: there are none).
+    stops: StopConditions | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -118,18 +107,12 @@ class SamplingParams:
         return next(((name, getattr(self, name)) for name in GRAMMAR_FIELDS if getattr(self, name)), None)
 
     def normalize(self, tokenizer: StopTokenizer | None = None) -> None:
-        """Turn `stop` into a list and measure its longest entry."""
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop_str_max_len = max((_stop_len(s, tokenizer) for s in self.stop), default=0)
+        """Turn `stop` and `stop_regex` into lists and compile them for the output search."""
+        self.stop = _as_list(self.stop)
+        self.stop_regex = _as_list(self.stop_regex)
+        self.stops = StopConditions.build(self.stop, self.stop_regex, tokenizer)
 
     def _validate(self) -> None:
-        for name, message in _UNSUPPORTED.items():
-            if getattr(self, name):  # empty values (the frontend sends stop_regex=()) ask for nothing
-                raise ValueError(message)
-
         grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name)]
         for name in grammars:
             if not isinstance(getattr(self, name), str):
@@ -153,6 +136,7 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
         self.stop = _stop_strings(self.stop)
+        self.stop_regex = _stop_regexes(self.stop_regex)
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.custom_params is not None and not isinstance(self.custom_params, dict):
@@ -209,6 +193,21 @@ def _stop_strings(stop: Any) -> str | list[str] | None:
     return stop if isinstance(stop, str) else list(stop)
 
 
+def _stop_regexes(patterns: Any) -> str | list[str] | None:
+    if patterns is None:
+        return None
+    items = [patterns] if isinstance(patterns, str) else patterns
+    if not isinstance(items, (list, tuple)) or not all(isinstance(p, str) for p in items):
+        raise ValueError(f"stop_regex must be a string or a list of strings, got {patterns!r}")
+    for p in items:
+        check_stop_regex(p)
+    return patterns if isinstance(patterns, str) else list(patterns)
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else value
+
+
 def _token_ids(ids: Any) -> list[int] | None:
     if ids is None:
         return None
@@ -236,10 +235,3 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
             raise ValueError(f"logit_bias[{key!r}] must be finite, got {value}")
         out[token] = value
     return out
-
-
-def _stop_len(stop: str, tokenizer: StopTokenizer | None) -> int:
-    if tokenizer is None:
-        return len(stop)  # a token holds at least one character, so this bounds the token count
-    encoded = tokenizer.encode(stop, add_special_tokens=False)
-    return len(getattr(encoded, "ids", encoded))
