@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, Callable
 
 from sglang_pic.sampling.stop_conditions import StopConditions, StopTokenizer, check_stop_regex
 
@@ -135,8 +135,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
-        self.stop = _stop_strings(self.stop)
-        self.stop_regex = _stop_regexes(self.stop_regex)
+        self.stop = _stops("stop", self.stop, _check_stop)
+        self.stop_regex = _stops("stop_regex", self.stop_regex, check_stop_regex)
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.custom_params is not None and not isinstance(self.custom_params, dict):
@@ -182,26 +182,21 @@ def _float(name: str, value: Any) -> float:
     return float(value)
 
 
-def _stop_strings(stop: Any) -> str | list[str] | None:
-    if stop is None:
-        return None
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
-    if any(s == "" for s in items):
+def _check_stop(stop: str) -> None:
+    if stop == "":
         raise ValueError("stop strings must be non-empty")
-    return stop if isinstance(stop, str) else list(stop)
 
 
-def _stop_regexes(patterns: Any) -> str | list[str] | None:
-    if patterns is None:
+def _stops(name: str, value: Any, check: Callable[[str], None]) -> str | list[str] | None:
+    """A string or a list of strings, each passing `check`."""
+    if value is None:
         return None
-    items = [patterns] if isinstance(patterns, str) else patterns
-    if not isinstance(items, (list, tuple)) or not all(isinstance(p, str) for p in items):
-        raise ValueError(f"stop_regex must be a string or a list of strings, got {patterns!r}")
-    for p in items:
-        check_stop_regex(p)
-    return patterns if isinstance(patterns, str) else list(patterns)
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+    for item in items:
+        check(item)
+    return value if isinstance(value, str) else list(value)
 
 
 def _as_list(value: str | list[str] | None) -> list[str]:
