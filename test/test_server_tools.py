@@ -91,8 +91,13 @@ def test_forced_tool_calls_follow_the_tool_schema(server, stream):
         assert reply.status_code == 200, reply.text
         if stream:
             chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
-            calls = [c for ch in chunks for c in ch["choices"][0]["delta"].get("tool_calls") or []]
+            deltas = [c for ch in chunks for c in ch["choices"][0]["delta"].get("tool_calls") or []]
             finish = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]]
+            # a forced call streams its arguments as they are written; only the first delta names the call
+            assert len(deltas) > 2 and {d["index"] for d in deltas} == {0}
+            assert all("id" not in d and "name" not in d["function"] for d in deltas[1:])
+            arguments = "".join(d["function"]["arguments"] for d in deltas)
+            calls = [{"id": deltas[0]["id"], "function": {"name": deltas[0]["function"]["name"], "arguments": arguments}}]
         else:
             choice_out = reply.json()["choices"][0]
             calls, finish = choice_out["message"]["tool_calls"], [choice_out["finish_reason"]]
@@ -139,3 +144,19 @@ def test_tool_spans_reuse_each_description_in_any_order(server):
     as_spans = cached([TOOLS[2], TOOLS[0]], True)
     as_text = cached([TOOLS[2], TOOLS[1]], False)
     assert as_spans > as_text + 60
+
+
+def test_openai_client_assembles_streamed_call_deltas(server):
+    """The official client's stream helper adds the argument deltas up to the call the unstreamed reply holds."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    kwargs = {"model": "m", "messages": USER, "tools": FORECAST, "tool_choice": "required", "max_tokens": 64,
+              "temperature": 0}
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    with client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+    assert streamed[0].id.startswith("call_")

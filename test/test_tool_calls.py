@@ -31,8 +31,7 @@ def test_hermes_calls_are_cut_out_of_the_text():
     content, calls = HermesParser().parse(text, NAMES)
     assert content.strip() == "Let me check."
     assert as_pairs(calls) == [("get_weather", {"city": "Paris", "unit": "°C"}), ("add", {"a": 1})]
-    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
-    assert "°C" in calls[0].arguments  # arguments keep non-ASCII text as is
+    assert calls[0].arguments == '{"city": "Paris", "unit": "°C"}'  # the model's own text
 
 
 @pytest.mark.parametrize(
@@ -87,10 +86,11 @@ def test_parser_follows_the_flag_then_the_model_family():
 
 
 def stream(parser, pieces: list[str]) -> tuple[list[str], str, list]:
+    """(content sent after each piece, content sent at the end, the calls)."""
     s = ToolCallStream(parser, NAMES)
-    sent = [s.feed(p) for p in pieces]
-    rest, calls = s.finish()
-    return sent, rest, calls
+    sent = [s.feed(p)[0] for p in pieces]
+    rest = s.finish()[0]
+    return sent, rest, s.whole_calls()
 
 
 def test_stream_holds_back_what_may_open_a_call_and_never_streams_it():
@@ -106,7 +106,43 @@ def test_without_parallel_calls_only_the_first_counts():
     for parallel, names in ((True, ["get_weather", "add"]), (False, ["get_weather"])):
         reader = ToolCallStream(HermesParser(), NAMES, parallel)
         reader.feed(reply)
-        assert [c.name for c in reader.finish()[1]] == names
+        reader.finish()
+        assert [c.name for c in reader.whole_calls()] == names
+
+
+def call_deltas(reader: ToolCallStream, pieces: list[str]) -> list[list[tuple]]:
+    """The (index, arguments, id, name) of the call deltas after each piece, then after finish."""
+    steps = [reader.feed(p)[1] for p in pieces] + [reader.finish()[1]]
+    return [[(d.index, d.arguments, d.id, d.name) for d in step] for step in steps]
+
+
+def test_committed_call_arguments_stream_as_written():
+    pieces = ["Sure. <tool_call>\n{\"na", 'me": "add", "argu', 'ments": {"a": ', '2, "b"', ': [1, {"c": "}"}]}', "}\n</tool_call>"]
+    reader = ToolCallStream(HermesParser(), NAMES)
+    steps = call_deltas(reader, pieces)
+    call_id = reader.ids[0]
+    assert call_id.startswith("call_")
+    assert steps == [
+        [],
+        [],  # the header is not whole yet
+        [(0, '{"a": ', call_id, "add")],
+        [(0, '2, "b"', None, None)],
+        [(0, ': [1, {"c": "}"}]}', None, None)],  # a brace inside a string does not close the arguments
+        [],
+        [],
+    ]
+    assert [(c.name, c.arguments) for c in reader.whole_calls()] == [("add", '{"a": 2, "b": [1, {"c": "}"}]}')]
+
+
+def test_calls_only_the_end_can_confirm_go_out_whole():
+    pieces = ['{"name": "add", "arguments": {"a":', ' 1}}']
+    steps = call_deltas(ToolCallStream(HermesParser(), NAMES), pieces)
+    assert steps[:2] == [[], []] and [(i, a, n) for i, a, _, n in steps[2]] == [(0, '{"a": 1}', "add")]
+    forced = ToolCallStream(HermesParser(), NAMES, forced=True)  # tool_choice made the reply a call
+    steps = call_deltas(forced, pieces)
+    assert [[(a, n) for _, a, _, n in step] for step in steps] == [[("{\"a\":", "add")], [(" 1}", None)], []]
+    unknown = '<tool_call>\n{"name": "launch", "arguments": {"x": 1}}\n</tool_call>'
+    assert call_deltas(ToolCallStream(HermesParser(), NAMES), [unknown]) == [[], []]
 
 
 def test_stream_releases_held_text_that_was_not_a_call():

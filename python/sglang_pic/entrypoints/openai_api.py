@@ -45,7 +45,7 @@ from sglang_pic.entrypoints.openai_protocol import (
     describe_validation_error,
 )
 from sglang_pic.entrypoints.tool_calls import (
-    ToolCall,
+    CallDelta,
     ToolCallStream,
     mark_tool_spans,
     tool_call_parser,
@@ -116,13 +116,18 @@ def _finish(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
     return (reason["type"], reason.get("matched")) if reason else (None, None)
 
 
-def _tool_items(calls: list[ToolCall]) -> list[ToolCallItem] | None:
+def _tool_items(calls: list[CallDelta]) -> list[ToolCallItem] | None:
     """Calls as the API returns them (each with its index, which stream deltas need and messages tolerate)."""
     if not calls:
         return None
     return [
-        ToolCallItem(index=i, id=c.id, function=CalledFunction(name=c.name, arguments=c.arguments))
-        for i, c in enumerate(calls)
+        ToolCallItem(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id is not None else None,
+            function=CalledFunction(name=c.name, arguments=c.arguments),
+        )
+        for c in calls
     ]
 
 
@@ -376,9 +381,8 @@ class OpenAIServing:
             content, calls = out["text"], []
             if body.uses_tools():
                 reader = self._tool_reader(body)
-                content = reader.feed(content)
-                rest, calls = reader.finish()
-                content = (content + rest).strip()
+                content = reader.feed(content)[0] + reader.finish()[0]
+                content, calls = content.strip(), reader.whole_calls()
             message = ChatResponseMessage(role="assistant", content=content or None, tool_calls=_tool_items(calls))
             if calls:
                 reason, matched = "tool_calls", None
@@ -390,7 +394,7 @@ class OpenAIServing:
 
     def _tool_reader(self, body: ChatCompletionRequest) -> ToolCallStream:
         names = {t.function.name for t in body.tools}
-        return ToolCallStream(self.tool_parser, names, body.parallel_tool_calls)
+        return ToolCallStream(self.tool_parser, names, body.parallel_tool_calls, body.forced_tools() is not None)
 
     def _chat_input(self, body: ChatCompletionRequest, rid: str) -> GenerateReqInput:
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens)
@@ -474,10 +478,10 @@ class OpenAIServing:
                     reason, matched = _finish(out)
                     calls = []
                     if tool_streams is not None:
-                        delta = tool_streams[i].feed(delta)
+                        delta, calls = tool_streams[i].feed(delta)
                         if reason is not None:
-                            rest, calls = tool_streams[i].finish()
-                            delta += rest
+                            rest, more = tool_streams[i].finish()
+                            delta, calls = delta + rest, calls + more
                     logprobs = _chat_logprobs(triples, tops) if body.logprobs and triples else None
                     if delta or logprobs:
                         content = ChatStreamChoice(index=i, delta=ChatResponseMessage(content=delta), logprobs=logprobs)
@@ -485,6 +489,7 @@ class OpenAIServing:
                     if calls:
                         message = ChatResponseMessage(tool_calls=_tool_items(calls))
                         yield chunk(ChatStreamChoice(index=i, delta=message), out)
+                    if reason is not None and tool_streams is not None and tool_streams[i].calls:
                         reason, matched = "tool_calls", None
                     if reason is not None:
                         finals[i] = out

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
 
 MAX_TOP_LOGPROBS = 20
 
@@ -338,15 +346,23 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class CalledFunction(BaseModel):
+class _OmitNone(BaseModel):
+    """Left-out fields are absent, not null: a call's later stream deltas carry only its index and arguments."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class CalledFunction(_OmitNone):
     name: str | None = None
     arguments: str | None = None
 
 
-class ToolCallItem(BaseModel):
+class ToolCallItem(_OmitNone):
     index: int | None = None  # in stream deltas
     id: str | None = None
-    type: Literal["function"] = "function"
+    type: Literal["function"] | None = "function"  # on a call's first stream delta, and in messages
     function: CalledFunction
 
 

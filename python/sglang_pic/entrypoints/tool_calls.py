@@ -7,6 +7,11 @@ objects {"name", "parameters"} separated by ";" (after an optional <|python_tag|
 [TOOL_CALLS] and a JSON list of {"name", "arguments"}. Only calls to the request's tools with JSON-object arguments
 count; anything else stays text, so a malformed call reaches the client as content rather than an error.
 
+Streamed, a call's arguments go out as they are written once the call is committed: a `<tool_call>` block whose
+header (`{"name": ..., "arguments": {`) names one of the request's tools, or any call when tool_choice forces one.
+Other calls (bare objects that only the end of the reply can confirm, Mistral's list) go out whole at the end. A
+call's arguments are the JSON text the model wrote, so streamed pieces add up to the reply's arguments exactly.
+
 `mark_tool_spans` makes each tool description a span: agents resend the same tools in varying subsets and orders,
 and as spans each description is prefilled once and reused behind any system prompt, at any offset.
 """
@@ -18,13 +23,27 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import takewhile
 
 
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text
-    id: str
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """One call's progress in a stream; its first delta carries its id and name."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+# The opening of a call object written name first: what a stream needs to commit to the call.
+_HEADER = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
 def _call(name: object, arguments: object, names: set[str]) -> ToolCall | None:
@@ -35,21 +54,70 @@ def _call(name: object, arguments: object, names: set[str]) -> ToolCall | None:
             return None
     if not isinstance(name, str) or name not in names or not isinstance(arguments, dict):
         return None
-    return ToolCall(name, json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex[:24]}")
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _read_call(text: str, start: int, names: set[str]) -> tuple[ToolCall | None, int]:
+    """The call whose JSON object starts at text[start], and where the object ends; raises JSONDecodeError if
+    no whole JSON value starts there. Arguments written as an object after the name keep the model's text."""
+    obj, end = json.JSONDecoder().raw_decode(text, start)
+    if not isinstance(obj, dict):
+        return None, end
+    call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})), names)
+    partial = _partial_call(text[:end], start, names)
+    if call is not None and partial is not None and partial.name == call.name:
+        call = partial
+    return call, end
+
+
+def _partial_call(text: str, start: int, names: set[str]) -> ToolCall | None:
+    """The call being written from text[start] so far: its name (one of `names`) and the argument text written
+    yet; None before its header is whole."""
+    m = _HEADER.match(text, start)
+    if m is None:
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+    if name not in names:
+        return None
+    end = _object_end(text, m.end())
+    return ToolCall(name, text[m.end() : end if end is not None else len(text)])
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """One past the bracket closing the JSON object or array opening at text[start]; None if not closed yet."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
 
 
 def _reply_of_calls(text: str, names: set[str]) -> list[ToolCall]:
     """The calls when `text` is nothing but JSON call objects (separated by whitespace or ";"), else []."""
-    decoder, calls, pos = json.JSONDecoder(), [], 0
+    calls, pos = [], 0
     body = text.strip()
     while pos < len(body):
         try:
-            obj, pos = decoder.raw_decode(body, pos)
+            call, pos = _read_call(body, pos, names)
         except json.JSONDecodeError:
             return []
-        if not isinstance(obj, dict):
-            return []
-        call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})), names)
         if call is None:
             return []
         calls.append(call)
@@ -106,6 +174,11 @@ class ToolCallParser(ABC):
     def call_starts(self, text: str) -> int:
         """Where a call may begin in `text`, counting a partial opener at its end (len(text): nowhere)."""
 
+    def committed_calls(self, text: str) -> list[int]:
+        """Where the objects of calls that the reply has committed to start, in order (a stream sends their
+        arguments as they come); none by default, so calls go out whole once the reply has ended."""
+        return []
+
 
 class HermesParser(ToolCallParser):
     start = "<tool_call>"
@@ -116,11 +189,10 @@ class HermesParser(ToolCallParser):
         calls, kept, pos = [], [], 0
         for m in self._block.finditer(text):
             try:
-                obj = json.loads(m.group(1))
+                call, end = _read_call(text, m.start(1), names)
             except json.JSONDecodeError:
                 continue
-            call = _call(obj.get("name"), obj.get("arguments", {}), names) if isinstance(obj, dict) else None
-            if call is not None:
+            if call is not None and end == m.end(1):
                 calls.append(call)
                 kept.append(text[pos : m.start()])
                 pos = m.end()
@@ -132,6 +204,15 @@ class HermesParser(ToolCallParser):
 
     def call_starts(self, text: str) -> int:
         return 0 if _may_be_calls(text) else _opener_at(text, self.start)
+
+    def committed_calls(self, text: str) -> list[int]:
+        starts, pos = [], text.find(self.start)
+        while pos >= 0:
+            at = _skip_space(text, pos + len(self.start))
+            if text.startswith("{", at):
+                starts.append(at)
+            pos = text.find(self.start, at)
+        return starts
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -194,28 +275,55 @@ def tool_call_parser(name: str | None, architecture: str) -> ToolCallParser | No
 
 
 class ToolCallStream:
-    """Reads a reply, streamed or whole: passes its text on while holding back what may be a tool call; `finish`
-    parses the whole reply (keeping the first call only unless calls may run in parallel)."""
+    """Reads a reply, streamed or whole: passes its text on while holding back what may be a tool call, and the
+    calls as deltas: committed calls' arguments as they are written, the rest when `finish` parses the whole reply
+    (keeping the first call only unless calls may run in parallel). With `forced`, the reply is known to be one
+    call (tool_choice constrains it), so it is committed from its first character."""
 
-    def __init__(self, parser: ToolCallParser, names: set[str], parallel: bool = True) -> None:
+    def __init__(self, parser: ToolCallParser, names: set[str], parallel: bool = True, forced: bool = False) -> None:
         self.parser = parser
         self.names = names
         self.parallel = parallel
+        self.forced = forced
         self.text = ""
         self.sent = 0  # characters of `text` already passed on as content
+        self.calls: list[ToolCall] = []  # each call as far as it has been sent
+        self.ids: list[str] = []
 
-    def feed(self, delta: str) -> str:
-        """The content that can be streamed now."""
+    def feed(self, delta: str) -> tuple[str, list[CallDelta]]:
+        """The content that can be streamed now, and the calls' progress."""
         self.text += delta
         safe = max(self.parser.call_starts(self.text), self.sent)
         out, self.sent = self.text[self.sent : safe], safe
-        return out
+        starts = [self.text.find("{")] if self.forced and "{" in self.text else self.parser.committed_calls(self.text)
+        partial = [_partial_call(self.text, at, self.names) for at in starts]
+        return out, self._advance(list(takewhile(lambda c: c is not None, partial)))
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not streamed yet, the calls)."""
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """(content not streamed yet, the rest of the calls)."""
         content, calls = self.parser.parse(self.text, self.names)
         rest = content[self.sent :] if content.startswith(self.text[: self.sent]) else ""
-        return rest, calls if self.parallel else calls[:1]
+        return rest, self._advance(calls)
+
+    def whole_calls(self) -> list[CallDelta]:
+        """Each call sent so far as one delta: a whole reply's calls."""
+        return [CallDelta(i, c.arguments, self.ids[i], c.name) for i, c in enumerate(self.calls)]
+
+    def _advance(self, calls: list[ToolCall]) -> list[CallDelta]:
+        """Deltas taking the sent calls to `calls`. A sent call that `calls` does not continue (a committed call the
+        finished reply turned out not to hold) stays as it was sent."""
+        deltas = []
+        for i, call in enumerate(calls if self.parallel else calls[:1]):
+            if i == len(self.calls):
+                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self.calls.append(call)
+                deltas.append(CallDelta(i, call.arguments, self.ids[i], call.name))
+                continue
+            sent = self.calls[i]
+            if call.name == sent.name and call.arguments.startswith(sent.arguments) and call != sent:
+                self.calls[i] = call
+                deltas.append(CallDelta(i, call.arguments[len(sent.arguments) :]))
+        return deltas
 
 
 def mark_tool_spans(prompt: str, tools: list[dict], ssep: str, pdep: str) -> str:
