@@ -65,6 +65,32 @@ def test_overlap_scheduling_gives_the_same_constrained_tokens(tiny_llama):
     assert runs[0] == runs[1]
 
 
+def test_constrained_step_commits_behind_the_next_forward(tiny_llama):
+    """The step in flight is committed after the next step's forward is launched (only its sampling waits for the
+    grammars), so constrained decoding keeps the overlap."""
+    events = []
+    with engine_for(tiny_llama) as engine:
+        sched = engine.scheduler
+        forward, commit = sched.runner.forward, sched._commit
+
+        def record_forward(batch):
+            events.append("forward")
+            return forward(batch)
+
+        def record_commit(step, updated):
+            events.append("commit")
+            return commit(step, updated)
+
+        sched.runner.forward, sched._commit = record_forward, record_commit
+        out = engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 64, **CONSTRAINED[0]})
+    check(CONSTRAINED[0], out["text"])
+    steps = out["meta_info"]["completion_tokens"]
+    assert steps > 3
+    # the prefill, then each decode's forward goes out before the step before it is committed
+    assert events[:7] == ["forward"] + ["forward", "commit"] * 3
+    assert events.count("commit") == steps
+
+
 def test_structural_tag_constrains_what_follows_its_trigger(tiny_llama):
     """Text is free until a trigger; then the structure's schema and end tag must follow."""
     from transformers import AutoTokenizer

@@ -9,6 +9,8 @@ computed spans (the tree takes them at launch). A request that turns out to have
 rides in the next one and its row is dropped; one certain to finish by length is left out. Slots freed meanwhile
 are safe to reuse: the kernels that reuse them are queued behind the step that still writes them. Sampled ids
 reach the host through utils_tensor.HostCopy: reading them waits for their step only, not for the one after.
+A step with constrained requests is committed between the next step's forward and its sampling, since the next
+grammar masks need its tokens: the host's wait and mask filling still run while the device computes the forward.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class LaunchedStep:
     decode_only: bool
     prompt_logprobs: list[PromptLogprobs]  # recorded before the sampled tokens are appended
     held: set[int] = field(init=False, repr=False)  # id() of each request in `reqs`
-    constrained: bool = field(init=False)  # some request has a grammar: commit before the next launch
+    constrained: bool = field(init=False)  # some request has a grammar: commit before the next step's masks
 
     def __post_init__(self) -> None:
         self.held = {id(r) for r in self.reqs}

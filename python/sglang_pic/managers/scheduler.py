@@ -186,8 +186,6 @@ class Scheduler:
 
         With overlap scheduling the step's sampled tokens are committed in the next call, after the next step has
         been launched, so the host's work on them runs while the GPU computes (managers/overlap.py)."""
-        if self.inflight is not None and self.inflight.constrained:
-            self._commit_inflight(self.finished_early)  # their grammars take its tokens before the next masks
         plan = self._schedule_extend()
         if plan is None and self.spec_worker is not None and self.running:
             updated, self.finished_early = self.finished_early, []
@@ -427,6 +425,10 @@ class Scheduler:
             rows = sample_rows + list(range(row, row + len(reqs) - len(fresh)))
             logits = logits[upload(rows, device=logits.device)]
         logits = logits[:, : self.vocab_size].float()
+        if self.inflight is not None and self.inflight.constrained and any(r.grammar is not None for r in reqs):
+            # The grammars must take the step in flight's tokens before this step's masks: commit it now, while
+            # the device runs this step's forward, rather than before launching it.
+            self._commit_inflight(updated)
         ids = self._sample_ids(reqs, logits) if reqs else logits.new_empty(0, dtype=torch.int64)
         rows, logprobs = self._sampled_logprobs(reqs, logits, ids)
         copies = copy_to_host(ids, *(logprobs.tensors if logprobs is not None else []))
@@ -482,8 +484,9 @@ class Scheduler:
     def _sample_ids(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         """Each row's next token, on the logits' device, also recorded as its request's next decode input (and in
         the penalty counts), so the next step can run before the host has it."""
-        if self._grammars is not None and any(r.grammar is not None for r in reqs):
-            self._grammars.mask_logits(logits, [r.grammar for r in reqs])
+        matchers = [r.grammar if r.finished_reason is None else None for r in reqs]  # finished rows are dropped
+        if self._grammars is not None and any(m is not None for m in matchers):
+            self._grammars.mask_logits(logits, matchers)
         if all(r.sampling_params.is_plain_greedy for r in reqs):  # the common case needs no per-request tensors
             ids = torch.argmax(logits, dim=-1)
         else:
@@ -494,7 +497,13 @@ class Scheduler:
             ids = self.sampler(logits, info)
             if any(map(uses_history, reqs)):
                 self.penalties.add_sampled(reqs, ids)
-        self.next_input_ids[upload([r.req_pool_idx for r in reqs], device=ids.device)] = ids
+        slots = [r.req_pool_idx for r in reqs]
+        if None in slots:  # requests that finished at a commit within this launch: their rows are dropped
+            live = [i for i, slot in enumerate(slots) if slot is not None]
+            index = upload(live, [slots[i] for i in live], device=ids.device).view(2, -1)
+            self.next_input_ids[index[1]] = ids[index[0]]
+        else:
+            self.next_input_ids[upload(slots, device=ids.device)] = ids
         return ids
 
     @staticmethod
