@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_pic.entrypoints.reasoning import REASONING_PARSERS
 from sglang_pic.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -59,6 +60,12 @@ class ServerArgs:
         "How /v1/chat/completions finds tool calls in replies: qwen25 (<tool_call> JSON, Qwen2.5/Qwen3 and "
         "Hermes-style templates), llama3 (JSON objects) or mistral ([TOOL_CALLS] and a JSON list); default: the "
         "model family's.",
+    )
+    reasoning_parser: str | None = _arg(
+        None,
+        "Split a reasoning model's thinking (<think>...</think>) from its answer in /v1/chat/completions, into "
+        "reasoning_content: deepseek-r1 or qwen3-thinking (the template opens the thinking), qwen3 (the reply "
+        "may open it); default: none, the thinking stays in content.",
     )
 
     # Memory and caching.
@@ -181,6 +188,9 @@ class ServerArgs:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             choices = ", ".join(TOOL_CALL_PARSERS)
             raise ValueError(f"tool_call_parser must be one of {choices}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            choices = ", ".join(REASONING_PARSERS)
+            raise ValueError(f"reasoning_parser must be one of {choices}, got {self.reasoning_parser!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.load_format not in ("auto", "dummy", "gguf"):

@@ -44,6 +44,8 @@ from sglang_pic.entrypoints.openai_protocol import (
     UsageInfo,
     describe_validation_error,
 )
+from sglang_pic.entrypoints.chat_reply import ChatReplyReader
+from sglang_pic.entrypoints.reasoning import REASONING_PARSERS, ReasoningStream
 from sglang_pic.entrypoints.tool_calls import (
     CallDelta,
     ToolCallStream,
@@ -114,6 +116,10 @@ def _sse(model: BaseModel, exclude_none: bool = False) -> str:
 def _finish(out: dict[str, Any]) -> tuple[str | None, int | str | None]:
     reason = out["meta_info"]["finish_reason"]
     return (reason["type"], reason.get("matched")) if reason else (None, None)
+
+
+# Enough of a prompt's last tokens to see whether the chat template opened the reply's thinking.
+_PROMPT_END_TOKENS = 16
 
 
 def _tool_items(calls: list[CallDelta]) -> list[ToolCallItem] | None:
@@ -220,6 +226,7 @@ class OpenAIServing:
         self.tokenizer = manager.tokenizer
         self.chat_template = load_chat_template(manager.server_args.chat_template, self.tokenizer)
         self.tool_parser = tool_call_parser(manager.server_args.tool_call_parser, manager.model_config.architecture)
+        self.reasoning = REASONING_PARSERS.get(manager.server_args.reasoning_parser)
         self.defaults = {**CHAT_SAMPLING_DEFAULTS, **generation_defaults(manager.files.model_dir)}
         bos = self.tokenizer.bos_token_id
         self.strip_bos = bos is not None and self.tokenizer.encode("a")[:1] == [bos]
@@ -378,13 +385,18 @@ class OpenAIServing:
             if body.logprobs:
                 logprobs = _chat_logprobs(meta["output_token_logprobs"], meta["output_top_logprobs"])
             reason, matched = _finish(out)
-            content, calls = out["text"], []
-            if body.uses_tools():
-                reader = self._tool_reader(body)
-                content = reader.feed(content)[0] + reader.finish()[0]
-                content, calls = content.strip(), reader.whole_calls()
-            message = ChatResponseMessage(role="assistant", content=content or None, tool_calls=_tool_items(calls))
-            if calls:
+            reader = self._reply_reader(body, reqs[i])
+            reply = reader.read(out["text"], last=True)
+            content, calls = reply.content, []
+            if reader.tools is not None:
+                content, calls = content.strip(), reader.tools.whole_calls()
+            message = ChatResponseMessage(
+                role="assistant",
+                content=content or None,
+                reasoning_content=reply.reasoning or None,
+                tool_calls=_tool_items(calls),
+            )
+            if reader.called:
                 reason, matched = "tool_calls", None
             choices.append(
                 ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason, matched_stop=matched)
@@ -392,9 +404,15 @@ class OpenAIServing:
         response = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(outs, body.n))
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _tool_reader(self, body: ChatCompletionRequest) -> ToolCallStream:
-        names = {t.function.name for t in body.tools}
-        return ToolCallStream(self.tool_parser, names, body.parallel_tool_calls, body.forced_tools() is not None)
+    def _reply_reader(self, body: ChatCompletionRequest, req: Req) -> ChatReplyReader:
+        reasoning = None
+        if self.reasoning is not None and body.separate_reasoning:
+            reasoning = ReasoningStream(self.reasoning, self.tokenizer.decode(req.prompt_ids()[-_PROMPT_END_TOKENS:]))
+        tools = None
+        if body.uses_tools():
+            names = {t.function.name for t in body.tools}
+            tools = ToolCallStream(self.tool_parser, names, body.parallel_tool_calls, body.forced_tools() is not None)
+        return ChatReplyReader(reasoning, tools)
 
     def _chat_input(self, body: ChatCompletionRequest, rid: str) -> GenerateReqInput:
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens)
@@ -459,7 +477,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         cursors = [_Cursor() for _ in reqs]
         finals: dict[int, dict] = {}
-        tool_streams = [self._tool_reader(body) for _ in reqs] if body.uses_tools() else None
+        readers = [self._reply_reader(body, req) for req in reqs]
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
         def chunk(choice: ChatStreamChoice, out: dict) -> str:
@@ -476,20 +494,18 @@ class OpenAIServing:
                         yield chunk(opening, out)
                     delta, triples, tops = cursor.advance(out)
                     reason, matched = _finish(out)
-                    calls = []
-                    if tool_streams is not None:
-                        delta, calls = tool_streams[i].feed(delta)
-                        if reason is not None:
-                            rest, more = tool_streams[i].finish()
-                            delta, calls = delta + rest, calls + more
+                    piece = readers[i].read(delta, last=reason is not None)
                     logprobs = _chat_logprobs(triples, tops) if body.logprobs and triples else None
-                    if delta or logprobs:
-                        content = ChatStreamChoice(index=i, delta=ChatResponseMessage(content=delta), logprobs=logprobs)
-                        yield chunk(content, out)
-                    if calls:
-                        message = ChatResponseMessage(tool_calls=_tool_items(calls))
+                    if piece.reasoning:
+                        thought = ChatResponseMessage(reasoning_content=piece.reasoning)
+                        yield chunk(ChatStreamChoice(index=i, delta=thought), out)
+                    if piece.content or logprobs:
+                        message = ChatResponseMessage(content=piece.content)
+                        yield chunk(ChatStreamChoice(index=i, delta=message, logprobs=logprobs), out)
+                    if piece.calls:
+                        message = ChatResponseMessage(tool_calls=_tool_items(piece.calls))
                         yield chunk(ChatStreamChoice(index=i, delta=message), out)
-                    if reason is not None and tool_streams is not None and tool_streams[i].calls:
+                    if reason is not None and readers[i].called:
                         reason, matched = "tool_calls", None
                     if reason is not None:
                         finals[i] = out

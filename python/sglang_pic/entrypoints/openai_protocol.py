@@ -197,6 +197,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_spans: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    # SGLang's extension: with a --reasoning-parser, put the thinking in reasoning_content (False: leave it in content).
+    separate_reasoning: bool = True
 
     @field_validator("messages")
     @classmethod
