@@ -30,6 +30,7 @@ from sglang_pic.sampling.grammar import GrammarBackend, grammar_backend
 from sglang_pic.sampling.penalty_counts import PenaltyCounts, uses_history
 from sglang_pic.sampling.sampler import Sampler
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang_pic.sampling.stop_conditions import SEARCH_TIMEOUT_S
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.tokenizer import fast_decode
 from sglang_pic.utils_tensor import copy_to_host, upload
@@ -585,7 +586,12 @@ class Scheduler:
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
         )
-        match = sp.stops.search(tail, 0 if whole else 1)
+        try:
+            match = sp.stops.search(tail, 0 if whole else 1)
+        except TimeoutError:
+            message = f"stop_regex search took over {SEARCH_TIMEOUT_S} s (a pattern that backtracks too much)"
+            req.finished_reason = FinishReason("abort", message=message)
+            return
         if match is not None:
             req.finished_reason = FinishReason("stop", matched=match.stop, cut=len(tail) - match.start)
 

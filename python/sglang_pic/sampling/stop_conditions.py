@@ -4,6 +4,10 @@ After each output token the scheduler searches the text of the newest tokens (en
 the earliest stop; a find ends the request and records how many trailing characters to cut, so the final text ends
 where the stop began. While a request streams, the tail that could still grow into a stop is held back, so every
 streamed text is a prefix of the final one.
+
+Patterns run on the `regex` engine (Python `re` syntax) for its partial matching and its timeout: a pattern that
+backtracks catastrophically would otherwise stall the scheduler and every request in it. A search that runs out of
+time raises TimeoutError, and the scheduler aborts that request.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import regex  # partial matching: whether the end of a text could still grow into a match
+import regex
 
 # A pattern that can match more characters than this is checked against the whole output, not a window.
 MAX_WINDOW_CHARS = 4096
+# The longest one stop_regex search may take (seconds).
+SEARCH_TIMEOUT_S = 0.05
 
 
 class StopTokenizer(Protocol):
@@ -58,13 +64,11 @@ class StopConditions:
     patterns: list[str]
     # Output tokens whose text holds any stop that the newest token can complete; None: the whole output.
     window: int | None
-    _compiled: list[re.Pattern] = field(init=False, repr=False)
-    _partial: list[Any] = field(init=False, repr=False)
+    _compiled: list[Any] = field(init=False, repr=False)
     _chars: list[int | None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._compiled = [re.compile(p) for p in self.patterns]
-        self._partial = [regex.compile(p) for p in self.patterns]
+        self._compiled = [regex.compile(p) for p in self.patterns]
         self._chars = [_pattern_chars(p) for p in self.patterns]
 
     @classmethod
@@ -78,30 +82,35 @@ class StopConditions:
 
     def search(self, text: str, pos: int = 0) -> StopMatch | None:
         """The earliest stop starting in text[pos:]; on a tie the first listed wins. `pos` > 0 keeps `^` and
-        lookbehinds from taking the window's first character for the output's start."""
+        lookbehinds from taking the window's first character for the output's start. Raises TimeoutError when a
+        pattern takes longer than SEARCH_TIMEOUT_S."""
         best: StopMatch | None = None
         for s in self.strings:
             at = text.find(s, pos)
             if at >= 0 and (best is None or at < best.start):
                 best = StopMatch(s, at)
         for source, compiled in zip(self.patterns, self._compiled):
-            m = compiled.search(text, pos)
+            m = compiled.search(text, pos, timeout=SEARCH_TIMEOUT_S)
             if m is not None and (best is None or m.start() < best.start):
                 best = StopMatch(source, m.start())
         return best
 
     def hold_back(self, text: str) -> int:
-        """How many trailing characters of `text` could still become the start of a stop."""
+        """How many trailing characters of `text` could still become the start of a stop (a pattern that runs out of
+        time holds nothing back: the scheduler's search of the same text aborts the request)."""
         held = 0
         for s in self.strings:
             for n in range(min(len(s) - 1, len(text)), held, -1):
                 if text.endswith(s[:n]):
                     held = n
                     break
-        for partial, chars in zip(self._partial, self._chars):
+        for compiled, chars in zip(self._compiled, self._chars):
             pos = 0 if chars is None else max(0, len(text) - chars)
             while pos <= len(text):
-                m = partial.search(text, pos, partial=True)
+                try:
+                    m = compiled.search(text, pos, partial=True, timeout=SEARCH_TIMEOUT_S)
+                except TimeoutError:
+                    break
                 if m is None:
                     break
                 if m.partial:
