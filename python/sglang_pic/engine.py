@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from sglang_pic.distributed.launch import FOLLOWER_STOP_S, start_local_replica, stop_followers
@@ -20,6 +24,9 @@ from sglang_pic.server_args import ServerArgs
 from sglang_pic.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Concurrent async_generate calls in flight at once; more wait for a worker (their requests join the batch then).
+ASYNC_WORKERS = 256
 
 
 class Engine:
@@ -57,6 +64,9 @@ class Engine:
         self.scheduler = Scheduler(args, self.runner, self.tokenizer)
         self.tokenizer_manager = TokenizerManager(args, self.tokenizer, self.model_config)
         self._lock = threading.Lock()
+        self._incoming: deque[Req] = deque()  # submitted, not yet in the scheduler
+        # async_generate's callers wait here, one thread each; waiting threads only take the lock to step.
+        self._async_workers = ThreadPoolExecutor(max_workers=ASYNC_WORKERS, thread_name_prefix="engine-async")
 
     # ---- generation ---------------------------------------------------------------------------------------
     def generate(
@@ -90,17 +100,40 @@ class Engine:
         outs = [self.tokenizer_manager.format_output(r, return_text_in_logprobs) for r in reqs]
         return outs if obj.is_batch or len(outs) > 1 else outs[0]
 
+    async def async_generate(self, *args: Any, **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
+        """`generate(...)` for asyncio code, as in SGLang. Each call waits in a worker thread, so the event loop never
+        blocks on a step and concurrent calls share the scheduler, their requests batched together. With
+        stream=True it returns an async iterator of the same cumulative chunks; closing it early aborts the rest."""
+        call = partial(self.generate, *args, **kwargs)
+        result = await asyncio.get_running_loop().run_in_executor(self._async_workers, call)
+        return self._async_stream(result) if isinstance(result, Iterator) else result
+
+    async def _async_stream(self, chunks: Iterator[dict]) -> AsyncIterator[dict]:
+        loop, end = asyncio.get_running_loop(), object()
+        try:
+            while (chunk := await loop.run_in_executor(self._async_workers, next, chunks, end)) is not end:
+                yield chunk
+        finally:
+            await loop.run_in_executor(self._async_workers, chunks.close)
+
     def _submit(self, reqs: list[Req]) -> None:
-        with self._lock:
-            for req in reqs:
-                self.scheduler.add_request(req)
+        """Queue requests for the next step. Never waits for the lock: a thread stepping in a loop can take it back
+        at once (locks are not fair), which would keep other callers' requests out of its batches."""
+        self._incoming.extend(reqs)
+
+    def _admit(self) -> None:
+        """Hand queued requests to the scheduler (under the lock)."""
+        while self._incoming:
+            self.scheduler.add_request(self._incoming.popleft())
 
     def _step(self) -> list[Req]:
         with self._lock:
+            self._admit()
             return self.scheduler.step()
 
     def _abort_unfinished(self, reqs: list[Req]) -> None:
         with self._lock:
+            self._admit()
             for r in reqs:
                 if not r.finished():
                     self.scheduler.abort_request(r.rid)
@@ -192,7 +225,10 @@ class Engine:
         return stats
 
     def shutdown(self) -> None:
+        with self._lock:
+            self._admit()
         self._abort_unfinished(list(self.scheduler.waiting) + list(self.scheduler.running))
+        self._async_workers.shutdown(wait=False)
         if self._tp_followers:
             with self._lock:
                 self.runner.shutdown()
