@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from sglang_pic import Engine
+from sglang_pic.frontend_lang import span
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.mem_cache.req_kv import SHARED_PREFIX_MIN
 
 PROMPTS = [
     "The quick brown fox",
@@ -40,7 +42,7 @@ def assert_idle_accounting(engine: Engine) -> None:
     alloc = engine.runner.allocator
     assert alloc.available_size() + sched.tree.total_size() == alloc.size
     assert sched.tree.protected_size() == 0
-    assert not sched.kv.inflight_spans
+    assert not sched.kv.inflight_spans and not sched.kv.inflight_prefixes
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,41 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_llama):
         assert ref["meta_info"]["cached_tokens"] == 0
         assert_idle_accounting(cold)
     assert second["output_ids"] == ref["output_ids"]
+
+
+@pytest.mark.parametrize("chunked_prefill_size", [None, 48])
+def test_concurrent_requests_compute_a_shared_uncached_prefix_once(tiny_llama, chunked_prefill_size):
+    """n samples of one prompt, and prompts sharing a long uncached prefix sent together, compute the shared tokens
+    once: the others wait for them (across chunks too) and then find them in the tree, with the same tokens."""
+    base = "Once upon a time there was a little town by the sea where fishermen told stories " * 3
+    prompts = [base + tail for tail in ("every night", "to the children", "about the storm")]
+    with Engine(model_path=str(tiny_llama), dtype="float32", disable_radix_cache=True, max_total_tokens=2048) as cold:
+        expected = [o["output_ids"] for o in cold.generate(prompts, greedy())]
+    with Engine(
+        model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, chunked_prefill_size=chunked_prefill_size
+    ) as engine:
+        stats = engine.scheduler.stats
+        n_base = len(engine.tokenizer.encode(base))
+        outs = engine.generate(prompts, greedy())
+        assert [o["output_ids"] for o in outs] == expected
+        assert stats.computed_prefill_tokens < n_base + 3 * 8  # not 3 * n_base
+        assert [o["meta_info"]["cached_tokens"] > 0 for o in outs] == [False, True, True]
+        engine.flush_cache()
+        before = stats.computed_prefill_tokens
+        samples = engine.generate(prompts[0], {**greedy(), "n": 4})
+        assert [o["output_ids"] for o in samples] == [expected[0]] * 4
+        n_prompt = samples[0]["meta_info"]["prompt_tokens"]
+        assert stats.computed_prefill_tokens - before == n_prompt + 3  # the copies compute their last token only
+        # with a span: the question after it (a PDEP segment, keyed on the whole prompt) is shared the same way
+        question = " Now answer the question about the story above in a few careful words please." * 2
+        before = stats.computed_prefill_tokens
+        with_span = engine.generate("Read this." + span(base) + question, {**greedy(), "n": 3})
+        n_prompt = with_span[0]["meta_info"]["prompt_tokens"]
+        # a copy computes itself the last tokens of a segment that are fewer than SHARED_PREFIX_MIN when it matches
+        extra = 2 if chunked_prefill_size is None else 2 * SHARED_PREFIX_MIN
+        assert stats.computed_prefill_tokens - before <= n_prompt + extra
+        assert len({tuple(o["output_ids"]) for o in with_span}) == 1
+        assert_idle_accounting(engine)
 
 
 def assert_retraction_keeps_tokens(path, prompts: list[str], params: dict | list[dict]) -> None:

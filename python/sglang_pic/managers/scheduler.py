@@ -278,11 +278,11 @@ class Scheduler:
                 self._finish_span_job(req)
                 self.finished_early.append(req)
                 continue
-            if self.kv.waits_for_inflight_span(req) or (
+            if self.kv.waits_for_inflight_span(req) or self.kv.waits_for_inflight_prefix(req) or (
                 self.isps and not req.warmup and not self.planner.under_pressure
                 and self.kv.has_shareable_uncached_span(req)
             ):
-                self.kv.release(req)  # its span is being computed elsewhere: match again next step
+                self.kv.release(req)  # its span or prefix is being computed elsewhere: match again next step
                 self.planner.recheck(req)
                 continue
             reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
@@ -294,7 +294,7 @@ class Scheduler:
             if not self.chunking and req.pending() > budget and entries:
                 self.kv.release(req)
                 break
-            self.kv.claim_spans(req)
+            self.kv.claim(req)
             entry = self._take(req, budget if self.chunking else req.pending())
             if entry is None:
                 self.kv.release(req)
@@ -415,6 +415,8 @@ class Scheduler:
         prompt_logprobs = self._prompt_logprobs(logprob_rows, logits) if logprob_rows else []
         # Hand freshly computed spans and prefixes to the tree now, so waiting requests can reuse them.
         for e in plan.entries:
+            if e.completes:
+                self.kv.prefill_done(e.req)
             if e.completes and e.req.warmup:
                 self._finish_span_job(e.req)
                 updated.append(e.req)

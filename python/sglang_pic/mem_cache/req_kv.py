@@ -20,6 +20,9 @@ from sglang_pic.mem_cache.memory_pool import ReqToTokenPool
 from sglang_pic.radix_ext import RadixCache
 from sglang_pic.utils_tensor import to_device, upload
 
+# A waiting request waits for a request in prefill that computes at least this many of its next prompt tokens.
+SHARED_PREFIX_MIN = 32
+
 
 class ReqKVManager:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree: RadixCache) -> None:
@@ -30,6 +33,10 @@ class ReqKVManager:
         self.disable_cache = tree.disable
         # Spans being computed right now: (extra_key, tokens) -> rid. Others needing them wait instead of recomputing.
         self.inflight_spans: dict[tuple, str] = {}
+        # Requests whose prompt is being computed right now (admitted, prefill not complete): rid -> request. A
+        # request that would compute the same prefix or PDEP tokens (n > 1 samples, concurrent prompts sharing an
+        # uncached system prompt or history) waits for them instead.
+        self.inflight_prefixes: dict[str, Req] = {}
 
     # ---- capacity ---------------------------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -108,11 +115,46 @@ class ReqKVManager:
             self.inflight_spans.get(self._span_id(s), req.rid) != req.rid for s in self._shareable_uncached_spans(req)
         )
 
-    def claim_spans(self, req: Req) -> None:
+    def waits_for_inflight_prefix(self, req: Req) -> bool:
+        """Whether a request in prefill is computing the next SHARED_PREFIX_MIN tokens of one of `req`'s prefix or
+        PDEP segments (after what `req` matched): same namespace, same place, same tokens, so the same KV, which
+        `req` will find in the tree once it is computed."""
+        if not self.inflight_prefixes:
+            return False
+        tail = next((s for s in reversed(req.segments) if s.tokens), None)
+        for seg in self._prompt_segments(req):
+            lo = seg.done
+            hi = lo + max(SHARED_PREFIX_MIN, self.page_size)
+            if hi > len(seg.tokens) - (seg is tail):  # the prompt's last token is computed by req itself
+                continue
+            want = seg.tokens[lo:hi]
+            for other in self.inflight_prefixes.values():
+                if other is not req and any(
+                    o.extra_key == seg.extra_key and o.start == seg.start and o.tokens[lo:hi] == want
+                    for o in self._prompt_segments(other)
+                ):
+                    return True
+        return False
+
+    @staticmethod
+    def _prompt_segments(req: Req) -> list[ReqSegment]:
+        """The segments whose KV depends on the prompt before them, where `req` may reuse all of it."""
+        if req.warmup:
+            return []
+        return [s for s in req.segments if s.kind != "span" and req.reuses_whole(s)]
+
+    def claim(self, req: Req) -> None:
+        """Mark the spans and the prompt prefix that `req`, just admitted, computes as in flight."""
         if self.disable_cache:
             return
         for s in self._shareable_uncached_spans(req):
             self.inflight_spans.setdefault(self._span_id(s), req.rid)
+        if any(len(s.tokens) - s.done > SHARED_PREFIX_MIN for s in self._prompt_segments(req)):
+            self.inflight_prefixes[req.rid] = req
+
+    def prefill_done(self, req: Req) -> None:
+        """`req`'s prefill is launched to its end: its prompt is no longer being computed."""
+        self.inflight_prefixes.pop(req.rid, None)
 
     def _unclaim(self, req: Req, seg: ReqSegment) -> None:
         if not self.inflight_spans:  # the usual case, and it saves hashing the span's tokens
@@ -211,6 +253,7 @@ class ReqKVManager:
         """Free the request's own slots, unlock its tree paths and give back its table row."""
         if req.req_pool_idx is None:
             return
+        self.inflight_prefixes.pop(req.rid, None)
         for seg in req.segments:
             if seg.kind == "span":
                 self._unclaim(req, seg)
