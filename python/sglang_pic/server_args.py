@@ -101,6 +101,12 @@ class ServerArgs:
         "Scales the decode tokens reserved when admitting requests; higher admits fewer.",
     )
     enable_mixed_chunk: bool = _arg(False, "Run the decodes in the same step as a prefill chunk.")
+    enable_jump_forward: bool = _arg(
+        False,
+        "Constrained decoding: append the tokens a grammar forces next (xgrammar's tokenization of them) and "
+        "prefill them in one step instead of decoding each; faster for JSON with fixed keys, though the forced "
+        "text may be tokenized differently than the model would have sampled it.",
+    )
     disable_overlap_schedule: bool = _arg(
         False,
         "Commit each step's tokens before launching the next (by default the next step runs on the GPU while "

@@ -53,6 +53,7 @@ class LaunchedStep:
     logprobs: SampledLogprobs | None
     decode_only: bool
     prompt_logprobs: list[PromptLogprobs]  # recorded before the sampled tokens are appended
+    dropped: set[int] = field(default_factory=set)  # id() of requests whose row is void: they jumped forward since
     held: set[int] = field(init=False, repr=False)  # id() of each request in `reqs`
     constrained: bool = field(init=False)  # some request has a grammar: commit before the next step's masks
 

@@ -26,6 +26,7 @@ class BatchEntry:
     attn_lo: list[int] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
     completes: bool = False  # after this step the request has no pending token: sample its next token
+    resumes: bool = False  # a running request's forced tokens (jump-forward), not a prefill: it is running already
     logprob_positions: list[int] = field(default_factory=list)  # positions whose logits score the next input token
     slots: torch.Tensor | None = None  # KV slots of the new tokens, in the order of `positions`
 

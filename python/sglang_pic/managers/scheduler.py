@@ -41,6 +41,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 RESERVE_CLIP = 4096
+# Jump forward only over this many forced tokens or more: with overlap a jump also voids the request's row in the
+# step already launched, so it costs two steps against one decode step per forced token.
+JUMP_MIN_TOKENS = 2
 
 
 @dataclass
@@ -106,6 +109,9 @@ class Scheduler:
         self.overlap = not server_args.disable_overlap_schedule and self.spec_worker is None
         self.inflight: LaunchedStep | None = None  # a step whose sampled tokens are not committed yet
         self._grammars: GrammarBackend | None = None
+        self.jump_forward = server_args.enable_jump_forward
+        # Running constrained requests with forced tokens appended (jump-forward): their next step is one extend.
+        self.jumping: list[Req] = []
         # Each request row's last sampled token, on the device: what the row's next decode step feeds.
         self.next_input_ids = torch.zeros(
             model_runner.req_to_token_pool.req_to_token.shape[0], dtype=torch.int64, device=model_runner.device
@@ -157,6 +163,7 @@ class Scheduler:
 
     def _finish_abort(self, req: Req) -> Req:
         self.planner.forget(req)
+        self._stop_jumping(req)
         if self.spec_worker is not None:
             self.spec_worker.release(req)
         self.kv.release(req)
@@ -226,11 +233,15 @@ class Scheduler:
     def _going_on(self) -> list[Req]:
         """The running requests that get a next step: not those whose uncommitted token finishes them by length.
         Those leave at its commit, so their seats go to new requests already. One pass, run per step."""
+        running = self.running
+        if self.jumping:  # their forced tokens go in an extend instead
+            jumping = set(map(id, self.jumping))
+            running = [r for r in running if id(r) not in jumping]
         if self.inflight is None:
-            return list(self.running)
+            return list(running)
         held, ctx = self.inflight.held, self.context_len
         return [
-            r for r in self.running
+            r for r in running
             if not ((len(r.output_ids) + 1 >= r.sampling_params.max_new_tokens or r.seq_len() + 1 >= ctx)
                     and id(r) in held)
         ]
@@ -256,6 +267,14 @@ class Scheduler:
             if not entry.completes:
                 return StepPlan(entries, decode)
             self.chunked = None
+        while self.jumping and budget >= self.jumping[0].pending():
+            entry = self._take(self.jumping[0], self.jumping[0].pending())
+            if entry is None:
+                break
+            entry.resumes = True
+            entries.append(entry)
+            budget -= entry.num_tokens
+            self.jumping.pop(0)
         # Fixed while this loop admits (running and chunked don't change); O(running), so only when someone waits.
         reserved = self._reserved_decode_tokens() if self.waiting else 0.0
         # Span jobs never join the running set, so a full one holds back only requests that would decode.
@@ -376,6 +395,7 @@ class Scheduler:
         else:
             req = self.running.pop()
         assert not self._pending_token(req), "retracting a request whose last token is not committed"
+        self._stop_jumping(req)  # its forced tokens are prefilled with the rest when it is admitted again
         if self.spec_worker is not None:
             self.spec_worker.release(req)
         if not self.running and req.output_ids and self.chunked is None:
@@ -400,17 +420,17 @@ class Scheduler:
         logits = self.runner.forward(batch)
         self.stats.num_steps += 1
         row = 0
-        sample_rows, fresh = [], []
+        sample_rows, sampled = [], []
         logprob_rows: list[tuple[BatchEntry, int]] = []
         for e in plan.entries:
-            if e.num_tokens > 1 or not e.completes or not e.req.output_ids:
+            if not e.resumes and (e.num_tokens > 1 or not e.completes or not e.req.output_ids):
                 self.stats.computed_prefill_tokens += e.num_tokens
             if e.logprob_positions:
                 logprob_rows.append((e, row))
                 row += len(e.logprob_positions)
             if e.completes and not e.req.warmup:
                 sample_rows.append(row)
-                fresh.append(e.req)
+                sampled.append(e.req)
                 row += 1
         prompt_logprobs = self._prompt_logprobs(logprob_rows, logits) if logprob_rows else []
         # Hand freshly computed spans and prefixes to the tree now, so waiting requests can reuse them.
@@ -420,22 +440,25 @@ class Scheduler:
             if e.completes and e.req.warmup:
                 self._finish_span_job(e.req)
                 updated.append(e.req)
-            elif e.num_tokens > 1 or not e.completes:
+            elif (e.num_tokens > 1 or not e.completes) and not e.resumes:
                 self.kv.cache(e.req)
-        self.running += fresh
-        reqs = fresh + (plan.decode.reqs if plan.decode is not None else [])
+        self.running += [e.req for e in plan.entries if e.completes and not e.req.warmup and not e.resumes]
+        reqs = sampled + (plan.decode.reqs if plan.decode is not None else [])
         if logprob_rows and reqs:  # keep the sampled rows only: the entries' last tokens, then one row per decode
-            rows = sample_rows + list(range(row, row + len(reqs) - len(fresh)))
+            rows = sample_rows + list(range(row, row + len(reqs) - len(sampled)))
             logits = logits[upload(rows, device=logits.device)]
         logits = logits[:, : self.vocab_size].float()
         if self.inflight is not None and self.inflight.constrained and any(r.grammar is not None for r in reqs):
             # The grammars must take the step in flight's tokens before this step's masks: commit it now, while
             # the device runs this step's forward, rather than before launching it.
             self._commit_inflight(updated)
-        ids = self._sample_ids(reqs, logits) if reqs else logits.new_empty(0, dtype=torch.int64)
+        # Requests that jumped forward at that commit: this step's row of theirs is void (their forced tokens come
+        # first, in an extend next step).
+        dropped = {id(r) for r in self.jumping} & {id(r) for r in reqs} if self.jumping else set()
+        ids = self._sample_ids(reqs, logits, dropped) if reqs else logits.new_empty(0, dtype=torch.int64)
         rows, logprobs = self._sampled_logprobs(reqs, logits, ids)
         copies = copy_to_host(ids, *(logprobs.tensors if logprobs is not None else []))
-        return LaunchedStep(reqs, copies, rows, logprobs, batch.forward_mode.is_decode(), prompt_logprobs)
+        return LaunchedStep(reqs, copies, rows, logprobs, batch.forward_mode.is_decode(), prompt_logprobs, dropped)
 
     @staticmethod
     def _prompt_logprobs(rows: list[tuple[BatchEntry, int]], logits: torch.Tensor) -> list[PromptLogprobs]:
@@ -465,8 +488,8 @@ class Scheduler:
         next_ids = host[0].tolist()
         logprobs = dict(zip(step.logprob_rows, step.logprobs.by_row(host[1:]))) if step.logprobs is not None else {}
         reqs = step.reqs
-        if any(r.finished_reason is not None for r in reqs):
-            live = [i for i, r in enumerate(reqs) if r.finished_reason is None]
+        if step.dropped or any(r.finished_reason is not None for r in reqs):
+            live = [i for i, r in enumerate(reqs) if r.finished_reason is None and id(r) not in step.dropped]
             reqs, next_ids = [reqs[i] for i in live], [next_ids[i] for i in live]
             logprobs = {j: logprobs[i] for j, i in enumerate(live) if i in logprobs}
         finished = []
@@ -484,10 +507,11 @@ class Scheduler:
             for req in finished:
                 self._release_finished(req)
 
-    def _sample_ids(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
+    def _sample_ids(self, reqs: list[Req], logits: torch.Tensor, dropped: set[int]) -> torch.Tensor:
         """Each row's next token, on the logits' device, also recorded as its request's next decode input (and in
-        the penalty counts), so the next step can run before the host has it."""
-        matchers = [r.grammar if r.finished_reason is None else None for r in reqs]  # finished rows are dropped
+        the penalty counts), so the next step can run before the host has it. Rows of finished requests and
+        `dropped` ones are void: they get no mask."""
+        matchers = [r.grammar if r.finished_reason is None and id(r) not in dropped else None for r in reqs]
         if self._grammars is not None and any(m is not None for m in matchers):
             self._grammars.mask_logits(logits, matchers)
         if all(r.sampling_params.is_plain_greedy for r in reqs):  # the common case needs no per-request tensors
@@ -497,6 +521,8 @@ class Scheduler:
             info = SamplingBatchInfo.from_requests(
                 reqs, self.vocab_size, logits.device, self.penalties, uncommitted=uncommitted
             )
+            if dropped:  # a void row leaves its request's generator alone: seeded outputs stay those of any schedule
+                info.seeded_rows = [i for i in info.seeded_rows if id(reqs[i]) not in dropped]
             ids = self.sampler(logits, info)
             if any(map(uses_history, reqs)):
                 self.penalties.add_sampled(reqs, ids)
@@ -556,7 +582,28 @@ class Scheduler:
                 req.finished_reason = FinishReason("abort", message=f"token {tok} is outside the output's grammar")
             elif req.grammar.is_terminated():  # only stop tokens were allowed and one came (ignore_eos or not)
                 req.finished_reason = FinishReason("stop", matched=tok)
+            elif self.jump_forward and not req.return_logprob and not uses_history(req):
+                self._jump_forward(req)
         return req.finished_reason is not None
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append the tokens `req`'s grammar forces next (at least JUMP_MIN_TOKENS): their KV comes in one extend,
+        instead of a decode step each. They are outputs like sampled ones (stops and length apply)."""
+        forced = req.grammar.find_jump_forward_tokens()
+        if len(forced) < JUMP_MIN_TOKENS:
+            return
+        for tok in forced:
+            req.grammar.accept_token(tok)
+            req.append_output(tok)
+            self.stats.generation_tokens += 1
+            self._check_finished(req)
+            if req.finished_reason is not None:
+                return
+        self.jumping.append(req)
+
+    def _stop_jumping(self, req: Req) -> None:
+        if req in self.jumping:
+            self.jumping.remove(req)
 
     def _check_finished(self, req: Req) -> None:
         sp = req.sampling_params

@@ -4,8 +4,9 @@ those that keep its output inside the language (xgrammar compiles it against the
 Each constrained request carries a matcher that has accepted its output so far. Before sampling, the matcher fills
 its row of a token bitmask, which masks the logits to the allowed tokens; after sampling, the token is accepted.
 Once the grammar is complete only stop tokens are allowed, and the request ends with the first. Because the next
-mask depends on the token just sampled, a step with constrained requests is committed before the next one is
-launched (the overlap scheduler does so, managers/overlap.py).
+mask depends on the token just sampled, a step with constrained requests is committed before the next step samples
+(after its forward is launched; managers/overlap.py). With jump-forward (`--enable-jump-forward`) the tokens the
+grammar forces next are appended at once and prefilled in one step (managers/scheduler.py).
 """
 
 from __future__ import annotations
