@@ -115,6 +115,30 @@ def test_jump_forward_prefills_forced_text_in_one_step(tiny_llama):
     assert jumped[2] < plain[2] * 0.6, (jumped[2], plain[2])  # steps: the JSON schema forces most of its text
 
 
+@pytest.mark.timeout(120)  # all running requests jumping with no room for their forced tokens used to deadlock
+def test_jump_forward_under_a_small_pool_retracts_and_keeps_tokens(tiny_llama):
+    """Jumping requests need room for their forced tokens; when every running request is jumping, room is made by
+    retraction (no deadlock), and the outputs equal those of a pool with room for everyone."""
+    forced = (
+        r"The answer is (yes|no)\. Let me explain the reasoning in some detail now: [a-z ]{20,30}\. "
+        r"That is all for today\."
+    )
+    params = {"temperature": 0, "max_new_tokens": 120, "regex": forced}
+    prompts = [f"{p} number {i}" for i, p in enumerate(PROMPTS * 4)][:8]
+    with engine_for(tiny_llama, jump_forward=True) as big:
+        expected = [o["output_ids"] for o in big.generate(prompts, params)]
+    with Engine(
+        model_path=str(tiny_llama), dtype="float32", max_total_tokens=256, page_size=4, chunked_prefill_size=32,
+        enable_jump_forward=True,
+    ) as small:
+        outs = small.generate(prompts, params)
+        assert small.scheduler.stats.num_retractions > 0
+        assert not small.scheduler.jumping and small.scheduler.is_idle()
+    assert [o["output_ids"] for o in outs] == expected
+    for out in outs:
+        assert re.fullmatch(forced, out["text"]), out["text"]
+
+
 def test_structural_tag_constrains_what_follows_its_trigger(tiny_llama):
     """Text is free until a trigger; then the structure's schema and end tag must follow."""
     from transformers import AutoTokenizer

@@ -44,6 +44,8 @@ RESERVE_CLIP = 4096
 # Jump forward only over this many forced tokens or more: with overlap a jump also voids the request's row in the
 # step already launched, so it costs two steps against one decode step per forced token.
 JUMP_MIN_TOKENS = 2
+# At most this many forced tokens per jump (the rest come with the next), so a jump's extend stays step-sized.
+JUMP_MAX_TOKENS = 64
 
 
 @dataclass
@@ -257,24 +259,18 @@ class Scheduler:
         budget = self.prefill_budget
         # In mixed batches the running decodes get their slots first, so a new prefill never starves them.
         decode = self._schedule_decode() if self.mix_decodes and self.running else None
-        entries: list[BatchEntry] = []
-        if self.chunked is not None:
+        # Making room for jumps may retract a running request: only while none is planned for this step.
+        entries = self._schedule_jumps(budget, make_room=decode is None)
+        budget -= sum(e.num_tokens for e in entries)
+        if self.chunked is not None and budget > 0:
             entry = self._take(self.chunked, budget)
             if entry is None:
-                return StepPlan([], decode) if decode is not None else None
+                return StepPlan(entries, decode) if entries or decode is not None else None
             entries.append(entry)
             budget -= entry.num_tokens
             if not entry.completes:
                 return StepPlan(entries, decode)
             self.chunked = None
-        while self.jumping and budget >= self.jumping[0].pending():
-            entry = self._take(self.jumping[0], self.jumping[0].pending())
-            if entry is None:
-                break
-            entry.resumes = True
-            entries.append(entry)
-            budget -= entry.num_tokens
-            self.jumping.pop(0)
         # Fixed while this loop admits (running and chunked don't change); O(running), so only when someone waits.
         reserved = self._reserved_decode_tokens() if self.waiting else 0.0
         # Span jobs never join the running set, so a full one holds back only requests that would decode.
@@ -330,6 +326,24 @@ class Scheduler:
                 break
         return StepPlan(entries, decode) if entries or decode is not None else None
 
+    def _schedule_jumps(self, budget: int, make_room: bool) -> list[BatchEntry]:
+        """Extend entries for the forced tokens of jumping requests, up to `budget` prefill tokens (the last may
+        overshoot it, by at most JUMP_MAX_TOKENS). Without room, with `make_room` room is made as decoding would
+        make it (when every running request is jumping, nothing else would)."""
+        entries: list[BatchEntry] = []
+        while self.jumping and budget > 0:
+            entry = self._take(self.jumping[0], self.jumping[0].pending())
+            if entry is None:
+                if not make_room:
+                    break
+                self._free_room()  # may retract a jumper, which leaves `jumping`
+                continue
+            entry.resumes = True
+            entries.append(entry)
+            budget -= entry.num_tokens
+            self.jumping.pop(0)
+        return entries
+
     def _reject_oversized(self, req: Req) -> None:
         self.waiting.remove(req)
         req.finished_reason = FinishReason("abort", message="request needs more KV memory than the whole pool")
@@ -374,15 +388,20 @@ class Scheduler:
         while self.running:
             if self.kv.ensure_free(self.kv.decode_slots_needed(self.running)):
                 break
-            if self.inflight is not None:  # retraction needs every token committed; those that finish free slots
-                self._commit_inflight(self.finished_early)
-                continue
-            self._retract_one()
+            self._free_room()
         self.decay_new_token_ratio()
         reqs = self._going_on()
         if not reqs:
             return None
         return DecodeGroup(reqs, self.kv.alloc_decode(reqs))
+
+    def _free_room(self) -> None:
+        """Make KV room for running requests: commit the step in flight (requests finishing in it free theirs;
+        retraction needs every token committed), else retract the newest request."""
+        if self.inflight is not None:
+            self._commit_inflight(self.finished_early)
+        else:
+            self._retract_one()
 
     def decay_new_token_ratio(self) -> None:
         """After each decode step (or VeriCache round) admission relaxes its reserve of decode tokens."""
@@ -589,7 +608,7 @@ class Scheduler:
     def _jump_forward(self, req: Req) -> None:
         """Append the tokens `req`'s grammar forces next (at least JUMP_MIN_TOKENS): their KV comes in one extend,
         instead of a decode step each. They are outputs like sampled ones (stops and length apply)."""
-        forced = req.grammar.find_jump_forward_tokens()
+        forced = req.grammar.find_jump_forward_tokens()[:JUMP_MAX_TOKENS]
         if len(forced) < JUMP_MIN_TOKENS:
             return
         for tok in forced:
