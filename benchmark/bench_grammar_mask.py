@@ -1,8 +1,8 @@
 """Host time to fill a step's grammar masks: one matcher at a time vs xgrammar's batch filler (several threads).
 
 Every matcher sits inside a JSON string of a json_schema (the common state: free text, most tokens allowed), over
-the embedded Qwen2.5-Coder tokenizer (151,936 ids). Constrained steps are committed before the next launch, so this
-time is on the step's critical path.
+the embedded Qwen2.5-Coder tokenizer (151,936 ids). A step's masks are filled after the next forward is launched
+and before its sampling, so this time runs beside the forward but still gates the sampling.
 
     python benchmark/bench_grammar_mask.py [--batch-sizes 32,256] [--tokenizer DIR] [--out FILE]
 
