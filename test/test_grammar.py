@@ -139,6 +139,22 @@ def test_jump_forward_under_a_small_pool_retracts_and_keeps_tokens(tiny_llama):
         assert re.fullmatch(forced, out["text"]), out["text"]
 
 
+def test_closing_a_jumping_stream_frees_everything(tiny_llama):
+    """A stream closed while its request has forced tokens queued aborts it, leaves no pending jump, and the pool
+    is whole again."""
+    params = {"temperature": 0, "max_new_tokens": 64, **CONSTRAINED[0]}
+    with engine_for(tiny_llama, jump_forward=True) as engine:
+        sched = engine.scheduler
+        stream = engine.generate(PROMPTS[0], params, stream=True)
+        for chunk in stream:
+            if sched.jumping:
+                break
+        assert sched.jumping and chunk["meta_info"]["finish_reason"] is None
+        stream.close()
+        assert not sched.jumping and not sched.running
+        assert engine.get_stats()["token_usage"] == 0
+
+
 def test_structural_tag_constrains_what_follows_its_trigger(tiny_llama):
     """Text is free until a trigger; then the structure's schema and end tag must follow."""
     from transformers import AutoTokenizer
