@@ -145,6 +145,14 @@ def test_chat_stream_and_stop(client):
         assert re.search(pattern, by_regex.choices[0].message.content or "") is None
 
 
+def test_openai_bookkeeping_fields_are_accepted(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, store=False, metadata={"run": "7"}, service_tier="auto"
+    )
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
 def test_chat_n_choices(client):
     messages = [{"role": "user", "content": "Hi"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, n=3, temperature=1.0, seed=5)

@@ -46,6 +46,10 @@ class _SamplingFields(_Request):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI bookkeeping a client may send along (SDK agents do); accepted, nothing to do here.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # SGLang extensions.
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
