@@ -417,7 +417,7 @@ def run_hf_reference(
             wall = perf_counter() - start
             results.append(HFResult(bs, len(prompts), wall, len(prompts) / wall))
     finally:
-        del model
+        model = None  # drop the weights before the next mode (the closure above keeps the name)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
