@@ -106,6 +106,7 @@ def test_jump_forward_prefills_forced_text_in_one_step(tiny_llama):
             outs = engine.generate(prompts, params + [FREE])
             runs[overlap, jump] = outs, engine.scheduler.stats.num_decode_steps, engine.scheduler.stats.num_steps
             assert not engine.scheduler.jumping
+            assert (engine.get_stats()["jump_forward_tokens"] > 0) == jump
     plain, jumped = runs[True, False], runs[True, True]
     for p, out in zip(params, jumped[0]):
         assert out["meta_info"]["finish_reason"]["type"] == "stop"

@@ -62,6 +62,7 @@ class SchedulerStats:
     prefill_step_s: float = 0.0  # wall time of steps that ran prefill tokens (mixed steps included)
     decode_step_s: float = 0.0  # wall time of decode-only steps
     num_decode_steps: int = 0
+    jump_forward_tokens: int = 0  # output tokens a grammar forced, prefilled instead of decoded (jump-forward)
 
 
 class Scheduler:
@@ -615,6 +616,7 @@ class Scheduler:
             req.grammar.accept_token(tok)
             req.append_output(tok)
             self.stats.generation_tokens += 1
+            self.stats.jump_forward_tokens += 1
             self._check_finished(req)
             if req.finished_reason is not None:
                 return
