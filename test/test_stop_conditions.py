@@ -3,6 +3,7 @@ start even when only a window of it is searched, and a stream never shows text t
 
 from __future__ import annotations
 
+import random
 import re
 import time
 
@@ -39,6 +40,43 @@ def test_hold_back_keeps_what_could_grow_into_a_stop():
     assert regexes.hold_back("call 555-12") == 6
     assert regexes.hold_back("cats an") == 2
     assert regexes.hold_back("555-1234 then") == 0  # a whole match already let pass (min_new_tokens) is not held
+
+
+def random_stops(rng: random.Random) -> tuple[StopConditions, str]:
+    alphabet = "ab c."
+    strings = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(0, 2))]
+    patterns = [r"a+b", r"c\.", r"b{2}", r"\.a", r"(ab|ba)c", r"a.c", r"^ab", r"(?<=c)a", r"\bab"]
+    chosen = rng.sample(patterns, rng.randint(0 if strings else 1, 2))
+    return StopConditions.build(strings, chosen, None), "".join(rng.choice(alphabet) for _ in range(30))
+
+
+def scheduled_stop(stops: StopConditions, text: str, windowed: bool) -> tuple[int | None, str]:
+    """What the scheduler does with `text` arriving one character (token) at a time: the step it stops at, if
+    any, and the final text."""
+    for n in range(1, len(text) + 1):
+        whole = not windowed or stops.window is None or n <= stops.window
+        tail = text[:n] if whole else text[n - stops.window : n]
+        match = stops.search(tail, 0 if whole else 1)
+        if match is not None:
+            return n, text[: n - (len(tail) - match.start)]
+    return None, text
+
+
+def test_window_search_equals_whole_output_search_on_random_text():
+    rng = random.Random(2)
+    for _ in range(2000):
+        stops, text = random_stops(rng)
+        assert scheduled_stop(stops, text, windowed=True) == scheduled_stop(stops, text, windowed=False), text
+
+
+def test_streamed_text_is_always_a_prefix_of_the_final_text_on_random_text():
+    rng = random.Random(1)
+    for _ in range(2000):
+        stops, text = random_stops(rng)
+        stop_at, final = scheduled_stop(stops, text, windowed=True)
+        for n in range(1, stop_at or len(text) + 1):
+            shown = text[: n - stops.hold_back(text[:n])]
+            assert final.startswith(shown), (stops, text[:n], shown, final)
 
 
 @pytest.fixture(scope="module")
