@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from pydantic import ValidationError
@@ -117,7 +118,9 @@ def call_deltas(reader: ToolCallStream, pieces: list[str]) -> list[list[tuple]]:
 
 
 def test_committed_call_arguments_stream_as_written():
-    pieces = ["Sure. <tool_call>\n{\"na", 'me": "add", "argu', 'ments": {"a": ', '2, "b"', ': [1, {"c": "}"}]}', "}\n</tool_call>"]
+    pieces = [
+        "Sure. <tool_call>\n{\"na", 'me": "add", "argu', 'ments": {"a": ', '2, "b"', ': [1, {"c": "}"}]}', "}\n</tool_call>"
+    ]
     reader = ToolCallStream(HermesParser(), NAMES)
     steps = call_deltas(reader, pieces)
     call_id = reader.ids[0]
@@ -132,6 +135,32 @@ def test_committed_call_arguments_stream_as_written():
         [],
     ]
     assert [(c.name, c.arguments) for c in reader.whole_calls()] == [("add", '{"a": 2, "b": [1, {"c": "}"}]}')]
+
+
+def test_any_chunking_adds_up_to_the_whole_reply():
+    """Content and call deltas from a reply cut at random places add up to what the whole reply gives."""
+    add = '{"name": "add", "arguments": {"a": 1, "s": "x}{\\"y"}}'
+    reply = f"Let me see <b>this</b>.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{add}\n</tool_call>"
+    whole = ToolCallStream(HermesParser(), NAMES)
+    expected = whole.feed(reply)[0] + whole.finish()[0], [(c.name, c.arguments) for c in whole.whole_calls()]
+    assert expected[1][1] == ("add", '{"a": 1, "s": "x}{\\"y"}')  # the model's text: braces and quotes in a string
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(reply)), rng.randint(1, 12)))
+        reader, content, args = ToolCallStream(HermesParser(), NAMES), "", {}
+        names = {}
+        for a, b in zip([0, *cuts], [*cuts, len(reply)]):
+            text, deltas = reader.feed(reply[a:b])
+            content += text
+            for d in deltas:
+                names.setdefault(d.index, d.name)
+                args[d.index] = args.get(d.index, "") + d.arguments
+        text, deltas = reader.finish()
+        content += text
+        for d in deltas:
+            names.setdefault(d.index, d.name)
+            args[d.index] = args.get(d.index, "") + d.arguments
+        assert (content, [(names[i], args[i]) for i in sorted(args)]) == expected, cuts
 
 
 def test_calls_only_the_end_can_confirm_go_out_whole():
