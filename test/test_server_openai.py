@@ -138,7 +138,11 @@ def test_chat_stream_and_stop(client):
 
         pattern = re.escape(stop[0]) + "."
         by_regex = client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={**IGNORE_EOS, "stop_regex": pattern}
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            extra_body={**IGNORE_EOS, "stop_regex": pattern},
         )
         assert by_regex.choices[0].finish_reason == "stop"
         assert by_regex.choices[0].matched_stop == pattern

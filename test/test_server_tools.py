@@ -97,7 +97,8 @@ def test_forced_tool_calls_follow_the_tool_schema(server, stream):
             assert len(deltas) > 2 and {d["index"] for d in deltas} == {0}
             assert all("id" not in d and "name" not in d["function"] for d in deltas[1:])
             arguments = "".join(d["function"]["arguments"] for d in deltas)
-            calls = [{"id": deltas[0]["id"], "function": {"name": deltas[0]["function"]["name"], "arguments": arguments}}]
+            name = deltas[0]["function"]["name"]
+            calls = [{"id": deltas[0]["id"], "function": {"name": name, "arguments": arguments}}]
         else:
             choice_out = reply.json()["choices"][0]
             calls, finish = choice_out["message"]["tool_calls"], [choice_out["finish_reason"]]

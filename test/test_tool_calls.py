@@ -119,7 +119,12 @@ def call_deltas(reader: ToolCallStream, pieces: list[str]) -> list[list[tuple]]:
 
 def test_committed_call_arguments_stream_as_written():
     pieces = [
-        "Sure. <tool_call>\n{\"na", 'me": "add", "argu', 'ments": {"a": ', '2, "b"', ': [1, {"c": "}"}]}', "}\n</tool_call>"
+        "Sure. <tool_call>\n{\"na",
+        'me": "add", "argu',
+        'ments": {"a": ',
+        '2, "b"',
+        ': [1, {"c": "}"}]}',
+        "}\n</tool_call>",
     ]
     reader = ToolCallStream(HermesParser(), NAMES)
     steps = call_deltas(reader, pieces)
