@@ -243,3 +243,36 @@ def test_dead_child_takes_server_down(tiny_llama):
         assert not pid_alive(workers[1])
     finally:
         stop_server(srv)
+
+
+def test_full_queue_is_503_and_the_server_keeps_serving(tiny_llama):
+    """With one request served at a time and one allowed to wait, a third gets a 503 naming the limit (native and
+    OpenAI routes) while the two go on; once they finish, requests are taken again."""
+    srv = start_server(tiny_llama, "--max-running-requests", "1", "--max-queued-requests", "1")
+    try:
+        long = {"temperature": 0, "max_new_tokens": 230, "ignore_eos": True}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for _ in range(3):  # two 230-token requests in a row take over a second; retry if they beat the check
+            results = []
+            threads = [
+                threading.Thread(target=lambda i=i: results.append(
+                    srv.post("/generate", json={"text": f"Once upon a time {i}", "sampling_params": long}).json()
+                ))
+                for i in range(2)
+            ]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while srv.get("/get_load").json()[0]["num_reqs"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            native = srv.post("/generate", json=GOOD)
+            openai_reply = srv.post("/v1/chat/completions", json=chat)
+            for t in threads:
+                t.join(60)
+            if all(r["meta_info"]["completion_tokens"] == 230 for r in results) and native.status_code == 503:
+                break
+        assert native.status_code == 503 and "--max-queued-requests" in native.json()["error"]["message"]
+        assert openai_reply.status_code == 503 and "retry later" in openai_reply.json()["message"]
+        assert srv.post("/generate", json=GOOD).status_code == 200
+    finally:
+        stop_server(srv)

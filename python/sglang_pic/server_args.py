@@ -76,6 +76,12 @@ class ServerArgs:
     mem_fraction_static: float = _arg(0.85, "Share of GPU memory for the weights and the KV cache.")
     page_size: int = _arg(1, "Tokens per KV cache page.")
     max_running_requests: int = _arg(256, "Most requests running at once.")
+    max_queued_requests: int | None = _arg(
+        None,
+        "Server: refuse new requests with 503 while this many wait beyond the max_running_requests (per data "
+        "parallel replica) being served, so an overload is pushed back to clients instead of piling up; default: "
+        "no limit.",
+    )
     disable_radix_cache: bool = _arg(False, "Turn off prefix and span caching.")
     enable_hierarchical_cache: bool = _arg(
         False,
@@ -197,6 +203,8 @@ class ServerArgs:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             choices = ", ".join(REASONING_PARSERS)
             raise ValueError(f"reasoning_parser must be one of {choices}, got {self.reasoning_parser!r}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.load_format not in ("auto", "dummy", "gguf"):

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sglang_pic.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sglang_pic.entrypoints.openai_api import OpenAIServing, error_response
 from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerTokenizerManager
+from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerBusy, ServerTokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
             reqs = manager.prepare(obj)
         except (ValueError, TypeError) as e:
             return native_error(str(e))
+        except ServerBusy as e:
+            return native_error(str(e), 503)
         multi = obj.is_batch or len(reqs) > 1
         with_text = obj.return_text_in_logprobs
         if obj.stream:

@@ -56,6 +56,7 @@ from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req
 from sglang_pic.managers.server_tokenizer_manager import (
     ClientDisconnected,
+    ServerBusy,
     ServerTokenizerManager,
 )
 from sglang_pic.sampling.sampling_params import GRAMMAR_FIELDS
@@ -256,6 +257,8 @@ class OpenAIServing:
             return error_response(describe_validation_error(e))
         except ValueError as e:
             return error_response(str(e))
+        except ServerBusy as e:
+            return error_response(str(e), 503, "ServiceUnavailableError")
 
     # ---- completions --------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

@@ -53,6 +53,10 @@ class ClientDisconnected(Exception):
     """The HTTP client went away; its requests were aborted."""
 
 
+class ServerBusy(Exception):
+    """--max-queued-requests requests are queued already: the caller should come back later (HTTP 503)."""
+
+
 class DisconnectProbe(Protocol):
     """Anything with Starlette's `is_disconnected()` (a fastapi.Request); None when no HTTP client is watched."""
 
@@ -180,8 +184,9 @@ class ServerTokenizerManager:
         state.wake.set()
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def prepare(self, obj: GenerateReqInput) -> list[Req]:
-        """Validate and tokenize; raise ValueError naming the problem. Nothing is sent yet."""
+    def prepare(self, obj: GenerateReqInput, queue_limit: bool = True) -> list[Req]:
+        """Validate and tokenize; raise ValueError naming the problem, ServerBusy when the queue is full (with
+        `queue_limit`). Nothing is sent yet."""
         for name in ("stream", "return_text_in_logprobs"):
             if not isinstance(getattr(obj, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(obj, name)!r}")
@@ -206,6 +211,15 @@ class ServerTokenizerManager:
                 )
             req.stream = obj.stream
             req.data_parallel_rank = dp_rank
+        limit = self.server_args.max_queued_requests
+        if queue_limit and limit is not None:
+            # Beyond the requests the schedulers can run at once, every outstanding one waits in a queue.
+            queued = len(self.states) - self.server_args.max_running_requests * self.server_args.dp_size
+            if queued + len(reqs) > limit:
+                raise ServerBusy(
+                    f"{max(queued, 0)} requests are queued and this server queues at most {limit} "
+                    "(--max-queued-requests); retry later"
+                )
         return reqs
 
     def _submit(self, reqs: list[Req], with_text: bool) -> list[ReqState]:
@@ -283,7 +297,7 @@ class ServerTokenizerManager:
         obj = GenerateReqInput(
             input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0}, rid=f"HEALTH_{uuid.uuid4().hex}"
         )
-        task = asyncio.create_task(self.collect(self.prepare(obj)))
+        task = asyncio.create_task(self.collect(self.prepare(obj, queue_limit=False)))
         try:
             while time.time() < tic + timeout:
                 if task.done() or self.last_receive_time > tic:
