@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sglang_pic.sampling.stop_conditions import partial_prefix
+
 
 @dataclass(frozen=True)
 class ReasoningFormat:
@@ -28,14 +30,6 @@ REASONING_PARSERS = {
     "qwen3": ReasoningFormat(),
     "qwen3-thinking": ReasoningFormat(opens_in_template=True),
 }
-
-
-def _cut_tag(text: str, tag: str) -> int:
-    """len(text) less the length of a partial `tag` ending `text` (what can be passed on without it)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return len(text) - n
-    return len(text)
 
 
 class ReasoningStream:
@@ -71,7 +65,7 @@ class ReasoningStream:
             start = len(text) - len(head) + len(fmt.start)
         end = text.find(fmt.end, start)
         if end < 0:
-            stop = len(text) if final else _cut_tag(text, fmt.end)
+            stop = len(text) if final else len(text) - partial_prefix(text, fmt.end)
             return text[start:stop].lstrip(), ""
         return text[start:end].lstrip(), text[end + len(fmt.end) :].lstrip()
 

@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from itertools import takewhile
 
+from sglang_pic.sampling.stop_conditions import partial_prefix
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -135,12 +137,7 @@ def _may_be_calls(text: str, prefix: str = "") -> bool:
 def _opener_at(text: str, opener: str) -> int:
     """Where `opener` starts in `text`, or where a partial opener ends it; len(text) if neither."""
     i = text.find(opener)
-    if i >= 0:
-        return i
-    for n in range(min(len(opener) - 1, len(text)), 0, -1):
-        if text.endswith(opener[:n]):
-            return len(text) - n
-    return len(text)
+    return i if i >= 0 else len(text) - partial_prefix(text, opener)
 
 
 class ToolCallParser(ABC):

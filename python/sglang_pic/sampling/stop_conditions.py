@@ -36,6 +36,15 @@ class StopMatch:
     start: int  # where the match starts in the searched text
 
 
+def partial_prefix(text: str, word: str) -> int:
+    """How many trailing characters of `text` begin `word` without completing it (0 if none): what a stream holds
+    back while `word` may still be forming."""
+    for n in range(min(len(word) - 1, len(text)), 0, -1):
+        if text.endswith(word[:n]):
+            return n
+    return 0
+
+
 def check_stop_regex(pattern: str) -> None:
     """Refuse a stop_regex that is not a pattern or can stop on nothing."""
     try:
@@ -98,12 +107,7 @@ class StopConditions:
     def hold_back(self, text: str) -> int:
         """How many trailing characters of `text` could still become the start of a stop (a pattern that runs out of
         time holds nothing back: the scheduler's search of the same text aborts the request)."""
-        held = 0
-        for s in self.strings:
-            for n in range(min(len(s) - 1, len(text)), held, -1):
-                if text.endswith(s[:n]):
-                    held = n
-                    break
+        held = max((partial_prefix(text, s) for s in self.strings), default=0)
         for compiled, chars in zip(self._compiled, self._chars):
             pos = 0 if chars is None else max(0, len(text) - chars)
             while pos <= len(text):
