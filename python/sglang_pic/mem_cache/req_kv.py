@@ -119,7 +119,9 @@ class ReqKVManager:
         """Whether a request in prefill is computing the next SHARED_PREFIX_MIN tokens of one of `req`'s prefix or
         PDEP segments (after what `req` matched): same namespace, same place, same tokens, so the same KV, which
         `req` will find in the tree once it is computed."""
-        if not self.inflight_prefixes:
+        others = [other for other in self.inflight_prefixes.values() if other is not req]
+        computing = [s for other in others for s in self._prompt_segments(other)]
+        if not computing:
             return False
         tail = next((s for s in reversed(req.segments) if s.tokens), None)
         for seg in self._prompt_segments(req):
@@ -128,12 +130,9 @@ class ReqKVManager:
             if hi > len(seg.tokens) - (seg is tail):  # the prompt's last token is computed by req itself
                 continue
             want = seg.tokens[lo:hi]
-            for other in self.inflight_prefixes.values():
-                if other is not req and any(
-                    o.extra_key == seg.extra_key and o.start == seg.start and o.tokens[lo:hi] == want
-                    for o in self._prompt_segments(other)
-                ):
-                    return True
+            same_place = (o for o in computing if o.extra_key == seg.extra_key and o.start == seg.start)
+            if any(o.tokens[lo:hi] == want for o in same_place):
+                return True
         return False
 
     @staticmethod
