@@ -142,17 +142,28 @@ def test_committed_call_arguments_stream_as_written():
     assert [(c.name, c.arguments) for c in reader.whole_calls()] == [("add", '{"a": 2, "b": [1, {"c": "}"}]}')]
 
 
-def test_any_chunking_adds_up_to_the_whole_reply():
+ADD = '{"name": "add", "arguments": {"a": 1, "s": "x}{\\"y"}}'
+LLAMA3_CALLS = f"{WEATHER}; {ADD}".replace('"arguments"', '"parameters"')
+CHUNKED_REPLIES = {
+    "qwen25": (
+        HermesParser, f"Let me see <b>this</b>.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>"
+    ),
+    "llama3": (Llama3JsonParser, f"<|python_tag|>{LLAMA3_CALLS}"),
+    "mistral": (MistralParser, f"Checking. [TOOL_CALLS] [{WEATHER}, {ADD}]"),
+}
+
+
+@pytest.mark.parametrize("family", list(CHUNKED_REPLIES))
+def test_any_chunking_adds_up_to_the_whole_reply(family):
     """Content and call deltas from a reply cut at random places add up to what the whole reply gives."""
-    add = '{"name": "add", "arguments": {"a": 1, "s": "x}{\\"y"}}'
-    reply = f"Let me see <b>this</b>.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{add}\n</tool_call>"
-    whole = ToolCallStream(HermesParser(), NAMES)
+    parser, reply = CHUNKED_REPLIES[family]
+    whole = ToolCallStream(parser(), NAMES)
     expected = whole.feed(reply)[0] + whole.finish()[0], [(c.name, c.arguments) for c in whole.whole_calls()]
     assert expected[1][1] == ("add", '{"a": 1, "s": "x}{\\"y"}')  # the model's text: braces and quotes in a string
     rng = random.Random(0)
     for _ in range(200):
         cuts = sorted(rng.sample(range(1, len(reply)), rng.randint(1, 12)))
-        reader, content, args = ToolCallStream(HermesParser(), NAMES), "", {}
+        reader, content, args = ToolCallStream(parser(), NAMES), "", {}
         names = {}
         for a, b in zip([0, *cuts], [*cuts, len(reply)]):
             text, deltas = reader.feed(reply[a:b])
@@ -166,6 +177,17 @@ def test_any_chunking_adds_up_to_the_whole_reply():
             names.setdefault(d.index, d.name)
             args[d.index] = args.get(d.index, "") + d.arguments
         assert (content, [(names[i], args[i]) for i in sorted(args)]) == expected, cuts
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral"])
+def test_calls_where_the_format_puts_them_stream_as_written(family):
+    parser, reply = CHUNKED_REPLIES[family]
+    cut = reply.index('"x}')  # inside the second call's arguments
+    steps = call_deltas(ToolCallStream(parser(), NAMES), [reply[:cut], reply[cut:]])
+    assert [(i, a, n) for i, a, _, n in steps[0]] == [
+        (0, '{"city": "Paris", "unit": "°C"}', "get_weather"), (1, '{"a": 1, "s": ', "add")
+    ]
+    assert [(i, a) for i, a, _, _ in steps[1]] == [(1, '"x}{\\"y"}')] and steps[2] == []
 
 
 def test_calls_only_the_end_can_confirm_go_out_whole():

@@ -7,10 +7,13 @@ objects {"name", "parameters"} separated by ";" (after an optional <|python_tag|
 [TOOL_CALLS] and a JSON list of {"name", "arguments"}. Only calls to the request's tools with JSON-object arguments
 count; anything else stays text, so a malformed call reaches the client as content rather than an error.
 
-Streamed, a call's arguments go out as they are written once the call is committed: a `<tool_call>` block whose
-header (`{"name": ..., "arguments": {`) names one of the request's tools, or any call when tool_choice forces one.
-Other calls (bare objects that only the end of the reply can confirm, Mistral's list) go out whole at the end. A
-call's arguments are the JSON text the model wrote, so streamed pieces add up to the reply's arguments exactly.
+Streamed, a call's arguments go out as they are written once the call is committed: its header (`{"name": ...,
+"arguments": {`) names one of the request's tools and it stands where the format puts calls (in a `<tool_call>`
+block, in Mistral's list after [TOOL_CALLS], or at the start of a llama3 reply, whose format is calls only), or
+tool_choice forces a call. Bare objects in a qwen25 reply (tags dropped) go out whole at the end: only the end of
+the reply can tell them from text. A call's arguments are the JSON text the model wrote, so streamed pieces add up
+to the reply's arguments exactly. A llama3 reply that turns out to go on as text after its calls (not the format)
+keeps the calls already sent and sends its text as content.
 
 `mark_tool_spans` makes each tool description a span: agents resend the same tools in varying subsets and orders,
 and as spans each description is prefilled once and reused behind any system prompt, at any offset.
@@ -128,6 +131,22 @@ def _reply_of_calls(text: str, names: set[str]) -> list[ToolCall]:
     return calls
 
 
+def _listed_objects(text: str, at: int, separators: str) -> list[int]:
+    """Where the JSON objects written from text[at] start, one after another with whitespace and `separators`
+    between them: the closed ones and the one being written."""
+    starts = []
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] in separators):
+            at += 1
+        if not text.startswith("{", at):
+            return starts
+        starts.append(at)
+        end = _object_end(text, at)
+        if end is None:
+            return starts
+        at = end
+
+
 def _may_be_calls(text: str, prefix: str = "") -> bool:
     """Whether a reply so far may still turn out to be only calls (it opens with `prefix` or a JSON object)."""
     head = text.lstrip()
@@ -224,6 +243,12 @@ class Llama3JsonParser(ToolCallParser):
         """Calls fill the whole reply: hold it back while it could still be one."""
         return 0 if _may_be_calls(text, self._tag) else len(text)
 
+    def committed_calls(self, text: str) -> list[int]:
+        head = _skip_space(text, 0)
+        if text.startswith(self._tag, head):
+            head += len(self._tag)
+        return _listed_objects(text, head, ";")
+
 
 class MistralParser(ToolCallParser):
     start = "[TOOL_CALLS]"
@@ -244,6 +269,13 @@ class MistralParser(ToolCallParser):
 
     def call_starts(self, text: str) -> int:
         return _opener_at(text, self.start)
+
+    def committed_calls(self, text: str) -> list[int]:
+        at = text.find(self.start)
+        if at < 0:
+            return []
+        at = _skip_space(text, at + len(self.start))
+        return _listed_objects(text, at + 1, ",") if text.startswith("[", at) else []
 
 
 def _skip_space(text: str, pos: int) -> int:
