@@ -80,6 +80,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool = False,
+        priority: int | list[int | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         obj = GenerateReqInput(
             text=prompt,
@@ -91,6 +92,7 @@ class Engine:
             top_logprobs_num=top_logprobs_num,
             return_text_in_logprobs=return_text_in_logprobs,
             stream=stream,
+            priority=priority,
         )
         reqs = self.tokenizer_manager.build_requests(obj)
         if stream:

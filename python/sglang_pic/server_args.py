@@ -102,6 +102,22 @@ class ServerArgs:
         "Prefill tokens per ISPS step next to the decodes; default: the chunk size.",
     )
     isps_max_wait_steps: int = _arg(32, "ISPS serves any work that has waited this many steps first.")
+    enable_priority_scheduling: bool = _arg(
+        False,
+        "Admit waiting requests by their `priority` first (larger first), then by the schedule policy; a request "
+        "that cannot be admitted preempts running ones of lower priority (see the threshold).",
+    )
+    schedule_low_priority_values_first: bool = _arg(
+        False, "With priority scheduling, smaller `priority` values are more urgent."
+    )
+    priority_scheduling_preemption_threshold: int = _arg(
+        10,
+        "A waiting request preempts a running one only when its priority exceeds the running one's by more than "
+        "this; a large value turns preemption off.",
+    )
+    abort_on_priority_when_disabled: bool = _arg(
+        False, "Refuse requests that set `priority` while priority scheduling is off (by default it is ignored)."
+    )
     schedule_conservativeness: float = _arg(
         1.0,
         "Scales the decode tokens reserved when admitting requests; higher admits fewer.",
@@ -217,6 +233,11 @@ class ServerArgs:
             self.schedule_policy = "fcfs" if self.disable_pic else "isps"
         if self.schedule_policy not in ("fcfs", "lpm", "isps"):
             raise ValueError(f"schedule_policy must be fcfs, lpm or isps, got {self.schedule_policy!r}")
+        if self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError(
+                "priority_scheduling_preemption_threshold must be >= 0, got "
+                f"{self.priority_scheduling_preemption_threshold}"
+            )
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = None
         if self.attention_backend not in (None, "torch_native", "triton"):

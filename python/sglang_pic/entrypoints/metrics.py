@@ -52,6 +52,9 @@ class _SnapshotCollector:
             snap.cached_prefix_tokens + snap.cached_span_tokens,
         )
         yield counter("sglang:num_retractions", "Number of requests retracted to free KV memory.", snap.num_retractions)
+        yield counter(
+            "sglang:num_preemptions", "Number of running requests preempted by more urgent ones.", snap.num_preemptions
+        )
         yield gauge("sglang:cache_hit_rate", "Share of prompt tokens served from the cache.", snap.cache_hit_rate)
         yield gauge("sglang:num_running_reqs", "Number of running requests.", snap.num_running_reqs)
         yield gauge("sglang:num_queue_reqs", "Number of requests waiting in the queue.", snap.num_waiting_reqs)

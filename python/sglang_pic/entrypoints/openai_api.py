@@ -310,6 +310,7 @@ class OpenAIServing:
             top_logprobs_num=body.logprobs or 0,
             return_text_in_logprobs=True,
             stream=body.stream,
+            priority=body.priority,
         )
 
     def _echo_texts(self, body: CompletionRequest) -> list[str]:
@@ -446,6 +447,7 @@ class OpenAIServing:
             top_logprobs_num=(body.top_logprobs or 0) if body.logprobs else 0,
             return_text_in_logprobs=True,
             stream=body.stream,
+            priority=body.priority,
         )
 
     def render_chat(self, body: ChatCompletionRequest) -> str:

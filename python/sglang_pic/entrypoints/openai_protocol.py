@@ -61,6 +61,7 @@ class _SamplingFields(_Request):
     ebnf: str | None = None
     json_schema: str | None = None
     stop_regex: str | list[str] | None = None
+    priority: int | None = None  # with --enable-priority-scheduling
 
     @field_validator("n")
     @classmethod

@@ -24,6 +24,7 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     data_parallel_rank: int | None = None  # the replica to run on (a server with dp_size > 1; sglang-router --dp-aware)
+    priority: int | list[int | None] | None = None  # with --enable-priority-scheduling: larger runs first
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateReqInput":
@@ -73,4 +74,5 @@ class GenerateReqInput:
             "return_logprob": pick(self.return_logprob),
             "logprob_start_len": pick(self.logprob_start_len),
             "top_logprobs_num": pick(self.top_logprobs_num),
+            "priority": pick(self.priority),
         }

@@ -72,6 +72,7 @@ class Req:
     input_text: str | None = None
     spec_stats: Any = None  # speculative.spec_stats.ReqSpecStats while VeriCache decodes this request
     data_parallel_rank: int | None = None  # the replica the client asked for; None: the server picks
+    priority: int | None = None  # the client's; only read with --enable-priority-scheduling (scheduler._urgency)
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None

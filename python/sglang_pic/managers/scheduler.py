@@ -58,6 +58,7 @@ class SchedulerStats:
     span_segments: int = 0
     span_segment_hits: int = 0
     num_retractions: int = 0
+    num_preemptions: int = 0  # running requests retracted for a waiting one of higher priority
     num_steps: int = 0
     prefill_step_s: float = 0.0  # wall time of steps that ran prefill tokens (mixed steps included)
     decode_step_s: float = 0.0  # wall time of decode-only steps
@@ -101,6 +102,9 @@ class Scheduler:
         # VeriCache decodes in its own draft/verify rounds, so decodes never ride along with prefill steps then.
         self.mix_decodes = (self.isps or server_args.enable_mixed_chunk) and server_args.speculative_algorithm is None
         self.planner = SpanPrefillPlanner(self.kv, server_args.isps_max_wait_steps)
+        self.priority_scheduling = server_args.enable_priority_scheduling
+        # The most urgent request the last step could not admit (no seat or no KV room): it may preempt next step.
+        self._preempt_for: Req | None = None
         # Reported with this step's output but not from its forward: finished outside one (e.g. can never fit the
         # pool), or committed early from the step in flight so that a retraction could run.
         self.finished_early: list[Req] = []
@@ -258,6 +262,8 @@ class Scheduler:
     def _schedule_extend(self) -> StepPlan | None:
         """This step's prefill entries, with the running decodes when they ride along; None if it has neither."""
         budget = self.prefill_budget
+        if self._preempt_for is not None:  # before the decodes are planned: the preempted request leaves them
+            self._preempt()
         # In mixed batches the running decodes get their slots first, so a new prefill never starves them.
         decode = self._schedule_decode() if self.mix_decodes and self.running else None
         # Making room for jumps may retract a running request: only while none is planned for this step.
@@ -283,6 +289,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if seats <= 0 and not req.warmup:
+                self._may_preempt_for(req)
                 continue
             if req.req_pool_idx is None:
                 req.req_pool_idx = self.runner.req_to_token_pool.alloc()
@@ -306,6 +313,8 @@ class Scheduler:
             if need + reserve + reserved > self.kv.available_size():
                 if entries or self.running:
                     self.kv.release(req)
+                    if not req.warmup:
+                        self._may_preempt_for(req)
                     break
             if not self.chunking and req.pending() > budget and entries:
                 self.kv.release(req)
@@ -351,17 +360,60 @@ class Scheduler:
         self.finished_early.append(req)
 
     def _ordered_waiting(self) -> list[Req]:
+        """The waiting requests in the order admission offers them seats: by priority first (with priority
+        scheduling), then by the schedule policy."""
         if self.isps:
             ordered, new_jobs = self.planner.order(self.waiting, self.stats.num_steps)
             self.waiting.extend(new_jobs)
-            return ordered
-        if self.server_args.schedule_policy == "lpm" and len(self.waiting) > 1:
+        elif self.server_args.schedule_policy == "lpm" and len(self.waiting) > 1:
             def matched(req: Req) -> int:
                 return -sum(
                     int(self.tree.match_prefix(s.key()).device_indices.numel()) for s in req.segments
                 ) if not self.tree.disable else 0
-            return sorted(self.waiting, key=matched)
-        return list(self.waiting)
+            ordered = sorted(self.waiting, key=matched)
+        else:
+            ordered = list(self.waiting)
+        return self._by_priority(ordered) if self.priority_scheduling else ordered
+
+    def _urgency(self, req: Req) -> int:
+        """A request's priority as "larger is more urgent" (a request without one has priority 0)."""
+        priority = req.priority or 0
+        return -priority if self.server_args.schedule_low_priority_values_first else priority
+
+    def _by_priority(self, ordered: list[Req]) -> list[Req]:
+        """`ordered` stably sorted by urgency; a span job is as urgent as the most urgent request waiting for it."""
+        jobs: dict[str, int] = {}
+        for req in self.waiting:
+            for job in self.planner.blocked_on.get(req.rid, ()):
+                jobs[job.rid] = max(jobs.get(job.rid, self._urgency(req)), self._urgency(req))
+        return sorted(ordered, key=lambda r: -jobs.get(r.rid, 0) if r.warmup else -self._urgency(r))
+
+    def _may_preempt_for(self, req: Req) -> None:
+        """Admission could not take `req`: with priority scheduling the most urgent such request (the first one
+        offered) may preempt a running request at the start of the next step."""
+        if self.priority_scheduling and self._preempt_for is None:
+            self._preempt_for = req
+
+    def _preempt(self) -> None:
+        """Retract the least urgent running request (the newest among equals) when the request that could not be
+        admitted outranks it by more than the threshold; one per step, so a request short of KV memory takes
+        only as many as it turns out to need."""
+        req, self._preempt_for = self._preempt_for, None
+        if not self.running or req.finished_reason is not None or req not in self.waiting:
+            return
+        victim = min(reversed(self.running), key=self._urgency)
+        if self._urgency(req) - self._urgency(victim) <= self.server_args.priority_scheduling_preemption_threshold:
+            return
+        if self._pending_token(victim):
+            self._commit_inflight(self.finished_early)
+            if victim.finished_reason is not None:  # it finished with that token: its seat and KV are free now
+                return
+        self.running.remove(victim)
+        self._give_back_kv(victim)
+        self.waiting.insert(0, victim)
+        self.stats.num_preemptions += 1
+        logger.info("preempted request %s (priority %s) for request %s (priority %s)",
+                    victim.rid, victim.priority, req.rid, req.priority)
 
     def _take(self, req: Req, budget: int) -> BatchEntry | None:
         entry = plan_entry(req, budget)
@@ -414,22 +466,24 @@ class Scheduler:
             req, self.chunked = self.chunked, None
         else:
             req = self.running.pop()
-        assert not self._pending_token(req), "retracting a request whose last token is not committed"
-        self._stop_jumping(req)  # its forced tokens are prefilled with the rest when it is admitted again
-        if self.spec_worker is not None:
-            self.spec_worker.release(req)
+        self._give_back_kv(req)
         if not self.running and req.output_ids and self.chunked is None:
-            self.kv.cache(req)
-            self.kv.release(req)
             req.finished_reason = FinishReason("abort", message="KV cache pool is full")
             self.finished_early.append(req)
             return
-        self.kv.cache(req)
-        self.kv.release(req)
         self.stats.num_retractions += 1
         self.waiting.insert(0, req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.2)
         logger.info("retracted request %s to free KV memory", req.rid)
+
+    def _give_back_kv(self, req: Req) -> None:
+        """Put a request's KV in the tree and release its row, so that it can be admitted again and resume."""
+        assert not self._pending_token(req), "retracting a request whose last token is not committed"
+        self._stop_jumping(req)  # its forced tokens are prefilled with the rest when it is admitted again
+        if self.spec_worker is not None:
+            self.spec_worker.release(req)
+        self.kv.cache(req)
+        self.kv.release(req)
 
     # ---- results ----------------------------------------------------------------------------------------------
     def _launch(self, plan: StepPlan, updated: list[Req]) -> LaunchedStep:

@@ -183,6 +183,7 @@ def scheduler_snapshot(sched: "Scheduler", allocator) -> SchedulerSnapshot:
         cached_span_tokens=stats.cached_span_tokens,
         computed_prefill_tokens=stats.computed_prefill_tokens,
         num_retractions=stats.num_retractions,
+        num_preemptions=stats.num_preemptions,
         num_steps=stats.num_steps,
         host_cache_tokens=sched.tree.host_size(),
         host_cache_loaded_tokens=sched.tree.loaded_tokens,

@@ -87,6 +87,7 @@ class TokenizerManager:
             raise ValueError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
         if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
             raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_n!r}")
+        priority = self._priority(item["priority"])
         base_rid = item["rid"] or uuid.uuid4().hex
         reqs = []
         for k in range(params.n):
@@ -103,6 +104,7 @@ class TokenizerManager:
                     eos_token_ids=self.eos_token_ids,
                     input_text=item["text"],
                     generator=self._generator(params.seed, k),
+                    priority=priority,
                 )
             )
         return reqs
@@ -118,6 +120,15 @@ class TokenizerManager:
             tokens = self.segmenter.from_text(self.server_args.ssep_marker + text)[-1].token_ids
             out.append((segment_keys([Segment("span", tokens)])[0].extra_key, list(tokens)))
         return out
+
+    def _priority(self, priority: Any) -> int | None:
+        if priority is None:
+            return None
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not self.server_args.enable_priority_scheduling and self.server_args.abort_on_priority_when_disabled:
+            raise ValueError("priority is set but priority scheduling is off (--enable-priority-scheduling)")
+        return priority
 
     @staticmethod
     def _generator(seed: int | None, k: int) -> torch.Generator | None:
