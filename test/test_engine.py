@@ -141,6 +141,20 @@ def test_abort_frees_memory(tiny_llama):
         assert_idle_accounting(engine)
 
 
+def test_shutdown_keeps_only_the_final_stats(tiny_llama):
+    """A shut-down engine drops its scheduler and runner (their weights and pools: see test_gpu_engine for the
+    device memory) and says so when used again; its stats stay readable."""
+    engine = Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048)
+    engine.generate(PROMPTS[0], greedy(3))
+    engine.shutdown()
+    engine.shutdown()  # twice is harmless
+    assert engine.scheduler is None and engine.runner is None
+    assert engine.get_stats()["generation_tokens"] == 3
+    for call in (lambda: engine.generate(PROMPTS[0], greedy(3)), engine.flush_cache, lambda: engine.warm_spans(["x"])):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+
+
 @pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["tree", "no-tree"])
 def test_release_frees_the_slots_the_request_was_given_not_what_its_row_says(tiny_llama, disable_radix_cache):
     """A request's own slots are freed from the host record kept as they were allocated: its row in req_to_token

@@ -301,3 +301,17 @@ def test_kernel_warm_up_leaves_nothing_to_compile(tiny_model_root):
         compiled_warm = _compiled_attention_variants() - start
     assert compiled_cold >= 6
     assert compiled_warm == 0
+
+
+def test_shutdown_gives_the_device_memory_back(tiny_llama):
+    """Engines one after another in one process, each sizing its KV pool from the free memory: a shut-down engine
+    that is still referenced (as after `with Engine(...) as e`) holds no device memory."""
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for _ in range(2):
+        with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32") as engine:
+            assert engine.generate("Hi", GREEDY)["meta_info"]["completion_tokens"] == GREEDY["max_new_tokens"]
+            assert torch.cuda.memory_allocated() - base > 2**30  # its KV pool takes most of the device
+        assert torch.cuda.memory_allocated() - base < 64 * 2**20, "a shut-down engine kept device memory"
+        assert engine.get_stats()["generation_tokens"] == GREEDY["max_new_tokens"]

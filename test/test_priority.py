@@ -45,7 +45,8 @@ def run(engine: Engine, reqs: list[Req], until=None) -> list[Req]:
 
 def finish_order(priorities: list[int], **flags) -> list[int]:
     """Priorities of requests queued together, one running at a time, in the order they finish."""
-    with Engine(model_path=flags.pop("path"), dtype="float32", max_running_requests=1, **flags) as engine:
+    with Engine(model_path=flags.pop("path"), dtype="float32", max_total_tokens=4096, max_running_requests=1,
+                **flags) as engine:
         reqs = [build(engine, f"Request number {i} asks.", 3, p) for i, p in enumerate(priorities)]
         for r in reqs:
             engine.scheduler.add_request(r)
@@ -65,7 +66,9 @@ def test_admission_follows_priority_then_policy(tiny_llama, policy):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_urgent_request_preempts_and_the_preempted_one_resumes_unchanged(tiny_llama, overlap):
-    common = dict(model_path=str(tiny_llama), dtype="float32", disable_overlap_schedule=not overlap)
+    common = dict(
+        model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, disable_overlap_schedule=not overlap
+    )
     low_text, high_text = "A long story about the sea and the town, told slowly.", "Quick question?"
     with Engine(**common) as ref:
         expected_low = ref.generate(low_text, greedy(40))["output_ids"]
@@ -85,8 +88,8 @@ def test_urgent_request_preempts_and_the_preempted_one_resumes_unchanged(tiny_ll
 
 
 def test_no_preemption_within_the_threshold(tiny_llama):
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_running_requests=1, enable_priority_scheduling=True,
-                priority_scheduling_preemption_threshold=10) as engine:
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, max_running_requests=1,
+                enable_priority_scheduling=True, priority_scheduling_preemption_threshold=10) as engine:
         low = build(engine, "A long story about the sea.", 20, priority=0)
         engine.scheduler.add_request(low)
         run(engine, [low], until=lambda: len(low.output_ids) >= 4)
@@ -101,7 +104,7 @@ def test_urgent_request_short_of_kv_memory_preempts(tiny_llama):
     common = dict(model_path=str(tiny_llama), dtype="float32")
     low_text = " ".join(f"word{i}" for i in range(32))
     high_text = " ".join(f"word{i}" for i in reversed(range(32)))
-    with Engine(**common) as ref:
+    with Engine(max_total_tokens=4096, **common) as ref:
         expected = [o["output_ids"] for o in ref.generate([low_text, high_text], greedy(24))]
     with Engine(max_total_tokens=200, enable_priority_scheduling=True, **common) as engine:
         sched = engine.scheduler
@@ -122,8 +125,8 @@ def test_span_job_is_as_urgent_as_the_request_waiting_for_it(tiny_llama):
     request came first and misses fewer span tokens."""
 
     def span_order(priority_flag: bool) -> list[str]:
-        with Engine(model_path=str(tiny_llama), dtype="float32", schedule_policy="isps", step_token_budget=16,
-                    enable_priority_scheduling=priority_flag) as engine:
+        with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="isps",
+                    step_token_budget=16, enable_priority_scheduling=priority_flag) as engine:
             early = build(engine, "First." + span(DOCS[0]) + "?", 2, priority=0)
             urgent = build(engine, "Second." + span(DOCS[1]) + "?", 2, priority=5)
             assert early.prompt_len < urgent.prompt_len
@@ -150,13 +153,14 @@ def test_span_job_is_as_urgent_as_the_request_waiting_for_it(tiny_llama):
 
 
 def test_priority_field_checks(tiny_llama):
-    with Engine(model_path=str(tiny_llama), dtype="float32") as engine:
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096) as engine:
         for bad in ("high", True, 1.5):
             with pytest.raises(ValueError, match="priority must be an integer"):
                 engine.generate("Hi", greedy(1), priority=bad)
         out = engine.generate(["Hi", "Ho"], greedy(2), priority=[3, None])  # ignored while the flag is off
         assert [o["meta_info"]["completion_tokens"] for o in out] == [2, 2]
-    with Engine(model_path=str(tiny_llama), dtype="float32", abort_on_priority_when_disabled=True) as engine:
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096,
+                abort_on_priority_when_disabled=True) as engine:
         with pytest.raises(ValueError, match="--enable-priority-scheduling"):
             engine.generate("Hi", greedy(1), priority=1)
         assert engine.generate("Hi", greedy(1))["meta_info"]["completion_tokens"] == 1

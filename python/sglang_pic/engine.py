@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from collections import deque
@@ -10,6 +11,8 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
+
+import torch
 
 from sglang_pic.distributed.launch import FOLLOWER_STOP_S, start_local_replica, stop_followers
 from sglang_pic.distributed.parallel_state import destroy_tensor_parallel
@@ -121,7 +124,13 @@ class Engine:
     def _submit(self, reqs: list[Req]) -> None:
         """Queue requests for the next step. Never waits for the lock: a thread stepping in a loop can take it back
         at once (locks are not fair), which would keep other callers' requests out of its batches."""
+        self._live()
         self._incoming.extend(reqs)
+
+    def _live(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("the engine is shut down")
+        return self.scheduler
 
     def _admit(self) -> None:
         """Hand queued requests to the scheduler (under the lock)."""
@@ -195,7 +204,7 @@ class Engine:
     def warm_spans(self, spans: list[str]) -> dict[str, Any]:
         """Prefill spans into the cache without generating (the barrier workflow's first phase)."""
         keyed = self.tokenizer_manager.span_keys(spans)
-        before = self.scheduler.stats.computed_prefill_tokens
+        before = self._live().stats.computed_prefill_tokens
         with self._lock:
             jobs = self.scheduler.add_span_jobs(keyed)
         self._run_until_done(jobs)
@@ -208,11 +217,14 @@ class Engine:
     # ---- control ------------------------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         with self._lock:
-            return self.scheduler.flush_cache()
+            return self._live().flush_cache()
 
     def get_stats(self) -> dict[str, Any]:
+        """Counters and cache state; after shutdown, those it ended with."""
         from dataclasses import asdict
 
+        if self.scheduler is None:
+            return dict(self._final_stats)
         stats = asdict(self.scheduler.stats)
         stats["span_hit_rate"] = stats["span_segment_hits"] / max(stats["span_segments"], 1)
         stats["reused_prefill_tokens"] = stats["cached_prefix_tokens"] + stats["cached_span_tokens"]
@@ -227,6 +239,11 @@ class Engine:
         return stats
 
     def shutdown(self) -> None:
+        """Abort what is unfinished and free the weights, KV pools and graphs, so that another engine in this
+        process gets the device memory (SGLang frees it by ending its scheduler process); the engine keeps only
+        its final stats."""
+        if self.scheduler is None:
+            return
         with self._lock:
             self._admit()
         self._abort_unfinished(list(self.scheduler.waiting) + list(self.scheduler.running))
@@ -235,6 +252,12 @@ class Engine:
             with self._lock:
                 self.runner.shutdown()
             self._stop_tensor_parallel()
+        self._final_stats = self.get_stats()
+        with self._lock:
+            self.scheduler = self.runner = None
+        gc.collect()  # the model and captured graphs hold reference cycles
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def _stop_tensor_parallel(self, timeout: float = FOLLOWER_STOP_S) -> None:
         stop_followers(self._tp_followers, timeout)
