@@ -87,6 +87,24 @@ def test_urgent_request_preempts_and_the_preempted_one_resumes_unchanged(tiny_ll
         assert_idle_accounting(engine)
 
 
+def test_preemptions_are_spread_over_equally_urgent_requests(tiny_llama):
+    """A resumed request is the newest running one again; the next preemption takes another request."""
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, max_running_requests=2,
+                enable_priority_scheduling=True) as engine:
+        lows = [build(engine, f"A long story number {i} about the sea.", 60, priority=0) for i in range(2)]
+        for r in lows:
+            engine.scheduler.add_request(r)
+        run(engine, lows, until=lambda: all(len(r.output_ids) >= 2 for r in lows))
+        for i in range(2):
+            urgent = build(engine, f"Quick question {i}?", 3, priority=100)
+            engine.scheduler.add_request(urgent)
+            run(engine, [urgent])
+            run(engine, lows, until=lambda: all(r in engine.scheduler.running for r in lows))
+        assert [r.preemptions for r in lows] == [1, 1]
+        run(engine, lows)
+        assert all(len(r.output_ids) == 60 for r in lows)
+
+
 def test_no_preemption_within_the_threshold(tiny_llama):
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, max_running_requests=1,
                 enable_priority_scheduling=True, priority_scheduling_preemption_threshold=10) as engine:

@@ -73,6 +73,7 @@ class Req:
     spec_stats: Any = None  # speculative.spec_stats.ReqSpecStats while VeriCache decodes this request
     data_parallel_rank: int | None = None  # the replica the client asked for; None: the server picks
     priority: int | None = None  # the client's; only read with --enable-priority-scheduling (scheduler._urgency)
+    preemptions: int = 0  # times a more urgent request preempted it: the scheduler spreads preemptions
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None

@@ -395,13 +395,14 @@ class Scheduler:
             self._preempt_for = req
 
     def _preempt(self) -> None:
-        """Retract the least urgent running request (the newest among equals) when the request that could not be
-        admitted outranks it by more than the threshold; one per step, so a request short of KV memory takes
-        only as many as it turns out to need."""
+        """Retract the least urgent running request when the request that could not be admitted outranks it by
+        more than the threshold; one per step, so a request short of KV memory takes only as many as it turns
+        out to need. Among equals the one preempted least often goes, then the newest: a resumed request is the
+        newest in `running` again, and taking it each time would pile every delay on one request."""
         req, self._preempt_for = self._preempt_for, None
         if not self.running or req.finished_reason is not None or req not in self.waiting:
             return
-        victim = min(reversed(self.running), key=self._urgency)
+        victim = min(reversed(self.running), key=lambda r: (self._urgency(r), r.preemptions))
         if self._urgency(req) - self._urgency(victim) <= self.server_args.priority_scheduling_preemption_threshold:
             return
         if self._pending_token(victim):
@@ -409,6 +410,7 @@ class Scheduler:
             if victim.finished_reason is not None:  # it finished with that token: its seat and KV are free now
                 return
         self.running.remove(victim)
+        victim.preemptions += 1
         self._give_back_kv(victim)
         self.waiting.insert(0, victim)
         self.stats.num_preemptions += 1
