@@ -12,6 +12,8 @@ import requests
 from server_utils import start_server, stop_server
 
 from sglang_pic import Engine
+from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import SSEP_MARKER
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was a little town"]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -214,3 +216,40 @@ def test_concurrent_non_streaming_requests(server):
         t.join()
     assert all(r["meta_info"]["completion_tokens"] == 8 for r in results)
     assert results[0]["output_ids"] == results[2]["output_ids"] == results[4]["output_ids"]
+
+
+def test_tokenize_and_detokenize(server, engine):
+    """/tokenize gives the ids /generate runs and, for a marked prompt, its segments; /detokenize inverts it."""
+    tok = engine.tokenizer
+    for path in ("/tokenize", "/v1/tokenize"):
+        plain = server.post(path, json={"prompt": PROMPTS[0]}).json()
+        assert plain["tokens"] == tok.encode(PROMPTS[0]) and plain["count"] == len(plain["tokens"])
+        assert plain["segments"] == [{"kind": "prefix", "count": plain["count"]}]
+        assert plain["max_model_len"] == engine.model_config.context_len
+    doc = "The capital of France is Paris, the capital of Japan is Tokyo."
+    marked = "Read this." + span(doc) + "Where is Paris?"
+    cut = server.post("/tokenize", json={"prompt": [marked, PROMPTS[1]], "add_special_tokens": False}).json()
+    doc_ids = tok.encode(doc, add_special_tokens=False)
+    assert [s["kind"] for s in cut["segments"][0]] == ["prefix", "span", "pdep"]
+    assert cut["segments"][0][1]["count"] == len(doc_ids)
+    assert cut["tokens"][0][cut["segments"][0][0]["count"]:][: len(doc_ids)] == doc_ids
+    assert cut["tokens"][1] == tok.encode(PROMPTS[1], add_special_tokens=False)
+    with_bos = server.post("/tokenize", json={"prompt": marked}).json()
+    ran = server.post("/generate", json={"text": marked, "sampling_params": {"max_new_tokens": 1}}).json()
+    assert ran["meta_info"]["prompt_tokens"] == with_bos["count"]
+
+    for path in ("/detokenize", "/v1/detokenize"):
+        back = server.post(path, json={"tokens": cut["tokens"][1], "skip_special_tokens": True}).json()
+        assert back["text"] == PROMPTS[1]
+    both = server.post("/detokenize", json={"tokens": [doc_ids, doc_ids[:3]]}).json()
+    assert both["text"] == [doc, tok.decode(doc_ids[:3])]
+
+    bad = [
+        ("/tokenize", {"prompt": "x", "extra": 1}, "extra"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x" + SSEP_MARKER}, "empty span"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "outside the vocabulary"),
+    ]
+    for path, body, named in bad:
+        reply = server.post(path, json=body)
+        assert reply.status_code == 400 and named in reply.json()["message"], (body, reply.text)

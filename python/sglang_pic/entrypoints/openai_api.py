@@ -34,11 +34,13 @@ from sglang_pic.entrypoints.openai_protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
     ErrorResponse,
     FunctionCall,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    TokenizeRequest,
     ToolCallItem,
     TopLogprob,
     UsageInfo,
@@ -237,6 +239,10 @@ class OpenAIServing:
         router.add_api_route("/v1/models", self.models, methods=["GET"])
         router.add_api_route("/v1/completions", self.completions, methods=["POST"])
         router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        for path in ("/tokenize", "/v1/tokenize"):
+            router.add_api_route(path, self.tokenize, methods=["POST"])
+        for path in ("/detokenize", "/v1/detokenize"):
+            router.add_api_route(path, self.detokenize, methods=["POST"])
         return router
 
     async def models(self) -> Response:
@@ -246,6 +252,45 @@ class OpenAIServing:
             max_model_len=self.manager.context_len,
         )
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    async def tokenize(self, request: Request) -> Response:
+        """The ids /generate runs for each prompt and, as PIC sees them, its segments (prefix, span, pdep) with
+        their lengths: what a client counts before sending, and how its markers cut the prompt."""
+        try:
+            body = TokenizeRequest.model_validate_json(await request.body())
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            cut = [self.manager.tokenizer_manager.tokenize(p, body.add_special_tokens) for p in prompts]
+        except ValidationError as e:
+            return error_response(describe_validation_error(e))
+        except ValueError as e:
+            return error_response(str(e))
+        tokens = [[t for seg in segments for t in seg.token_ids] for segments in cut]
+        parts = [[{"kind": seg.kind, "count": len(seg.token_ids)} for seg in segments] for segments in cut]
+
+        def one_or_all(values: list) -> Any:
+            return values[0] if isinstance(body.prompt, str) else values
+
+        content = {
+            "tokens": one_or_all(tokens),
+            "count": one_or_all([len(t) for t in tokens]),
+            "max_model_len": self.manager.context_len,
+            "segments": one_or_all(parts),
+        }
+        return Response(json.dumps(content), media_type="application/json")
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = DetokenizeRequest.model_validate_json(await request.body())
+            single = not body.tokens or isinstance(body.tokens[0], int)
+            texts = [
+                self.manager.tokenizer_manager.detokenize(ids, body.skip_special_tokens)
+                for ids in ([body.tokens] if single else body.tokens)
+            ]
+        except ValidationError as e:
+            return error_response(describe_validation_error(e))
+        except ValueError as e:
+            return error_response(str(e))
+        return Response(json.dumps({"text": texts[0] if single else texts}), media_type="application/json")
 
     async def _prepare(self, request: Request, model: Any, to_input: Any, rid_prefix: str) -> Any:
         """Parse a body into requests: (body, rid, reqs), or a 400 response naming the problem."""

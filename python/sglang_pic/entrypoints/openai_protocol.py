@@ -285,6 +285,20 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
+class TokenizeRequest(_Request):
+    """/tokenize and /v1/tokenize (SGLang's and vLLM's shape): the ids /generate would run for a prompt."""
+
+    model: str | None = None
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = False
+
+
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)

@@ -29,10 +29,12 @@ class PromptSegmenter:
     def has_markers(self, text: str) -> bool:
         return any(m in text for m in self.markers)
 
-    def from_text(self, text: str, known: dict[tuple[str, bool], tuple[int, ...]] | None = None) -> list[Segment]:
-        """`known`: segment ids already encoded (see encode_all)."""
+    def from_text(
+        self, text: str, known: dict[tuple[str, bool], tuple[int, ...]] | None = None, prefix_specials: bool = True
+    ) -> list[Segment]:
+        """`known`: segment ids already encoded (see encode_all); `prefix_specials`: the prefix gets BOS."""
         parts = self._split.split(text)
-        segments = [Segment("prefix", self._encode(parts[0], True, known))]
+        segments = [Segment("prefix", self._encode(parts[0], prefix_specials, known))]
         for i in range(1, len(parts), 2):
             kind, body = self.markers[parts[i]], parts[i + 1]
             if kind == "span" and not body:

@@ -109,6 +109,21 @@ class TokenizerManager:
             )
         return reqs
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[Segment]:
+        """The segments /generate runs for `text`: cut at its markers, each tokenized on its own (BOS, when asked,
+        on the prefix only), in canonical form."""
+        if self.tokenizer is None:
+            raise ValueError("tokenizing needs a tokenizer; this engine runs with skip_tokenizer_init")
+        return canonicalize(self.segmenter.from_text(text, prefix_specials=add_special_tokens))
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.tokenizer is None:
+            raise ValueError("detokenizing needs a tokenizer; this engine runs with skip_tokenizer_init")
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+
     def span_keys(self, spans: list[str]) -> list[tuple[str | None, list[int]]]:
         """(radix namespace, tokens) of each span text, tokenized exactly as inside a marked prompt."""
         out = []
