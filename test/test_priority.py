@@ -138,6 +138,20 @@ def test_urgent_request_short_of_kv_memory_preempts(tiny_llama):
         assert_idle_accounting(engine)
 
 
+def test_a_request_larger_than_the_pool_preempts_nobody(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=200,
+                enable_priority_scheduling=True) as engine:
+        low = build(engine, " ".join(f"word{i}" for i in range(32)), 24, priority=1)
+        huge = build(engine, " ".join(f"item{i}" for i in range(36)), 40, priority=50)
+        assert huge.prompt_len > 200
+        engine.scheduler.add_request(low)
+        run(engine, [low], until=lambda: len(low.output_ids) >= 4)
+        engine.scheduler.add_request(huge)
+        assert run(engine, [low, huge]) == [low, huge]
+        assert engine.scheduler.stats.num_preemptions == 0 and len(low.output_ids) == 24
+        assert huge.finished_reason.message == "request needs more KV memory than the whole pool"
+
+
 def test_span_job_is_as_urgent_as_the_request_waiting_for_it(tiny_llama):
     """ISPS with a budget smaller than either span: the urgent request's span is computed first, though the other
     request came first and misses fewer span tokens."""

@@ -313,7 +313,7 @@ class Scheduler:
             if need + reserve + reserved > self.kv.available_size():
                 if entries or self.running:
                     self.kv.release(req)
-                    if not req.warmup:
+                    if not req.warmup and need + reserve <= self.runner.allocator.size:  # else it never fits
                         self._may_preempt_for(req)
                     break
             if not self.chunking and req.pending() > budget and entries:
