@@ -114,6 +114,44 @@ def test_logprobs_are_read_with_their_tokens(tiny_llama):
     assert all(len(top) == 3 for top in outs[3]["meta_info"]["output_top_logprobs"])
 
 
+def test_token_ids_logprobs_are_the_models(tiny_llama):
+    """token_ids_logprob: at each scored prompt position and each output token, the logprobs of the asked ids, as the
+    model gives them (steps launched ahead, a prefill in chunks); one list per prompt or one for all."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPTS4[1] + " " + PROMPTS4[-1]
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    asked = [5, 17, 3]
+    kwargs = dict(return_logprob=True, logprob_start_len=[0, 6], token_ids_logprob=[asked, [9]])
+    outs, on = run(tiny_llama, [params] * 2, overlap=True, prompts=[prompt] * 2, generate_kwargs=kwargs,
+                   chunked_prefill_size=8)
+    assert on.ahead_extends >= 2
+    whole, late = outs[0]["meta_info"], outs[1]["meta_info"]
+    ids = [t for _, t, *_ in whole["input_token_logprobs"]] + outs[0]["output_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0].float(), -1)
+    n_prompt = whole["prompt_tokens"]
+    assert whole["input_token_ids_logprobs"][0] is None and len(whole["input_token_ids_logprobs"]) == n_prompt
+    scored = whole["input_token_ids_logprobs"][1:] + whole["output_token_ids_logprobs"]
+    assert len(scored) == n_prompt - 1 + 4
+    for pos, row in enumerate(scored):
+        assert [t for _, t, *_ in row] == asked
+        assert [v for v, *_ in row] == pytest.approx(lp[pos, asked].tolist(), abs=1e-4)
+    assert [row[0][1] for row in late["input_token_ids_logprobs"] + late["output_token_ids_logprobs"]] == [9] * (
+        n_prompt - 6 + 4
+    )
+    assert [row[0][0] for row in late["output_token_ids_logprobs"]] == pytest.approx(lp[n_prompt - 1 :, 9].tolist(),
+                                                                                     abs=1e-4)
+    shared, _ = run(tiny_llama, [params] * 2, overlap=True, prompts=[prompt] * 2,
+                    generate_kwargs=dict(return_logprob=True, token_ids_logprob=[9]))
+    for out in shared:
+        rows = out["meta_info"]["output_token_ids_logprobs"]
+        assert [t for (_, t, _), in rows] == [9] * 4
+        assert [v for (v, _, _), in rows] == pytest.approx([v for (v, _, _), in late["output_token_ids_logprobs"]],
+                                                            abs=1e-4)
+
+
 def test_prompt_logprobs_over_prefill_chunks_are_the_models(tiny_llama):
     """Prompt logprobs are recorded when their step commits, chunk after chunk of a prefill launched ahead: each is
     the model's log-softmax at its position (the first prompt token once, without one), from `logprob_start_len`."""

@@ -331,10 +331,16 @@ def test_logprob_helpers():
     scaled = compute_logprobs(logits, torch.tensor([[2.0], [1.0]]))
     assert torch.allclose(scaled[0], torch.log_softmax(logits[0] / 2, -1))
     sampled = SampledLogprobs.compute(lp, torch.tensor([0, 2]), [2, 0])
-    (chosen0, top0), (chosen1, top1) = sampled.by_row(sampled.tensors)
-    assert [t for _, t in top0] == [1, 2] and top1 == []
+    (chosen0, top0, asked0), (chosen1, top1, asked1) = sampled.by_row(sampled.tensors)
+    assert [t for _, t in top0] == [1, 2] and top1 == [] and asked0 is None and asked1 is None
     assert top0[0][0] == pytest.approx(lp[0, 1].item())
     assert [chosen0, chosen1] == pytest.approx([lp[0, 0].item(), lp[1, 2].item()])
+    three = torch.log_softmax(torch.randn(3, 5), -1)
+    sampled = SampledLogprobs.compute(three, torch.tensor([0, 1, 2]), [0, 1, 0], [[4, 0], None, [4, 0]])
+    rows = sampled.by_row(sampled.tensors)
+    assert rows[1][2] is None and [t for _, t in rows[0][2]] == [t for _, t in rows[2][2]] == [4, 0]
+    assert [v for v, _ in rows[2][2]] == pytest.approx(three[2, [4, 0]].tolist())
+    assert len(sampled.tensors) == 4  # chosen, one topk (values, ids), one gather shared by the two rows
 
 
 @pytest.mark.gpu

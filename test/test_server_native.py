@@ -99,6 +99,16 @@ def test_logprobs_match_engine(server, engine):
     assert got["input_token_logprobs"][0][0] is None
     assert len(got["input_token_logprobs"]) == got["prompt_tokens"]
     assert all(len(row) == 2 for row in got["output_top_logprobs"])
+    # token_ids_logprob crosses the process boundary: prompt rows from the header, output rows from the deltas
+    asked = {**kwargs, "token_ids_logprob": [7, 3]}
+    expected = engine.generate(PROMPTS[0], GREEDY, **asked)["meta_info"]
+    got = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY, **asked}).json()["meta_info"]
+    for key in ("input_token_ids_logprobs", "output_token_ids_logprobs"):
+        assert len(got[key]) == len(expected[key]) > 0
+        for a, b in zip(got[key], expected[key]):
+            assert (a is None and b is None) or (
+                [t[1:] for t in a] == [t[1:] for t in b] and [t[0] for t in a] == pytest.approx([t[0] for t in b])
+            )
 
 
 def test_prefill_only_request(server):

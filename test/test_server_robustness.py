@@ -55,6 +55,13 @@ NATIVE_BAD = [
      "stop_regex"),
     ("empty batch", json.dumps({"text": []}).encode(), "empty"),
     ("duplicate rid", json.dumps({"text": ["a", "b"], "rid": ["x", "x"]}).encode(), "unique"),
+    ("token ids logprob outside vocab", json.dumps({"text": "hi", "return_logprob": True,
+                                                    "token_ids_logprob": [3, 999999]}).encode(), "token_ids_logprob"),
+    ("token ids logprob without logprobs", json.dumps({"text": "hi", "token_ids_logprob": [3]}).encode(),
+     "needs return_logprob"),
+    ("token ids logprob per prompt", json.dumps({"text": ["a", "b"], "return_logprob": True,
+                                                 "token_ids_logprob": [[3]]}).encode(), "one entry per prompt"),
+    ("priority not an integer", json.dumps({"text": "hi", "priority": "high"}).encode(), "priority"),
 ]
 
 

@@ -264,10 +264,11 @@ def test_prefix_cache_and_chunked_prefill(references):
 def test_logprobs_and_per_request_stats(references):
     path, expected = references["llama"]
     with engine(path) as plain:
-        ref = plain.generate(PROMPTS[1], greedy(), return_logprob=True, top_logprobs_num=2)
+        ref = plain.generate(PROMPTS[1], greedy(), return_logprob=True, top_logprobs_num=2, token_ids_logprob=[4, 9])
     with vericache(path, "kivi", 8) as e:
         sched = e.scheduler
-        obj = GenerateReqInput(text=PROMPTS[1], sampling_params=greedy(), return_logprob=True, top_logprobs_num=2)
+        obj = GenerateReqInput(text=PROMPTS[1], sampling_params=greedy(), return_logprob=True, top_logprobs_num=2,
+                               token_ids_logprob=[4, 9])
         req = e.tokenizer_manager.build_requests(obj)[0]
         sched.add_request(req)
         while not req.finished():
@@ -279,6 +280,10 @@ def test_logprobs_and_per_request_stats(references):
         assert [t for _, t, _ in got] == [t for _, t, _ in want]
         assert torch.allclose(torch.tensor([x[0] for x in got]), torch.tensor([x[0] for x in want]), atol=1e-4)
         assert len(out["meta_info"]["output_top_logprobs"]) == NEW_TOKENS
+        got = [row for rows in out["meta_info"]["output_token_ids_logprobs"] for row in rows]
+        want = [row for rows in ref["meta_info"]["output_token_ids_logprobs"] for row in rows]
+        assert [t for _, t, _ in got] == [4, 9] * NEW_TOKENS == [t for _, t, _ in want]
+        assert [v for v, _, _ in got] == pytest.approx([v for v, _, _ in want], abs=1e-4)
         meta = req.spec_stats.to_meta()
         # The first token comes from prefill; every later one from a round.
         assert req.spec_stats.committed_tokens == NEW_TOKENS - 1

@@ -80,6 +80,7 @@ class Engine:
         return_logprob: bool | list[bool] = False,
         top_logprobs_num: int | list[int] = 0,
         logprob_start_len: int | list[int] = -1,
+        token_ids_logprob: list[int] | list[list[int]] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool = False,
@@ -93,6 +94,7 @@ class Engine:
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
             return_text_in_logprobs=return_text_in_logprobs,
             stream=stream,
             priority=priority,
@@ -187,6 +189,8 @@ class Engine:
             stream=obj.stream,
             rid=obj.rid,
             return_text_in_logprobs=obj.return_text_in_logprobs,
+            token_ids_logprob=obj.token_ids_logprob,
+            priority=obj.priority,
         )
 
     def get_model_info(self) -> dict[str, Any]:

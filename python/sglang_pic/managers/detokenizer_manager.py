@@ -61,6 +61,8 @@ class DetokenizerManager:
                 created_time=h.created_time,
                 input_token_logprobs=h.input_token_logprobs,
                 input_top_logprobs=h.input_top_logprobs,
+                token_ids_logprob=h.token_ids_logprob,
+                input_token_ids_logprobs=h.input_token_ids_logprobs,
             )
             self.mirrors[delta.rid] = (mirror, h.return_text_in_logprobs)
         entry = self.mirrors.get(delta.rid)
@@ -71,6 +73,7 @@ class DetokenizerManager:
         mirror.output_ids.extend(delta.new_ids)
         mirror.output_token_logprobs.extend(delta.new_output_token_logprobs)
         mirror.output_top_logprobs.extend(delta.new_output_top_logprobs)
+        mirror.output_token_ids_logprobs.extend(delta.new_output_token_ids_logprobs)
         mirror.finished_reason = delta.finished_reason
         mirror.cached_prefix_tokens = delta.cached_prefix_tokens
         mirror.cached_span_tokens = delta.cached_span_tokens

@@ -21,6 +21,7 @@ class GenerateReqInput:
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
+    token_ids_logprob: list[int] | list[list[int]] | None = None  # one list for every prompt, or one per prompt
     return_text_in_logprobs: bool = False
     stream: bool = False
     data_parallel_rank: int | None = None  # the replica to run on (a server with dp_size > 1; sglang-router --dp-aware)
@@ -55,6 +56,15 @@ class GenerateReqInput:
             return 1
         return len(self.text if self.text is not None else self.input_ids)
 
+    def _token_ids_for(self, i: int) -> Any:
+        """Prompt i's token_ids_logprob: a list of lists holds one per prompt, a flat list applies to all."""
+        ids = self.token_ids_logprob
+        if self.is_batch and isinstance(ids, list) and ids and isinstance(ids[0], list):
+            if len(ids) != self.batch_size():
+                raise ValueError("batched fields must have one entry per prompt")
+            return ids[i]
+        return ids
+
     def item(self, i: int) -> dict:
         """The i-th request of a (possibly) batched input, as plain values."""
         batch = self.is_batch
@@ -74,5 +84,6 @@ class GenerateReqInput:
             "return_logprob": pick(self.return_logprob),
             "logprob_start_len": pick(self.logprob_start_len),
             "top_logprobs_num": pick(self.top_logprobs_num),
+            "token_ids_logprob": self._token_ids_for(i),
             "priority": pick(self.priority),
         }

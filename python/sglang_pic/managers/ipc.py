@@ -151,6 +151,8 @@ class ReqHeader:
     return_text_in_logprobs: bool
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
+    token_ids_logprob: list[int] | None = None
+    input_token_ids_logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -163,6 +165,7 @@ class TokenDelta:
     first_token_time: float | None
     new_output_token_logprobs: list = field(default_factory=list)
     new_output_top_logprobs: list = field(default_factory=list)
+    new_output_token_ids_logprobs: list = field(default_factory=list)
     header: ReqHeader | None = None
 
 

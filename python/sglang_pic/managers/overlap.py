@@ -35,12 +35,17 @@ class PromptLogprobs:
 
     def record(self) -> None:
         req = self.req
+        asks = req.token_ids_logprob is not None
         if self.first is not None:
             req.input_token_logprobs.append((None, self.first))
             req.input_top_logprobs.append(None)
-        for target, (value, top) in zip(self.targets, self.logprobs.by_row([c.get() for c in self.copies])):
+            if asks:
+                req.input_token_ids_logprobs.append(None)
+        for target, (value, top, asked) in zip(self.targets, self.logprobs.by_row([c.get() for c in self.copies])):
             req.input_token_logprobs.append((value, target))
             req.input_top_logprobs.append(top)
+            if asks:
+                req.input_token_ids_logprobs.append(asked)
 
 
 @dataclass

@@ -67,6 +67,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None  # ids whose logprobs each scored position returns (with logprobs)
     stream: bool = False
     eos_token_ids: set[int] = field(default_factory=set)
     input_text: str | None = None
@@ -89,6 +90,8 @@ class Req:
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
+    input_token_ids_logprobs: list = field(default_factory=list)  # per position [(logprob, id)] of token_ids_logprob
+    output_token_ids_logprobs: list = field(default_factory=list)
     # Streaming cursor: how many output ids have been reported.
     sent_offset: int = 0
     decode_window: Any = None  # tokenizer.DecodeWindow: the text streamed so far, for the next piece

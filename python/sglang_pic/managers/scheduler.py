@@ -22,6 +22,7 @@ from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.mem_cache.req_kv import ReqKVManager
 from sglang_pic.radix_ext import RadixCache
 from sglang_pic.sampling.logprobs import (
+    RowLogprobs,
     SampledLogprobs,
     chosen_and_top_logprobs,
     compute_logprobs,
@@ -547,7 +548,9 @@ class Scheduler:
             ids = req.prompt_ids()
             targets = [ids[p + 1] for p in e.logprob_positions]
             lp = compute_logprobs(logits[start : start + n])
-            sampled = SampledLogprobs.compute(lp, upload(targets, device=lp.device), [req.top_logprobs_num] * n)
+            sampled = SampledLogprobs.compute(
+                lp, upload(targets, device=lp.device), [req.top_logprobs_num] * n, [req.token_ids_logprob] * n
+            )
             first = ids[0] if req.logprob_start_len == 0 and e.logprob_positions[0] == 0 else None
             out.append(PromptLogprobs(req, targets, first, sampled, copy_to_host(*sampled.tensors)))
             if e.logprob_positions[-1] >= req.prompt_len - 2 or e.completes:
@@ -622,7 +625,10 @@ class Scheduler:
         if len(rows) < len(reqs):
             index = upload(rows, device=logits.device)
             logits, ids = logits[index], ids[index]
-        return rows, SampledLogprobs.compute(compute_logprobs(logits), ids, [reqs[i].top_logprobs_num for i in rows])
+        return rows, SampledLogprobs.compute(
+            compute_logprobs(logits), ids, [reqs[i].top_logprobs_num for i in rows],
+            [reqs[i].token_ids_logprob for i in rows],
+        )
 
     def commit_token(self, req: Req, tok: int, logprobs: torch.Tensor | None = None) -> bool:
         """Append one generated token to a running request; finish it (and drop it from `running`) if it stops.
@@ -632,22 +638,24 @@ class Scheduler:
         """
         chosen = None
         if req.return_logprob:
-            chosen = chosen_and_top_logprobs(logprobs[None], [tok], [req.top_logprobs_num])[0]
+            chosen = chosen_and_top_logprobs(logprobs[None], [tok], [req.top_logprobs_num], [req.token_ids_logprob])[0]
         if self._append_token(req, tok, chosen):
             self._finish(req)
             return True
         return False
 
-    def _append_token(self, req: Req, tok: int, logprobs: tuple | None) -> bool:
+    def _append_token(self, req: Req, tok: int, logprobs: RowLogprobs | None) -> bool:
         """Record `tok` as the request's next output (its KV comes with the next forward); returns whether it stops.
 
-        `logprobs` is (logprob of `tok`, top logprobs), given when the request returns logprobs.
+        `logprobs` is the row's logprobs (sampling/logprobs.RowLogprobs), given when the request returns logprobs.
         """
         if req.return_logprob:
-            value, top = logprobs
+            value, top, asked = logprobs
             req.output_token_logprobs.append((value, tok))
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(top)
+            if req.token_ids_logprob is not None:
+                req.output_token_ids_logprobs.append(asked)
         if req.first_token_time is None:
             req.first_token_time = time.time()
         req.append_output(tok)

@@ -148,6 +148,8 @@ class SchedulerLoop:
                 return_text_in_logprobs=self.unreported.pop(req.rid),
                 input_token_logprobs=req.input_token_logprobs,
                 input_top_logprobs=req.input_top_logprobs,
+                token_ids_logprob=req.token_ids_logprob,
+                input_token_ids_logprobs=req.input_token_ids_logprobs,
             )
         return TokenDelta(
             rid=req.rid,
@@ -158,6 +160,7 @@ class SchedulerLoop:
             first_token_time=req.first_token_time,
             new_output_token_logprobs=req.output_token_logprobs[start:],
             new_output_top_logprobs=req.output_top_logprobs[start:],
+            new_output_token_ids_logprobs=req.output_token_ids_logprobs[start:],
             header=header,
         )
 

@@ -88,6 +88,7 @@ class TokenizerManager:
         if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
             raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_n!r}")
         priority = self._priority(item["priority"])
+        token_ids = self._token_ids_logprob(item["token_ids_logprob"], bool(item["return_logprob"]))
         base_rid = item["rid"] or uuid.uuid4().hex
         reqs = []
         for k in range(params.n):
@@ -101,6 +102,7 @@ class TokenizerManager:
                     return_logprob=bool(item["return_logprob"]),
                     logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_n,
+                    token_ids_logprob=token_ids,
                     eos_token_ids=self.eos_token_ids,
                     input_text=item["text"],
                     generator=self._generator(params.seed, k),
@@ -135,6 +137,18 @@ class TokenizerManager:
             tokens = self.segmenter.from_text(self.server_args.ssep_marker + text)[-1].token_ids
             out.append((segment_keys([Segment("span", tokens)])[0].extra_key, list(tokens)))
         return out
+
+    def _token_ids_logprob(self, ids: Any, return_logprob: bool) -> list[int] | None:
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not ids or not _all_ints(ids):
+            raise ValueError(f"token_ids_logprob must be a non-empty list of token ids, got {ids!r}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob ids must be in [0, {self.vocab_size}), got {bad}")
+        if not return_logprob:
+            raise ValueError("token_ids_logprob needs return_logprob")
+        return list(ids)
 
     def _priority(self, priority: Any) -> int | None:
         if priority is None:
@@ -224,12 +238,16 @@ class TokenizerManager:
         def tops(rows) -> list:
             return [None if row is None else [[lp, tok, token_text(tok)] for lp, tok in row] for row in rows]
 
-        return {
+        fields = {
             "input_token_logprobs": triples(req.input_token_logprobs),
             "output_token_logprobs": triples(req.output_token_logprobs),
             "input_top_logprobs": tops(req.input_top_logprobs),
             "output_top_logprobs": tops(req.output_top_logprobs),
         }
+        if req.token_ids_logprob is not None:
+            fields["input_token_ids_logprobs"] = tops(req.input_token_ids_logprobs)
+            fields["output_token_ids_logprobs"] = tops(req.output_token_ids_logprobs)
+        return fields
 
     def _token_text(self, tok: int) -> str:
         """One token's text, decoded once per token id: a streamed request with logprobs and text gets every input
