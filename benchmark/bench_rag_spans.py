@@ -211,15 +211,6 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps(result, indent=2, default=str))
 
 
-def free_engine(engine: Engine) -> None:
-    """Drop an engine's weights and KV pool before the next one is built, so modes never share memory."""
-    engine.shutdown()
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
@@ -324,7 +315,7 @@ def run_mode(mode: str, args: argparse.Namespace, workload: RagWorkload, common:
         pool_tokens = engine.runner.max_total_num_tokens
         cache_tokens = engine.scheduler.tree.total_size()
     finally:
-        free_engine(engine)
+        engine.shutdown()  # frees its weights and KV pool: modes never share memory
 
     def delta(key: str) -> int:
         return int(after[key] - before[key])

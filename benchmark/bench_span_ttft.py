@@ -28,7 +28,6 @@ from bench_rag_spans import (  # noqa: E402
     args_json,
     device_name,
     engine_kwargs,
-    free_engine,
     resolve_paths,
     warm_up,
     write_json,
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results = [measure(engine, make_span(tokenizer, n, args.seed), args.repeats)
                    for n in tqdm(args.span_lengths, desc="span lengths", unit="length")]
     finally:
-        free_engine(engine)
+        engine.shutdown()
     result = {
         "config": args_json(args),
         "device": device_name(),
