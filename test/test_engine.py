@@ -141,6 +141,17 @@ def test_abort_frees_memory(tiny_llama):
         assert_idle_accounting(engine)
 
 
+def test_stream_interval(tiny_llama):
+    """--stream-interval 3: the first token at once, then every third, then the end; the text is unchanged."""
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, stream_interval=3) as engine:
+        whole = engine.generate(PROMPTS[0], greedy(11))
+        chunks = list(engine.generate(PROMPTS[0], greedy(11), stream=True))
+        assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 4, 7, 10, 11]
+        assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    with pytest.raises(ValueError, match="stream_interval"):
+        Engine(model_path=str(tiny_llama), stream_interval=0)
+
+
 def test_shutdown_keeps_only_the_final_stats(tiny_llama):
     """A shut-down engine drops its scheduler and runner (their weights and pools: see test_gpu_engine for the
     device memory) and says so when used again; its stats stay readable."""

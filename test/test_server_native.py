@@ -263,3 +263,19 @@ def test_tokenize_and_detokenize(server, engine):
     for path, body, named in bad:
         reply = server.post(path, json=body)
         assert reply.status_code == 400 and named in reply.json()["message"], (body, reply.text)
+
+
+def test_stream_interval_on_the_server(tiny_llama):
+    """The scheduler sends a stream's tokens every --stream-interval tokens (the first at once, then the end); the
+    main process may merge updates that arrive together, so each event holds one of those counts."""
+    srv = start_server(tiny_llama, "--stream-interval", "8")
+    try:
+        body = {"text": PROMPTS[0], "sampling_params": {**GREEDY, "max_new_tokens": 40}, "stream": True}
+        events = sse_events(srv.post("/generate", json=body, stream=True))
+        assert events[-1] == "[DONE]"
+        counts = [e["meta_info"]["completion_tokens"] for e in events[:-1]]
+        assert counts[-1] == 40 and set(counts) <= {1, 9, 17, 25, 33, 40}, counts
+        whole = srv.post("/generate", json={**body, "stream": False}).json()
+        assert events[-2]["text"] == whole["text"]
+    finally:
+        stop_server(srv)

@@ -17,7 +17,7 @@ import torch
 from sglang_pic.distributed.launch import FOLLOWER_STOP_S, start_local_replica, stop_followers
 from sglang_pic.distributed.parallel_state import destroy_tensor_parallel
 from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.managers.req import Req
+from sglang_pic.managers.req import Req, stream_due
 from sglang_pic.managers.scheduler import Scheduler
 from sglang_pic.managers.tokenizer_manager import TokenizerManager
 from sglang_pic.model_config import ModelConfig
@@ -141,8 +141,9 @@ class Engine:
 
     def _step(self) -> list[Req]:
         with self._lock:
+            scheduler = self._live()  # a thread may still be stepping when another shuts the engine down
             self._admit()
-            return self.scheduler.step()
+            return scheduler.step()
 
     def _abort_unfinished(self, reqs: list[Req]) -> None:
         with self._lock:
@@ -162,14 +163,15 @@ class Engine:
     def _stream(self, reqs: list[Req], with_text: bool) -> Iterator[dict]:
         """Yield a chunk (cumulative text, like SGLang's native streaming) whenever a request has new output."""
         self._submit(reqs)
-        sent = {r.rid: 0 for r in reqs}  # progress: output tokens, plus one once finished
+        interval = self.server_args.stream_interval
+        sent = {r.rid: (0, False) for r in reqs}  # what each stream reported last: (output tokens, finished)
         try:
             while not all(r.finished() for r in reqs):
                 self._step()
                 for req in reqs:
-                    progress = len(req.output_ids) + req.finished()
-                    if progress != sent[req.rid]:
-                        sent[req.rid] = progress
+                    now = (len(req.output_ids), req.finished())
+                    if now != sent[req.rid] and (now[1] or stream_due(sent[req.rid][0], now[0], interval)):
+                        sent[req.rid] = now
                         yield self.tokenizer_manager.format_output(req, with_text)
         finally:
             self._abort_unfinished(reqs)

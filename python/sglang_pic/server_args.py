@@ -129,6 +129,11 @@ class ServerArgs:
         "prefill them in one step instead of decoding each; faster for JSON with fixed keys, though the forced "
         "text may be tokenized differently than the model would have sampled it.",
     )
+    stream_interval: int = _arg(
+        1,
+        "Streamed outputs go out every this many tokens (the first token at once, the rest when the request "
+        "ends); larger values cut the per-token cost of many streams.",
+    )
     disable_overlap_schedule: bool = _arg(
         False,
         "Commit each step's tokens before launching the next (by default the next step runs on the GPU while "
@@ -233,6 +238,8 @@ class ServerArgs:
             self.schedule_policy = "fcfs" if self.disable_pic else "isps"
         if self.schedule_policy not in ("fcfs", "lpm", "isps"):
             raise ValueError(f"schedule_policy must be fcfs, lpm or isps, got {self.schedule_policy!r}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.priority_scheduling_preemption_threshold < 0:
             raise ValueError(
                 "priority_scheduling_preemption_threshold must be >= 0, got "

@@ -58,6 +58,12 @@ class FinishReason:
         return out
 
 
+def stream_due(sent: int, produced: int, interval: int) -> bool:
+    """Whether a stream that has reported `sent` output tokens reports again at `produced` (--stream-interval): the
+    first token at once, then every `interval` tokens. The end of a request is always reported."""
+    return produced > sent and (sent == 0 or produced - sent >= interval)
+
+
 @dataclass(eq=False)  # identity semantics: requests are compared and looked up in queues by object
 class Req:
     rid: str

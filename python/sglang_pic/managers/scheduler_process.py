@@ -37,7 +37,7 @@ from sglang_pic.managers.ipc import (
     push_socket,
     recv_all_nowait,
 )
-from sglang_pic.managers.req import Req
+from sglang_pic.managers.req import Req, stream_due
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.speculative.spec_stats import SpecStats
 from sglang_pic.utils_process import ModelFiles, parent_alive, prepare_child
@@ -131,7 +131,12 @@ class SchedulerLoop:
 
     # ---- output -------------------------------------------------------------------------------------------
     def report(self, updated: list[Req]) -> None:
-        deltas = [self.delta(req) for req in updated if not req.warmup and (req.stream or req.finished())]
+        interval = self.scheduler.server_args.stream_interval
+        deltas = [
+            self.delta(req) for req in updated
+            if not req.warmup
+            and (req.finished() or (req.stream and stream_due(req.sent_offset, len(req.output_ids), interval)))
+        ]
         if deltas:
             self.to_detokenizer.send_pyobj(BatchTokenOutput(deltas))
 
