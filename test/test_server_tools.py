@@ -161,3 +161,15 @@ def test_openai_client_assembles_streamed_call_deltas(server):
         (c.function.name, c.function.arguments) for c in whole
     ]
     assert streamed[0].id.startswith("call_")
+
+
+def test_tokenize_chat_messages_counts_what_the_chat_route_runs(server):
+    """/tokenize with messages (and tools, as spans or not) reports the prompt a chat completion runs."""
+    for extra in ({}, {"tools": TOOLS}, {"tools": TOOLS, "tool_spans": True}):
+        ran = chat(server, **extra).json()["usage"]["prompt_tokens"]
+        counted = server.post("/v1/tokenize", json={"messages": USER, **extra}).json()
+        assert counted["count"] == ran, extra
+        kinds = [s["kind"] for s in counted["segments"]]
+        assert kinds == (["prefix", "span", "span", "span", "pdep"] if extra.get("tool_spans") else ["prefix"])
+    both = server.post("/tokenize", json={"messages": USER, "prompt": "hi"})
+    assert both.status_code == 400 and "either prompt or messages" in both.json()["message"]

@@ -254,11 +254,16 @@ class OpenAIServing:
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     async def tokenize(self, request: Request) -> Response:
-        """The ids /generate runs for each prompt and, as PIC sees them, its segments (prefix, span, pdep) with
-        their lengths: what a client counts before sending, and how its markers cut the prompt."""
+        """The ids /generate runs for each prompt (or /v1/chat/completions for chat messages) and, as PIC sees
+        them, its segments (prefix, span, pdep) with their lengths: what a client counts before sending, and how
+        its markers cut the prompt."""
         try:
             body = TokenizeRequest.model_validate_json(await request.body())
-            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            single = body.messages is not None or isinstance(body.prompt, str)
+            if body.messages is not None:
+                prompts = [self.render_chat(body.chat())]
+            else:
+                prompts = [body.prompt] if single else body.prompt
             cut = [self.manager.tokenizer_manager.tokenize(p, body.add_special_tokens) for p in prompts]
         except ValidationError as e:
             return error_response(describe_validation_error(e))
@@ -268,7 +273,7 @@ class OpenAIServing:
         parts = [[{"kind": seg.kind, "count": len(seg.token_ids)} for seg in segments] for segments in cut]
 
         def one_or_all(values: list) -> Any:
-            return values[0] if isinstance(body.prompt, str) else values
+            return values[0] if single else values
 
         content = {
             "tokens": one_or_all(tokens),

@@ -19,6 +19,7 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 MAX_TOP_LOGPROBS = 20
@@ -285,18 +286,37 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
-class TokenizeRequest(_Request):
-    """/tokenize and /v1/tokenize (SGLang's and vLLM's shape): the ids /generate would run for a prompt."""
-
-    model: str | None = None
-    prompt: str | list[str]
-    add_special_tokens: bool = True
-
-
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int] | list[list[int]]
     skip_special_tokens: bool = False
+
+
+class TokenizeRequest(_Request):
+    """/tokenize and /v1/tokenize (SGLang's and vLLM's shape): the ids /generate runs for a prompt, or the ids
+    /v1/chat/completions runs for chat messages (rendered as a chat request with these fields would be)."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    tool_spans: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+    def chat(self) -> ChatCompletionRequest:
+        """The chat request whose prompt these messages make."""
+        return ChatCompletionRequest(
+            messages=self.messages, tools=self.tools, tool_spans=self.tool_spans,
+            continue_final_message=self.continue_final_message, chat_template_kwargs=self.chat_template_kwargs,
+        )
 
 
 class ModelList(BaseModel):
