@@ -225,6 +225,19 @@ class Engine:
         with self._lock:
             return self._live().flush_cache()
 
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str]:
+        """SGLang's: load another checkpoint of the served model (same architecture and shapes) in place and drop
+        the prefix/span cache. Returns (success, message); refused while requests run."""
+        with self._lock:
+            scheduler = self._live()
+            self._admit()
+            try:
+                scheduler.update_weights_from_disk(model_path, load_format)
+            except ValueError as e:
+                return False, str(e)
+        self.server_args.model_path = model_path
+        return True, f"serving the weights of {model_path}"
+
     def get_stats(self) -> dict[str, Any]:
         """Counters and cache state; after shutdown, those it ended with."""
         from dataclasses import asdict

@@ -92,6 +92,13 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: st
     return _DTYPES.get(str(config_dtype).removeprefix("torch."), torch.bfloat16)
 
 
+SAME_MODEL_FIELDS = (
+    "architecture", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "num_hidden_layers", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
+    "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "sliding_window",
+)
+
+
 @dataclass
 class ModelConfig:
     model_path: str
@@ -120,6 +127,15 @@ class ModelConfig:
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def differences(self, other: "ModelConfig") -> list[str]:
+        """The fields that fix the parameters' shapes and the model's math on which `other` differs: weights of a
+        checkpoint can replace the served ones only where there are none."""
+        return [
+            f"{name} {getattr(other, name)!r} != {getattr(self, name)!r}"
+            for name in SAME_MODEL_FIELDS
+            if getattr(other, name) != getattr(self, name)
+        ]
 
     @classmethod
     def from_server_args(cls, path: str, args: "ServerArgs", device: str | None = None) -> "ModelConfig":

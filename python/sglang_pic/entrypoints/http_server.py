@@ -208,6 +208,21 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running or waiting.\n", status_code=400)
 
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        """SGLang's: serve another checkpoint of the same model, {"model_path": ..., "load_format": ...}; requests
+        in flight finish with the old weights, new ones wait and run with the new; the cache is dropped."""
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict) or "model_path" not in body or set(body) - {"model_path", "load_format"}:
+                raise ValueError('the body must be {"model_path": ..., "load_format": ...}')
+            if not isinstance(body["model_path"], str) or not isinstance(body.get("load_format") or "", str):
+                raise ValueError("model_path and load_format must be strings")
+        except ValueError as e:
+            return json_response({"success": False, "message": str(e)}, 400)
+        success, message = await manager.update_weights_from_disk(body["model_path"], body.get("load_format"))
+        return json_response({"success": success, "message": message}, 200 if success else 400)
+
     @app.post("/warm_spans")
     async def warm_spans(request: Request) -> Response:
         """Prefill spans into the cache without generating: {"spans": [text, ...]}."""

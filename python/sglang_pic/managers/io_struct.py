@@ -56,6 +56,12 @@ class GenerateReqInput:
             return 1
         return len(self.text if self.text is not None else self.input_ids)
 
+    def _prompt_part(self, value: Any, i: int) -> Any:
+        """Prompt i's text or input_ids (None when the batch gives the other)."""
+        if not self.is_batch:
+            return value
+        return value[i] if value is not None else None
+
     def _token_ids_for(self, i: int) -> Any:
         """Prompt i's token_ids_logprob: a list of lists holds one per prompt, a flat list applies to all."""
         ids = self.token_ids_logprob
@@ -77,8 +83,8 @@ class GenerateReqInput:
             return value
 
         return {
-            "text": self.text[i] if batch and self.text is not None else (None if batch else self.text),
-            "input_ids": self.input_ids[i] if batch and self.input_ids is not None else (None if batch else self.input_ids),
+            "text": self._prompt_part(self.text, i),
+            "input_ids": self._prompt_part(self.input_ids, i),
             "sampling_params": pick(self.sampling_params),
             "rid": pick(self.rid),
             "return_logprob": pick(self.return_logprob),

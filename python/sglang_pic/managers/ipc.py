@@ -52,6 +52,15 @@ class StatsRequest:
 
 
 @dataclass
+class UpdateWeightsRequest:
+    """Serve another checkpoint of the same model; applied once the replica is idle (new requests wait)."""
+
+    request_id: str
+    model_path: str
+    load_format: str | None = None
+
+
+@dataclass
 class WarmSpansRequest:
     """Prefill spans (radix namespace, tokens) into the cache; answered once every one is cached."""
 
@@ -64,6 +73,13 @@ class WarmSpansRequest:
 class FlushCacheResult:
     request_id: str
     success: bool
+
+
+@dataclass
+class UpdateWeightsResult:
+    request_id: str
+    success: bool
+    message: str
 
 
 @dataclass

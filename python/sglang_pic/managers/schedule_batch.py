@@ -98,7 +98,8 @@ class _Columns:
         self.starts.append(start)
         for p in e.logprob_positions:
             self.logit_rows.append(start + e.positions.index(p))
-        if e.completes and not e.req.warmup:  # the last position is never a logprob position (they end at prompt_len - 2)
+        # The last position is never a logprob position (they end at prompt_len - 2).
+        if e.completes and not e.req.warmup:
             self.logit_rows.append(start + e.num_tokens - 1)
         self.input_ids += e.input_ids
         self.positions += e.positions

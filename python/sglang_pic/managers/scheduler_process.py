@@ -31,13 +31,15 @@ from sglang_pic.managers.ipc import (
     StatsRequest,
     StatsResult,
     TokenDelta,
+    UpdateWeightsRequest,
+    UpdateWeightsResult,
     WarmSpansRequest,
     WarmSpansResult,
     pull_socket,
     push_socket,
     recv_all_nowait,
 )
-from sglang_pic.managers.req import Req, stream_due
+from sglang_pic.managers.req import FinishReason, Req, stream_due
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.speculative.spec_stats import SpecStats
 from sglang_pic.utils_process import ModelFiles, parent_alive, prepare_child
@@ -73,6 +75,10 @@ class SchedulerLoop:
         self.to_main = push_socket(ctx, names.tokenizer_input)
         self.unreported: dict[str, bool] = {}  # rid -> return_text_in_logprobs, until its header is sent
         self.warming: dict[str, tuple[WarmSpansRequest, list[Req], int]] = {}  # request_id -> (msg, jobs, start)
+        # A weight update waits for the requests the scheduler has to finish; requests arriving meanwhile wait here
+        # and run with the new weights.
+        self.update: UpdateWeightsRequest | None = None
+        self.held: list[GenerateRequest] = []
 
     def ready_message(self) -> SchedulerReady:
         return SchedulerReady(max_total_num_tokens=self.runner.max_total_num_tokens, context_len=self.context_len)
@@ -91,15 +97,24 @@ class SchedulerLoop:
                 self.report(self.scheduler.step())
             if self.warming:
                 self.answer_warm_requests()
+            if self.update is not None and self.scheduler.is_idle():
+                self.apply_update()
             if time.monotonic() - last_check > PARENT_CHECK_S:
                 last_check = time.monotonic()
                 if not parent_alive(parent_pid):
                     return
 
     def handle(self, msg: object) -> None:
-        if isinstance(msg, GenerateRequest):
+        if isinstance(msg, GenerateRequest) and self.update is not None:
+            self.held.append(msg)
+        elif isinstance(msg, GenerateRequest):
             self.unreported[msg.req.rid] = msg.return_text_in_logprobs
             self.scheduler.add_request(msg.req)
+        elif isinstance(msg, UpdateWeightsRequest):
+            if self.update is not None:
+                self.to_main.send_pyobj(UpdateWeightsResult(msg.request_id, False, "another update is pending"))
+            else:
+                self.update = msg
         elif isinstance(msg, AbortRequest):
             self.abort(msg)
         elif isinstance(msg, FlushCacheRequest):
@@ -111,6 +126,18 @@ class SchedulerLoop:
             self.warming[msg.request_id] = (msg, jobs, self.scheduler.stats.computed_prefill_tokens)
         else:
             logger.error("scheduler got an unknown message %r", type(msg).__name__)
+
+    def apply_update(self) -> None:
+        msg, self.update = self.update, None
+        try:
+            self.scheduler.update_weights_from_disk(msg.model_path, msg.load_format)
+            result = UpdateWeightsResult(msg.request_id, True, f"serving the weights of {msg.model_path}")
+        except ValueError as e:
+            result = UpdateWeightsResult(msg.request_id, False, str(e))
+        self.to_main.send_pyobj(result)
+        held, self.held = self.held, []
+        for request in held:
+            self.handle(request)
 
     def answer_warm_requests(self) -> None:
         for request_id, (msg, jobs, start) in list(self.warming.items()):
@@ -127,6 +154,11 @@ class SchedulerLoop:
         else:
             rids = [msg.rid]
         aborted = [req for req in (sched.abort_request(rid) for rid in rids) if req is not None]
+        for request in [h for h in self.held if msg.abort_all or h.req.rid == msg.rid]:
+            self.held.remove(request)
+            self.unreported[request.req.rid] = request.return_text_in_logprobs
+            request.req.finished_reason = FinishReason("abort", message="aborted")
+            aborted.append(request.req)
         self.report(aborted)
 
     # ---- output -------------------------------------------------------------------------------------------

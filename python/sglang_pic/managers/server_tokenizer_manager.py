@@ -35,6 +35,8 @@ from sglang_pic.managers.ipc import (
     SchedulerSnapshot,
     StatsRequest,
     StatsResult,
+    UpdateWeightsRequest,
+    UpdateWeightsResult,
     WarmSpansRequest,
     WarmSpansResult,
     pull_socket,
@@ -159,7 +161,7 @@ class ServerTokenizerManager:
         if isinstance(msg, BatchGenerateOutput):
             for out in msg.outputs:
                 self._on_output(out)
-        elif isinstance(msg, (FlushCacheResult, StatsResult, WarmSpansResult)):
+        elif isinstance(msg, (FlushCacheResult, StatsResult, WarmSpansResult, UpdateWeightsResult)):
             future = self.pending.pop(msg.request_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -312,6 +314,15 @@ class ServerTokenizerManager:
     async def flush_cache(self) -> bool:
         results = await self._control(lambda rid: FlushCacheRequest(rid))
         return all(r.success for r in results)
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None) -> tuple[bool, str]:
+        """Every replica serves the checkpoint once its running requests are done (new ones wait meanwhile)."""
+        results = await self._control(lambda rid: UpdateWeightsRequest(rid, model_path, load_format), timeout=None)
+        failed = [r.message for r in results if not r.success]
+        if failed:
+            return False, failed[0]
+        self.server_args.model_path = model_path
+        return True, results[0].message
 
     async def warm_spans(self, spans: list[str]) -> dict[str, int]:
         """Prefill spans without generating; raises ValueError for bad span text."""

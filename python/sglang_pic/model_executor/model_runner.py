@@ -20,7 +20,7 @@ from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_executor.batch_broadcast import BatchBroadcaster
 from sglang_pic.model_executor.forward_batch import ForwardBatch
-from sglang_pic.model_loader.loader import load_model
+from sglang_pic.model_loader.loader import init_dummy_weights, iter_safetensors, load_model, resolve_model_path
 from sglang_pic.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class ModelRunner:
             model_config, server_args.load_format, self.device, self.dtype, server_args.random_seed
         )
         self.model.eval()
+        # Where the served weights come from (None: random dummy weights): updates that fail load them back.
+        self._weights_folder = None if server_args.load_format == "dummy" else model_config.model_path
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend())
         if self.device.type == "cuda" and not server_args.skip_kernel_warmup:
@@ -109,6 +111,35 @@ class ModelRunner:
         if self.broadcaster is not None:
             self.broadcaster.send(batch)
         return self.forward_local(batch)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
+        """Load another checkpoint of the served architecture and shapes into the model's parameters, in place, so
+        captured CUDA graphs keep pointing at them. Raises ValueError naming the problem; when loading fails part
+        way, the previous weights are loaded back first."""
+        if self.tp.size > 1:
+            raise ValueError("updating weights is not supported with tensor parallelism")
+        if load_format not in (None, "auto", "gguf"):
+            raise ValueError(f"load_format must be auto or gguf, got {load_format!r}")
+        try:
+            folder = resolve_model_path(model_path, load_format or "auto")
+            config = ModelConfig.from_server_args(folder, self.server_args)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"cannot read {model_path!r}: {e}") from None
+        differences = self.model_config.differences(config)
+        if differences:
+            raise ValueError(f"{model_path!r} is not the served model's architecture: {'; '.join(differences)}")
+        try:
+            self.model.load_weights(iter_safetensors(folder))
+        except Exception as e:
+            self._load_previous_weights()
+            raise ValueError(f"loading {model_path!r} failed ({e}); the previous weights are back") from None
+        self._weights_folder = folder
+
+    def _load_previous_weights(self) -> None:
+        if self._weights_folder is None:
+            init_dummy_weights(self.model, self.server_args.random_seed)
+        else:
+            self.model.load_weights(iter_safetensors(self._weights_folder))
 
     def shutdown(self) -> None:
         """Release the tensor-parallel followers (they leave their receive loop)."""
