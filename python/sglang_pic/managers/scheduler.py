@@ -393,8 +393,9 @@ class Scheduler:
         """`ordered` stably sorted by urgency; a span job is as urgent as the most urgent request waiting for it."""
         jobs: dict[str, int] = {}
         for req in self.waiting:
+            urgency = self._urgency(req)
             for job in self.planner.blocked_on.get(req.rid, ()):
-                jobs[job.rid] = max(jobs.get(job.rid, self._urgency(req)), self._urgency(req))
+                jobs[job.rid] = max(jobs.get(job.rid, urgency), urgency)
         return sorted(ordered, key=lambda r: -jobs.get(r.rid, 0) if r.warmup else -self._urgency(r))
 
     def _may_preempt_for(self, req: Req) -> None:
@@ -488,7 +489,8 @@ class Scheduler:
         logger.info("retracted request %s to free KV memory", req.rid)
 
     def _give_back_kv(self, req: Req) -> None:
-        """Put a request's KV in the tree and release its row, so that it can be admitted again and resume."""
+        """Put a request's KV in the tree and release its row (retraction, preemption): admitted again, it resumes
+        from the cache."""
         assert not self._pending_token(req), "retracting a request whose last token is not committed"
         self._stop_jumping(req)  # its forced tokens are prefilled with the rest when it is admitted again
         if self.spec_worker is not None:
