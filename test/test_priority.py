@@ -87,6 +87,27 @@ def test_urgent_request_preempts_and_the_preempted_one_resumes_unchanged(tiny_ll
         assert_idle_accounting(engine)
 
 
+def test_preemption_under_vericache_keeps_the_tokens(tiny_llama):
+    """A preempted request drops its speculative state with its KV and drafts again once resumed: same tokens."""
+    spec = dict(speculative_algorithm="vericache", speculative_num_draft_tokens=4, vericache_compressor="streaming",
+                vericache_budget=32)
+    common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096)
+    low_text, high_text = "A long story about the sea and the town, told slowly.", "Quick question?"
+    with Engine(**common) as ref:
+        expected = [ref.generate(t, greedy(n))["output_ids"] for t, n in ((low_text, 40), (high_text, 4))]
+    with Engine(max_running_requests=1, enable_priority_scheduling=True, **spec, **common) as engine:
+        low = build(engine, low_text, 40, priority=0)
+        engine.scheduler.add_request(low)
+        run(engine, [low], until=lambda: len(low.output_ids) >= 8)
+        high = build(engine, high_text, 4, priority=100)
+        engine.scheduler.add_request(high)
+        run(engine, [high], until=lambda: engine.scheduler.stats.num_preemptions == 1)
+        assert low.rid not in engine.scheduler.spec_worker.drafts  # its draft went with its KV
+        assert run(engine, [low, high]) == [high, low]
+        assert [low.output_ids, high.output_ids] == expected
+        assert_idle_accounting(engine)
+
+
 def test_preemptions_are_spread_over_equally_urgent_requests(tiny_llama):
     """A resumed request is the newest running one again; the next preemption takes another request."""
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, max_running_requests=2,
