@@ -74,6 +74,19 @@ def test_engine_serves_the_new_weights_and_drops_the_cache(checkpoints, tiny_qwe
         assert engine.get_model_info()["model_path"] == str(checkpoints["b"])
 
 
+def test_every_tensor_parallel_rank_loads_its_shard(checkpoints):
+    """tp_size 2 on CPU: rank 0 tells the follower to load its shard; a checkpoint one rank cannot load is undone
+    on both."""
+    want_a, want_b = outputs(checkpoints["a"]), outputs(checkpoints["b"])
+    with Engine(model_path=str(checkpoints["a"]), dtype="float32", max_total_tokens=2048, tp_size=2) as engine:
+        ok, why = engine.update_weights_from_disk(str(checkpoints["broken"]))
+        assert not ok and "previous weights are back" in why
+        assert engine.generate(PROMPT, GREEDY)["output_ids"] == want_a
+        ok, why = engine.update_weights_from_disk(str(checkpoints["b"]))
+        assert ok, why
+        assert engine.generate(PROMPT, GREEDY)["output_ids"] == want_b
+
+
 def test_failed_update_of_dummy_weights_restores_them(checkpoints):
     with Engine(model_path=str(checkpoints["a"]), dtype="float32", max_total_tokens=2048, load_format="dummy") as e:
         before = e.generate(PROMPT, GREEDY)["output_ids"]

@@ -16,7 +16,7 @@ import torch
 from sglang_pic.distributed.launch import ReplicaPlacement, join_replica
 from sglang_pic.distributed.parallel_state import destroy_tensor_parallel
 from sglang_pic.model_config import ModelConfig
-from sglang_pic.model_executor.batch_broadcast import BatchReceiver
+from sglang_pic.model_executor.batch_broadcast import BatchReceiver, LoadWeights
 from sglang_pic.model_executor.model_runner import ModelRunner
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.utils_process import prepare_child
@@ -37,8 +37,14 @@ def run_tp_follower(args: ServerArgs, model_dir: str, tp_rank: int, placement: R
         logger.error("tensor-parallel rank %d failed to start:\n%s", tp_rank, traceback.format_exc())
         sys.exit(1)
     try:
-        while (batch := receiver.recv()) is not None:
-            runner.forward_local(batch)
+        while (msg := receiver.recv()) is not None:
+            if isinstance(msg, LoadWeights):
+                try:
+                    runner.load_weights_on_all_ranks(msg.folder)
+                except ValueError as e:  # rank 0 reports it; this rank has its previous weights back
+                    logger.warning("tensor-parallel rank %d: %s", tp_rank, e)
+            else:
+                runner.forward_local(msg)
     except RuntimeError as e:  # rank 0 is gone (gloo: connection closed) or a collective failed
         logger.warning("tensor-parallel rank %d stops: %s", tp_rank, e)
         sys.exit(1)

@@ -10,6 +10,7 @@ indices; the scheduler, radix cache and allocator exist on rank 0 only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
@@ -23,6 +24,14 @@ I64 = torch.int64
 class Op(IntEnum):
     FORWARD = 1
     STOP = 2
+    LOAD_WEIGHTS = 3
+
+
+@dataclass(frozen=True)
+class LoadWeights:
+    """Rank 0's order to load every rank's shard of the checkpoint in `folder` (update_weights_from_disk)."""
+
+    folder: str
 
 
 # op, forward mode, new tokens T, requests B, logits rows L, req_to_token entries R, decode tail
@@ -72,6 +81,12 @@ class BatchBroadcaster:
         )
         dist.broadcast(payload, 0, group=self.device_group)
 
+    def load_weights(self, folder: str) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=I64)
+        header[0] = Op.LOAD_WEIGHTS
+        dist.broadcast(header, 0, group=self.cpu_group)
+        dist.broadcast_object_list([folder], 0, group=self.cpu_group)
+
     def stop(self) -> None:
         header = torch.zeros(HEADER_LEN, dtype=I64)
         header[0] = Op.STOP
@@ -79,19 +94,23 @@ class BatchBroadcaster:
 
 
 class BatchReceiver:
-    """A follower's side: `recv()` blocks for rank 0's next batch; None once rank 0 stops."""
+    """A follower's side: `recv()` blocks for rank 0's next batch (or weights to load); None once rank 0 stops."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
         self.cpu_group = runner.tp.cpu_group
         self.device_group = runner.tp.device_group
 
-    def recv(self) -> ForwardBatch | None:
+    def recv(self) -> ForwardBatch | LoadWeights | None:
         header = torch.empty(HEADER_LEN, dtype=I64)
         dist.broadcast(header, 0, group=self.cpu_group)
         op, mode, num_tokens, batch_size, num_logits, entries, decode_tail = header.tolist()
         if op == Op.STOP:
             return None
+        if op == Op.LOAD_WEIGHTS:
+            folder = [None]
+            dist.broadcast_object_list(folder, 0, group=self.cpu_group)
+            return LoadWeights(folder[0])
         lengths = torch.empty(2 * batch_size, dtype=I64)
         dist.broadcast(lengths, 0, group=self.cpu_group)
         sizes = [num_tokens] * 4 + [batch_size] * 4 + [num_logits, entries]

@@ -116,8 +116,6 @@ class ModelRunner:
         """Load another checkpoint of the served architecture and shapes into the model's parameters, in place, so
         captured CUDA graphs keep pointing at them. Raises ValueError naming the problem; when loading fails part
         way, the previous weights are loaded back first."""
-        if self.tp.size > 1:
-            raise ValueError("updating weights is not supported with tensor parallelism")
         if load_format not in (None, "auto", "gguf"):
             raise ValueError(f"load_format must be auto or gguf, got {load_format!r}")
         try:
@@ -128,11 +126,22 @@ class ModelRunner:
         differences = self.model_config.differences(config)
         if differences:
             raise ValueError(f"{model_path!r} is not the served model's architecture: {'; '.join(differences)}")
+        if self.broadcaster is not None:
+            self.broadcaster.load_weights(folder)
+        self.load_weights_on_all_ranks(folder)
+
+    def load_weights_on_all_ranks(self, folder: str) -> None:
+        """Every tensor-parallel rank loads its shard of `folder` (rank 0 has told the others to); when any rank
+        fails, all load their previous weights back and ValueError says why."""
+        error = None
         try:
             self.model.load_weights(iter_safetensors(folder))
         except Exception as e:
+            error = e
+        if min_over_ranks(int(error is None)) == 0:
             self._load_previous_weights()
-            raise ValueError(f"loading {model_path!r} failed ({e}); the previous weights are back") from None
+            why = error or "on another tensor-parallel rank"
+            raise ValueError(f"loading {folder!r} failed ({why}); the previous weights are back") from None
         self._weights_folder = folder
 
     def _load_previous_weights(self) -> None:
