@@ -232,11 +232,11 @@ class Engine:
             scheduler = self._live()
             self._admit()
             try:
-                scheduler.update_weights_from_disk(model_path, load_format)
+                message = scheduler.update_weights_from_disk(model_path, load_format)
             except ValueError as e:
                 return False, str(e)
         self.server_args.model_path = model_path
-        return True, f"serving the weights of {model_path}"
+        return True, message
 
     def get_stats(self) -> dict[str, Any]:
         """Counters and cache state; after shutdown, those it ended with."""

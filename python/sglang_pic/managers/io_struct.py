@@ -62,25 +62,20 @@ class GenerateReqInput:
             return value
         return value[i] if value is not None else None
 
-    def _token_ids_for(self, i: int) -> Any:
-        """Prompt i's token_ids_logprob: a list of lists holds one per prompt, a flat list applies to all."""
-        ids = self.token_ids_logprob
-        if self.is_batch and isinstance(ids, list) and ids and isinstance(ids[0], list):
-            if len(ids) != self.batch_size():
-                raise ValueError("batched fields must have one entry per prompt")
-            return ids[i]
-        return ids
-
     def item(self, i: int) -> dict:
         """The i-th request of a (possibly) batched input, as plain values."""
         batch = self.is_batch
 
-        def pick(value: Any, default_list_ok: bool = True) -> Any:
+        def pick(value: Any) -> Any:
             if batch and isinstance(value, list):
                 if len(value) != self.batch_size():
                     raise ValueError("batched fields must have one entry per prompt")
                 return value[i]
             return value
+
+        # token_ids_logprob: a list of lists holds one per prompt, a flat list applies to every prompt.
+        ids = self.token_ids_logprob
+        per_prompt = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
         return {
             "text": self._prompt_part(self.text, i),
@@ -90,6 +85,6 @@ class GenerateReqInput:
             "return_logprob": pick(self.return_logprob),
             "logprob_start_len": pick(self.logprob_start_len),
             "top_logprobs_num": pick(self.top_logprobs_num),
-            "token_ids_logprob": self._token_ids_for(i),
+            "token_ids_logprob": pick(ids) if per_prompt else ids,
             "priority": pick(self.priority),
         }

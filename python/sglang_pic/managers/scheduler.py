@@ -192,13 +192,14 @@ class Scheduler:
         self.runner.req_to_token_pool.clear()
         return True
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> str:
         """Serve a new checkpoint of the same model (ModelRunner.update_weights_from_disk) and drop the cache: KV
-        computed with the old weights must never be a hit. Only while idle."""
+        computed with the old weights must never be a hit. Only while idle; returns the message for the client."""
         if not self.is_idle():
             raise ValueError("requests are running; weights are updated between requests")
         self.runner.update_weights_from_disk(model_path, load_format)
         self.flush_cache()
+        return f"serving the weights of {model_path}"
 
     def token_usage(self) -> float:
         pool = self.runner.allocator.size

@@ -130,8 +130,8 @@ class SchedulerLoop:
     def apply_update(self) -> None:
         msg, self.update = self.update, None
         try:
-            self.scheduler.update_weights_from_disk(msg.model_path, msg.load_format)
-            result = UpdateWeightsResult(msg.request_id, True, f"serving the weights of {msg.model_path}")
+            message = self.scheduler.update_weights_from_disk(msg.model_path, msg.load_format)
+            result = UpdateWeightsResult(msg.request_id, True, message)
         except ValueError as e:
             result = UpdateWeightsResult(msg.request_id, False, str(e))
         self.to_main.send_pyobj(result)

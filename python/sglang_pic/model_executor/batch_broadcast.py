@@ -82,14 +82,16 @@ class BatchBroadcaster:
         dist.broadcast(payload, 0, group=self.device_group)
 
     def load_weights(self, folder: str) -> None:
-        header = torch.zeros(HEADER_LEN, dtype=I64)
-        header[0] = Op.LOAD_WEIGHTS
-        dist.broadcast(header, 0, group=self.cpu_group)
+        self._send_op(Op.LOAD_WEIGHTS)
         dist.broadcast_object_list([folder], 0, group=self.cpu_group)
 
     def stop(self) -> None:
+        self._send_op(Op.STOP)
+
+    def _send_op(self, op: Op) -> None:
+        """A header that carries no batch, only `op`."""
         header = torch.zeros(HEADER_LEN, dtype=I64)
-        header[0] = Op.STOP
+        header[0] = op
         dist.broadcast(header, 0, group=self.cpu_group)
 
 
