@@ -172,6 +172,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hicache-ratio", type=float, default=2.0)
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="commit each step's tokens before launching the next")
+    p.add_argument("--disable-shared-decode", action="store_true",
+                   help="every decode reads its own keys (no shared reads of cached runs, kernels/shared_decode.py)")
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -198,6 +200,8 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
         kwargs.update(enable_hierarchical_cache=True, hicache_ratio=args.hicache_ratio)
     if args.disable_overlap_schedule:
         kwargs["disable_overlap_schedule"] = True
+    if args.disable_shared_decode:
+        kwargs["disable_shared_decode"] = True
     return kwargs
 
 

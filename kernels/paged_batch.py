@@ -18,6 +18,7 @@ from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 if TYPE_CHECKING:
     from sglang_pic.kernels.decode_attention import DecodeConfig
     from sglang_pic.kernels.extend_attention import ExtendConfig
+    from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodeSettings
     from sglang_pic.kernels.stage_keys import StagedKeys
     from sglang_pic.layers.attention_backend import AttentionBackend
     from sglang_pic.model_executor.forward_batch import ForwardBatch
@@ -204,6 +205,34 @@ class PagedBatch:
             *buffers,
             keys_rotated=keys_rotated,
             config=config,
+        )
+        return out
+
+    def share_keys(self, shares: list[tuple[int, int, int, list[tuple[int, int]]]]) -> list[list["KeyRun"]]:
+        """Make requests hold the same slots at different offsets, as cached spans do: each share (source request,
+        its first key, length, [(request, first key)]) copies the source's slots over the others' rows. Returns
+        every request's runs (KeyRun lists, sorted) for plan_shared_decode."""
+        from sglang_pic.kernels.shared_decode_plan import KeyRun
+
+        runs: list[list[KeyRun]] = [[] for _ in self.seq_lens_cpu]
+        rows = self.req_pool_indices.tolist()
+        for key, (source, first, length, copies) in enumerate(shares):
+            slots = self.req_to_token[rows[source], first : first + length].clone()
+            runs[source].append(KeyRun(key, first, length))
+            for b, start in copies:
+                self.req_to_token[rows[b], start : start + length] = slots
+                runs[b].append(KeyRun(key, start, length))
+        return [sorted(r, key=lambda run: run.start) for r in runs]
+
+    def run_shared_decode(self, runs: list[list["KeyRun"]], settings: "SharedDecodeSettings") -> torch.Tensor:
+        """The shared decode kernels (kernels/shared_decode.py) over this batch of decode requests."""
+        from sglang_pic.kernels.shared_decode import shared_decode_attention_fwd
+        from sglang_pic.kernels.shared_decode_plan import plan_shared_decode
+
+        out = self.poisoned_output()
+        plan = plan_shared_decode(self.req_pool_indices.tolist(), self.seq_lens_cpu, runs, settings, self.q.device)
+        shared_decode_attention_fwd(
+            self.q, self.k_buffer, self.v_buffer, out, self.req_to_token, plan, self.kernel_cos_sin, self.sm_scale
         )
         return out
 

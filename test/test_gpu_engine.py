@@ -50,6 +50,37 @@ def test_cuda_engine_matches_cpu_float32(tiny_model, page_size):
     assert again == expected
 
 
+SHARED_DOCS = [
+    "Position-free keys are rotated inside attention, from each request's own positions, so one copy serves all. " * 3,
+    "The capital of France is Paris, the capital of Japan is Tokyo, and the capital of Italy is Rome. " * 3,
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_decode_matches_cpu_float32_without_waiting_for_the_gpu(tiny_llama, page_size):
+    """Requests holding the same cached spans at different offsets decode through the shared kernel (each span's
+    KV read once per step): the CPU float32 engine's greedy tokens, and launching those steps never syncs."""
+    prompts = [pre + span(SHARED_DOCS[i % 2]) + span(SHARED_DOCS[1 - i % 2]) + f"Question {i}?"
+               for i, pre in enumerate(["Hi.", "A longer preface for this reader.", "x", "Read both, then answer."])]
+    common = dict(model_path=str(tiny_llama), dtype="float32", page_size=page_size, max_total_tokens=4096)
+    with Engine(device="cpu", **common) as cpu:
+        cpu.generate(prompts[:1], GREEDY)
+        expected = [o["output_ids"] for o in cpu.generate(prompts, GREEDY)]
+    with Engine(device="cuda", attention_backend="triton", **common) as gpu:
+        gpu.generate(prompts[:1], GREEDY)  # caches both spans
+        sched = gpu.scheduler
+        launch = sched._launch
+
+        def strict_launch(plan, updated):
+            with no_device_syncs():
+                return launch(plan, updated)
+
+        sched._launch = strict_launch
+        got = [o["output_ids"] for o in gpu.generate(prompts, GREEDY)]
+        assert gpu.get_stats()["shared_decode_steps"] >= GREEDY["max_new_tokens"] // 2
+    assert got == expected
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
     """Matching a request's segments in the tree, allocating its slots, handing its computed KV to the tree and

@@ -78,6 +78,31 @@ def test_decode(case: str, keys_rotated: bool) -> None:
     _check(out, attention_reference(*args, keys_rotated=keys_rotated), dtype)
 
 
+SHARED_DECODE_CASES = {
+    # (preface lengths, shared span length, private tail): every request holds the span at its own offset
+    "b64_span4k": (_ragged(64, 10, 600, 41), 4096, 64),
+    "b8_span16k": (_ragged(8, 1, 3000, 42), 16384, 300),
+    "b200_span700": (_ragged(200, 0, 50, 43), 700, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED_DECODE_CASES))
+def test_shared_decode(case: str) -> None:
+    """The shared kernel with the engine's settings (chunks, member tiles) against the float64 reference."""
+    from sglang_pic.kernels.paged_batch import decode
+    from sglang_pic.kernels.reference import attention_reference
+    from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings
+
+    prefaces, span, tail = SHARED_DECODE_CASES[case]
+    lens = [n + span + tail for n in prefaces]
+    batch = _batch([decode(n) for n in lens], torch.bfloat16, seed=len(lens))
+    runs = batch.share_keys([(0, prefaces[0], span, list(enumerate(prefaces))[1:])])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    settings = SharedDecodeSettings.for_model(HQ, HKV, sms, batch.q.device)
+    out = batch.run_shared_decode(runs, settings)
+    _check(out, attention_reference(*batch.attention_args()), torch.bfloat16)
+
+
 def _extend_specs(case: str) -> list:
     from sglang_pic.kernels.paged_batch import extend, prefill, spans
 

@@ -48,12 +48,19 @@ def _child_main() -> None:
         splits=4,
         extend_splits=None,
         stage=False,
+        shares=None,
+        members=2,
         **kw,
     ):
         batch = pb.make_paged_batch(specs, hq, hkv, dim, dtypes[dtype], "cpu", page_size=page, **kw)
         if keys_rotated:
             batch.k_buffer = batch.rotated_pool()
-        if decode:
+        if shares is not None:  # decodes holding the same slots at different offsets, through the shared kernel
+            from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings
+
+            settings = SharedDecodeSettings(members=members, min_chunk=8, target_items=12, max_read=1.0)
+            out = batch.run_shared_decode(batch.share_keys(shares), settings)
+        elif decode:
             out = batch.run_decode(splits, keys_rotated=keys_rotated)
         else:
             out = batch.run_extend(keys_rotated=keys_rotated, num_splits=extend_splits, stage=stage)
@@ -85,9 +92,10 @@ def _child_main() -> None:
             "vs_reference": relative_errors(k_buf[loc], k_exp[loc]),
         }
 
-    def backend_case(decode: bool, page: int, mixed: bool = False, long_prefill: bool = False):
+    def backend_case(decode: bool, page: int, mixed: bool = False, long_prefill: bool = False, shared: bool = False):
         """`long_prefill` adds a 160-token prefill: 320 query rows per kv head, past FEW_QUERY_ROWS, so the backend
-        stages the batch's keys; the other extend batches have few rows and rotate keys in-kernel."""
+        stages the batch's keys; the other extend batches have few rows and rotate keys in-kernel. `shared`: the
+        riding decodes hold a run of the same slots and the batch carries a shared decode plan."""
         from sglang_pic.layers.attention_backend import create_attention_backend
         from sglang_pic.layers.radix_attention import RadixAttention
         from sglang_pic.layers.rotary_embedding import RotaryEmbedding
@@ -100,6 +108,15 @@ def _child_main() -> None:
         if mixed:  # running decodes riding along with prefills: the backend gives them to the decode kernel
             specs += [pb.decode(n) for n in (5, 64, 33)]
         batch = pb.make_paged_batch(specs, hq, hkv, dim, torch.float32, "cpu", page_size=page)
+        plan = None
+        if shared:
+            from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings, plan_shared_decode
+
+            first = len(specs) - decode_tail
+            runs = batch.share_keys([(first + 1, 16, 16, [(first + 2, 10)])])[first:]
+            rows = batch.req_pool_indices.tolist()[first:]
+            settings = SharedDecodeSettings(members=2, min_chunk=8, target_items=8, max_read=1.0)
+            plan = plan_shared_decode(rows, batch.seq_lens_cpu[first:], runs, settings, "cpu")
         rotary = RotaryEmbedding(dim, batch.cos_sin_cache.shape[0])
         layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=rotary)
         q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
@@ -107,6 +124,7 @@ def _child_main() -> None:
         for name in ("triton", "torch_native"):
             backend = create_attention_backend(name)
             batches.append(pb.forward_batch_for(batch, backend, decode, decode_tail))
+            batches[-1].shared_decode = plan
             backend.init_forward_metadata(batches[-1])
             outs.append(layer(q, k, v, batches[-1]))
         return {
@@ -312,6 +330,42 @@ def _child_main() -> None:
                 "drafts_accepted_and_rejected": 0 < worker.stats.accepted_drafts < worker.stats.draft_tokens,
             }
 
+    def shared_decode_engine_case():
+        """Requests holding the same cached spans at different offsets decode through the shared kernel in the
+        engine (Triton backend), also with tp_size 2 (the plan travels to the follower); greedy tokens equal
+        torch_native's and the per-request kernel's."""
+        import tempfile
+
+        from tiny_models import build_tiny_model
+
+        from sglang_pic.engine import Engine
+        from sglang_pic.frontend_lang import pdep, span
+
+        path = build_tiny_model(Path(tempfile.mkdtemp()), "llama")
+        docs = ["The capital of France is Paris, the capital of Japan is Tokyo. " * 2,
+                "A serving engine batches requests and streams tokens back to each client. " * 2]
+        prefaces = ["Read.", "Please read these two documents carefully.", "Hi", "Another preface, a longer one."]
+        prompts = [pre + span(docs[i % 2]) + span(docs[1 - i % 2]) + pdep(f"Question {i}?")
+                   for i, pre in enumerate(prefaces)]
+        params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        common = dict(model_path=str(path), dtype="float32", max_total_tokens=2048, device="cpu")
+        outs, stats = {}, {}
+        for name, kw in [("torch_native", {}), ("shared", dict(attention_backend="triton")),
+                         ("per_request", dict(attention_backend="triton", disable_shared_decode=True)),
+                         ("tp2", dict(attention_backend="triton", tp_size=2))]:
+            with Engine(**common, **kw) as e:
+                e.generate(prompts[:1], params)  # caches both spans: the batch below finds them
+                outs[name] = [o["output_ids"] for o in e.generate(prompts, params)]
+                stats[name] = e.get_stats()
+        return {
+            "dtype": "float32",
+            "nan": False,
+            "identical": outs["shared"] == outs["torch_native"] == outs["per_request"] == outs["tp2"],
+            "shared_steps": min(stats["shared"]["shared_decode_steps"], stats["tp2"]["shared_decode_steps"]),
+            "keys_saved": stats["shared"]["decode_keys_saved"],
+            "per_request_shared_steps": stats["per_request"]["shared_decode_steps"],
+        }
+
     P, E, D, S = pb.prefill, pb.extend, pb.decode, pb.spans
     span_specs = [S(60, [(5, 15), (30, 36)], 10), S(45, [(0, 20)], 1), P(9), S(80, [(40, 70)], 3)]
     cases: dict[str, Callable[[], dict]] = {
@@ -351,6 +405,19 @@ def _child_main() -> None:
         "decode_baseline_rotated_keys_fp32": lambda: attention_case(
             [D(n) for n in (1, 80, 200)], 4, 2, 32, "float32", page=16, decode=True, keys_rotated=True
         ),
+        # (source request, first key, length, [(request, first key)]): runs shared at other offsets
+        "shared_decode_gqa_page16_fp32": lambda: attention_case(
+            [D(n) for n in (40, 77, 64, 23, 90)], 4, 2, 32, "float32", page=16,
+            shares=[(1, 10, 20, [(0, 0), (2, 40), (4, 60)]), (4, 0, 12, [(3, 5)])],
+        ),
+        "shared_decode_many_members_mqa_dim16_bf16": lambda: attention_case(
+            [D(n) for n in (50, 51, 60, 75, 33, 90, 41)], 4, 1, 16, "bfloat16", members=16,
+            shares=[(0, 2, 30, [(1, 0), (2, 20), (3, 40), (5, 1), (6, 11)])],
+        ),
+        "shared_decode_group3_partial_rotary_fp16": lambda: attention_case(
+            [D(n) for n in (90, 33, 61)], 6, 2, 32, "float16", rotary_dim=16,
+            shares=[(0, 50, 25, [(1, 8), (2, 36)]), (2, 0, 30, [(0, 0)])],
+        ),
         "store_kv_fp32": lambda: store_case("float32", rotate=False, page=16),
         "store_kv_bf16": lambda: store_case("bfloat16", rotate=False, page=1),
         "store_kv_rotated_fp32": lambda: store_case("float32", rotate=True, page=16),
@@ -359,11 +426,13 @@ def _child_main() -> None:
         "backend_long_prefill_page16": lambda: backend_case(decode=False, page=16, long_prefill=True),
         "backend_decode_page1": lambda: backend_case(decode=True, page=1),
         "backend_mixed_page16": lambda: backend_case(decode=False, page=16, mixed=True),
+        "backend_mixed_shared_decode_page16": lambda: backend_case(decode=False, page=16, mixed=True, shared=True),
         "backend_graph_padded_extend": graph_padding_case,
         "stage_decision": stage_decision_case,
         "kivi_gqa_fp32": lambda: kivi_case("float32", 4, 32, 32),
         "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),
         "kivi_engine": kivi_engine_case,
+        "shared_decode_engine": shared_decode_engine_case,
         "warm_up": warm_up_case,
         "warm_up_coverage": warm_up_coverage_case,
     }
@@ -387,6 +456,7 @@ def _compile_main() -> None:
     from sglang_pic.kernels import decode_attention as da
     from sglang_pic.kernels import extend_attention as ea
     from sglang_pic.kernels import kivi_decode as kd
+    from sglang_pic.kernels import shared_decode as sd
     from sglang_pic.kernels import stage_keys as st
     from sglang_pic.kernels import store_kv as sk
     from sglang_pic.kernels.rope import HeadSplit
@@ -434,6 +504,9 @@ def _compile_main() -> None:
                 variants["stage_keys"] = (st._stage_keys_kernel, st.stage_kernel_params(split))
                 kivi = kd.kivi_kernel_params(32, 8, 128, 128, 128, 32, 32, torch_dtype, cuda)[0]
                 variants["kivi_decode"] = (kd._kivi_split_kernel, kivi)
+                shared, shared_merge = sd.shared_decode_kernel_params(32, 8, split, torch_dtype, cuda)
+                variants["shared_decode"] = (sd._shared_decode_kernel, shared)
+                variants["shared_decode_merge"] = (sd._merge_partials_kernel, shared_merge)
                 for tokens in (9, 60):  # both few-query tiles (x 4 heads: up to 128 rows, up to 256)
                     few = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, max_extend_len=tokens)
                     variants[f"extend_{tokens}_tokens"] = (ea._extend_attention_kernel, few)
@@ -487,6 +560,9 @@ ATTENTION_CASES = [
     "decode_group3_partial_rotary_fp16",
     "decode_one_split_fp32",
     "decode_baseline_rotated_keys_fp32",
+    "shared_decode_gqa_page16_fp32",
+    "shared_decode_many_members_mqa_dim16_bf16",
+    "shared_decode_group3_partial_rotary_fp16",
 ]
 
 
@@ -512,17 +588,24 @@ def test_attention_kernel(report: dict, name: str) -> None:
 
 STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
 STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
-BACKEND_CASES = ["backend_extend_page16", "backend_long_prefill_page16", "backend_decode_page1", "backend_mixed_page16"]
+BACKEND_CASES = [
+    "backend_extend_page16",
+    "backend_long_prefill_page16",
+    "backend_decode_page1",
+    "backend_mixed_page16",
+    "backend_mixed_shared_decode_page16",
+]
 GRAPH_CASES = ["backend_graph_padded_extend", "stage_decision"]
 WARM_UP_CASES = ["warm_up", "warm_up_coverage"]
 KIVI_CASES = ["kivi_gqa_fp32", "kivi_group3_partial_rotary_vdim16_bf16"]
 KIVI_ENGINE_CASES = ["kivi_engine"]
+ENGINE_CASES = ["shared_decode_engine"]
 
 
 def test_every_case_is_checked(report: dict) -> None:
     kivi = KIVI_CASES + KIVI_ENGINE_CASES
     cases = ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES + WARM_UP_CASES
-    assert set(report) == set(cases + kivi)
+    assert set(report) == set(cases + kivi + ENGINE_CASES)
 
 
 @pytest.mark.parametrize("name", STORE_CASES)
@@ -562,6 +645,13 @@ def test_kivi_drafts_through_the_kernel_in_the_engine(report: dict) -> None:
         "refreshed": True,
         "drafts_accepted_and_rejected": True,
     }
+
+
+def test_shared_decode_in_the_engine_gives_the_same_tokens(report: dict) -> None:
+    entry = _entry(report, "shared_decode_engine")
+    assert entry["identical"]
+    assert entry["shared_steps"] > 0 and entry["keys_saved"] > 0  # the shared kernel ran and skipped repeats
+    assert entry["per_request_shared_steps"] == 0  # --disable-shared-decode keeps the per-request kernel
 
 
 def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:

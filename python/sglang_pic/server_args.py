@@ -147,6 +147,12 @@ class ServerArgs:
         False, "Do not compile every attention kernel variant at startup on a GPU (each then compiles on first use)."
     )
     cuda_graph_max_bs: int = _arg(160, "Largest decode batch captured in a CUDA graph.")
+    disable_shared_decode: bool = _arg(
+        False,
+        "Triton backend: read a cached run of KV (a span, a system prompt) once per decode step for all running "
+        "requests that hold it, at whatever offset, rather than once per request. Steps where that saves little "
+        "keep their CUDA graphs.",
+    )
     cuda_graph_max_extend_tokens: int = _arg(
         256,
         "Largest one-request extend (new tokens, e.g. a prompt whose spans are cached) replayed from a CUDA graph; "

@@ -15,6 +15,7 @@ import torch
 
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, decode_attention_fwd, num_kv_splits
 from sglang_pic.kernels.extend_attention import extend_attention_fwd, extend_variants
+from sglang_pic.kernels.shared_decode import shared_decode_attention_fwd
 from sglang_pic.kernels.stage_keys import StagedKeys, key_row_starts, should_stage_keys, stage_keys
 from sglang_pic.kernels.store_kv import store_kv
 from sglang_pic.layers.attention_backend import AttentionBackend
@@ -41,7 +42,7 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         meta = forward_batch.attn_metadata
         decodes = forward_batch.num_decodes
-        if decodes:
+        if decodes and forward_batch.shared_decode is None:
             device = forward_batch.seq_lens.device
             kv_heads = forward_batch.token_to_kv_pool.head_num
             meta["max_kv_splits"] = num_kv_splits(decodes, kv_heads, self.sm_count(device))
@@ -97,7 +98,12 @@ class TritonAttnBackend(AttentionBackend):
                 num_sms=self.sm_count(q.device),
                 staged_keys=self._staged_keys(fb, extends, k_buf, cos_sin, layer.num_heads // layer.num_kv_heads),
             )
-        if decodes:
+        if decodes and fb.shared_decode is not None:
+            shared_decode_attention_fwd(
+                q3[rows:], k_buf, v_buf, out[rows:], fb.req_to_token_pool.req_to_token, fb.shared_decode, cos_sin,
+                layer.scaling,
+            )
+        elif decodes:
             mid_o, mid_lse = self._decode_buffers(fb, decodes, layer, q.device)
             decode_attention_fwd(
                 q3[rows:],

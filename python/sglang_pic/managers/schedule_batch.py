@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodePlan, plan_shared_decode
 from sglang_pic.managers.req import Req
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.utils_tensor import upload
@@ -131,6 +132,19 @@ class _Columns:
         return torch.split(flat, [len(c) for c in columns])
 
 
+def shared_decode_plan(reqs: list[Req], seq_lens: list[int], runner) -> SharedDecodePlan | None:
+    """The decodes' keys as runs the kernel may read once for several requests (kernels/shared_decode.py), or None.
+
+    A segment's first `cached` tokens hold the slots of the tree path ending at its lock node, so two requests
+    locking the same node over as many tokens hold the same KV there, whatever their offsets."""
+    settings = runner.shared_decode
+    if settings is None or len(reqs) < 2:
+        return None
+    runs = [[KeyRun(s.lock_node, s.start, s.cached) for s in r.segments if s.cached] for r in reqs]
+    rows = [r.req_pool_idx for r in reqs]
+    return plan_shared_decode(rows, seq_lens, runs, settings, runner.device)
+
+
 def build_forward_batch(plan: StepPlan, runner, next_input_ids: torch.Tensor) -> ForwardBatch:
     """Flatten the plan into token rows; logits rows are the logprob positions plus each sampled last token.
     `next_input_ids` [request rows] holds each row's last sampled token on the device."""
@@ -146,6 +160,10 @@ def build_forward_batch(plan: StepPlan, runner, next_input_ids: torch.Tensor) ->
         n = len(plan.decode.reqs)
         input_ids[input_ids.numel() - n :] = next_input_ids[pool_rows[pool_rows.numel() - n :]]
     is_decode = all(_is_decode_entry(e) for e in plan.entries)
+    shared = None
+    if plan.decode is not None and not (is_decode and plan.entries):  # the plan covers exactly the decode rows
+        n = len(plan.decode.reqs)
+        shared = shared_decode_plan(plan.decode.reqs, columns.seq_lens[len(columns.seq_lens) - n :], runner)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,
         batch_size=len(columns.seq_lens),
@@ -164,4 +182,5 @@ def build_forward_batch(plan: StepPlan, runner, next_input_ids: torch.Tensor) ->
         attn_backend=runner.attn_backend,
         logits_indices=logit_rows,
         num_decode_tail=len(plan.decode.reqs) if plan.decode is not None and not is_decode else 0,
+        shared_decode=shared,
     )

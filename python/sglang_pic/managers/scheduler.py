@@ -65,6 +65,8 @@ class SchedulerStats:
     decode_step_s: float = 0.0  # wall time of decode-only steps
     num_decode_steps: int = 0
     jump_forward_tokens: int = 0  # output tokens a grammar forced, prefilled instead of decoded (jump-forward)
+    shared_decode_steps: int = 0  # steps whose decodes read shared KV runs once (kernels/shared_decode.py)
+    decode_keys_saved: int = 0  # key reads (per layer and kv head) those steps did not repeat
 
 
 class Scheduler:
@@ -507,6 +509,9 @@ class Scheduler:
         batch = build_forward_batch(plan, self.runner, self.next_input_ids)
         logits = self.runner.forward(batch)
         self.stats.num_steps += 1
+        if batch.shared_decode is not None:
+            self.stats.shared_decode_steps += 1
+            self.stats.decode_keys_saved += batch.shared_decode.keys_per_request - batch.shared_decode.keys_read
         row = 0
         sample_rows, sampled = [], []
         logprob_rows: list[tuple[BatchEntry, int]] = []

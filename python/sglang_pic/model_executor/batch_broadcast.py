@@ -16,6 +16,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
+from sglang_pic.kernels.shared_decode_plan import ITEM_FIELDS, MEMBER_FIELDS, SharedDecodePlan
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 I64 = torch.int64
@@ -34,8 +35,9 @@ class LoadWeights:
     folder: str
 
 
-# op, forward mode, new tokens T, requests B, logits rows L, req_to_token entries R, decode tail
-HEADER_LEN = 7
+# op, forward mode, new tokens T, requests B, logits rows L, req_to_token entries R, decode tail, then the shared
+# decode plan's sizes (SharedDecodePlan.sizes; zeros without a plan)
+HEADER_LEN = 11
 
 
 def table_index(
@@ -59,8 +61,9 @@ class BatchBroadcaster:
         num_tokens = batch.input_ids.numel()
         logits = batch.logits_indices if batch.logits_indices is not None else batch.input_ids.new_empty(0)
         entries = sum(batch.seq_lens_cpu)
+        shared = batch.shared_decode
         header = [Op.FORWARD, int(batch.forward_mode), num_tokens, batch.batch_size, logits.numel(), entries,
-                  batch.num_decode_tail]
+                  batch.num_decode_tail, *(shared.sizes() if shared is not None else (0, 0, 0, 0))]
         dist.broadcast(torch.tensor(header, dtype=I64), 0, group=self.cpu_group)
         lengths = torch.tensor(batch.seq_lens_cpu + batch.extend_seq_lens_cpu, dtype=I64)
         dist.broadcast(lengths, 0, group=self.cpu_group)
@@ -77,6 +80,7 @@ class BatchBroadcaster:
                 batch.extend_start_loc,
                 logits,
                 batch.req_to_token_pool.req_to_token[rows, cols],
+                *([shared.flat()] if shared is not None else []),
             ]
         )
         dist.broadcast(payload, 0, group=self.device_group)
@@ -106,7 +110,7 @@ class BatchReceiver:
     def recv(self) -> ForwardBatch | LoadWeights | None:
         header = torch.empty(HEADER_LEN, dtype=I64)
         dist.broadcast(header, 0, group=self.cpu_group)
-        op, mode, num_tokens, batch_size, num_logits, entries, decode_tail = header.tolist()
+        op, mode, num_tokens, batch_size, num_logits, entries, decode_tail, *plan_sizes = header.tolist()
         if op == Op.STOP:
             return None
         if op == Op.LOAD_WEIGHTS:
@@ -115,10 +119,15 @@ class BatchReceiver:
             return LoadWeights(folder[0])
         lengths = torch.empty(2 * batch_size, dtype=I64)
         dist.broadcast(lengths, 0, group=self.cpu_group)
-        sizes = [num_tokens] * 4 + [batch_size] * 4 + [num_logits, entries]
+        num_items, num_members = plan_sizes[:2]
+        decodes = batch_size if ForwardMode(mode).is_decode() else decode_tail
+        plan_len = (num_items * ITEM_FIELDS + num_members * MEMBER_FIELDS + decodes) if num_items else 0
+        sizes = [num_tokens] * 4 + [batch_size] * 4 + [num_logits, entries, plan_len]
         payload = torch.empty(sum(sizes), dtype=I64, device=self.runner.device)
         dist.broadcast(payload, 0, group=self.device_group)
-        ids, positions, attn_lo, out_loc, req_rows, seq_lens, ext_lens, ext_starts, logits, slots = payload.split(sizes)
+        ids, positions, attn_lo, out_loc, req_rows, seq_lens, ext_lens, ext_starts, logits, slots, plan = (
+            payload.split(sizes)
+        )
         rows, cols = table_index(req_rows, seq_lens, entries)
         self.runner.req_to_token_pool.req_to_token[rows, cols] = slots
         return ForwardBatch(
@@ -139,4 +148,5 @@ class BatchReceiver:
             attn_backend=self.runner.attn_backend,
             logits_indices=logits,
             num_decode_tail=decode_tail,
+            shared_decode=SharedDecodePlan.from_flat(plan, tuple(plan_sizes)) if num_items else None,
         )

@@ -218,7 +218,8 @@ class CudaGraphRunner:
         return (batch.forward_mode, sizes[i]) if i < len(sizes) else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return self._padded_key(batch) is not None
+        """Whether a graph replays `batch`: one of its size was captured, and its decodes read keys per request."""
+        return batch.shared_decode is None and self._padded_key(batch) is not None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         key = self._padded_key(batch)

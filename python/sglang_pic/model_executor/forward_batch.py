@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan
     from sglang_pic.layers.attention_backend import AttentionBackend
     from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
@@ -52,6 +53,9 @@ class ForwardBatch:
     # EXTEND only: the last num_decode_tail requests are running decodes riding along (one token each at position
     # seq_len - 1, seeing every key), which a backend may hand to its decode kernel.
     num_decode_tail: int = 0
+    # The decodes' keys cut into runs shared across requests (kernels/shared_decode.py); None: each request reads
+    # its own keys. Set only for the Triton backend, and such a batch runs eagerly.
+    shared_decode: "SharedDecodePlan | None" = None
     attn_metadata: dict = field(default_factory=dict)  # backend-private, filled by init_forward_metadata
 
     @property

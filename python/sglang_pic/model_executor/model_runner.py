@@ -13,6 +13,7 @@ import torch
 
 from sglang_pic.distributed.parallel_state import get_tp_group, min_over_ranks
 from sglang_pic.distributed.sharding import kv_head_shard
+from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings
 from sglang_pic.layers.attention_backend import create_attention_backend
 from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
@@ -44,6 +45,7 @@ class ModelRunner:
         self._weights_folder = None if server_args.load_format == "dummy" else model_config.model_path
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend())
+        self.shared_decode = self._shared_decode_settings()
         if self.device.type == "cuda" and not server_args.skip_kernel_warmup:
             self._warm_up_kernels()
         self.graph_runner = None
@@ -53,6 +55,15 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner.for_engine(self)
         self.broadcaster = BatchBroadcaster(self) if self.tp.size > 1 and self.tp.rank == 0 else None
+
+    def _shared_decode_settings(self) -> SharedDecodeSettings | None:
+        """How decode steps share the reads of KV runs that several requests hold (None: they do not)."""
+        if self.server_args.resolved_attention_backend() != "triton" or self.server_args.disable_shared_decode:
+            return None
+        cfg = self.model_config
+        heads = cfg.num_attention_heads // self.tp.size
+        kv_heads = self.token_to_kv_pool.head_num
+        return SharedDecodeSettings.for_model(heads, kv_heads, self.attn_backend.sm_count(self.device), self.device)
 
     def _warm_up_kernels(self) -> None:
         layer = next(m for m in self.model.modules() if isinstance(m, RadixAttention))

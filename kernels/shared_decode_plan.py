@@ -1,0 +1,141 @@
+"""The host side of shared decode attention (kernels/shared_decode.py): one decode step's keys cut into runs that
+requests share, and the work items the kernel runs over them. Plain integers in, one upload out; no triton, so the
+scheduler imports it on any backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from sglang_pic.utils_tensor import upload
+
+ITEM_FIELDS = 6  # row, first key (column of the row), key count, index of the first key in its run, members lo, count
+MEMBER_FIELDS = 3  # decode row, query rotation (position - run start), partial slot
+MAX_QUERY_ROWS = 64  # member queries x GQA group per program
+MAX_READ = 0.75  # a step shares its keys when that leaves at most this fraction of a per-request kernel's reads
+
+
+@dataclass(frozen=True)
+class KeyRun:
+    """Keys [start, start + length) of one decode request. Requests with runs of the same `key` and length hold the
+    same KV slots over them (the caller guarantees it; the engine keys a cached segment by its radix node)."""
+
+    key: Hashable
+    start: int
+    length: int
+
+
+@dataclass
+class SharedDecodePlan:
+    """One step's work, on the device: `items` [n, ITEM_FIELDS], `members` [m, MEMBER_FIELDS], `counts` [B]
+    partials per request, `max_partials` the most of any request. `keys_read` / `keys_per_request`: keys the
+    plan loads per kv head against what a per-request kernel would (a step's saving)."""
+
+    items: torch.Tensor
+    members: torch.Tensor
+    counts: torch.Tensor
+    max_partials: int
+    members_per_item: int
+    keys_read: int
+    keys_per_request: int
+
+    def flat(self) -> torch.Tensor:
+        """Everything as one int64 tensor (tensor parallelism broadcasts it); `from_flat` undoes it."""
+        return torch.cat([self.items.flatten(), self.members.flatten(), self.counts])
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, sizes: tuple[int, int, int, int]) -> SharedDecodePlan:
+        """`sizes`: (items, member entries, max_partials, members_per_item), as `sizes()` gives them."""
+        num_items, num_members, max_partials, per_item = sizes
+        items, members, counts = flat.split([num_items * ITEM_FIELDS, num_members * MEMBER_FIELDS,
+                                             flat.numel() - num_items * ITEM_FIELDS - num_members * MEMBER_FIELDS])
+        return cls(items.view(-1, ITEM_FIELDS), members.view(-1, MEMBER_FIELDS), counts, max_partials, per_item, 0, 0)
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        return self.items.shape[0], self.members.shape[0], self.max_partials, self.members_per_item
+
+
+def members_per_item(group: int) -> int:
+    """Member requests one program attends for: MAX_QUERY_ROWS query rows of `group` heads each."""
+    return max(1, MAX_QUERY_ROWS // group)
+
+
+@dataclass(frozen=True)
+class SharedDecodeSettings:
+    """How an engine cuts its steps (see plan_shared_decode); `max_read`: the largest fraction of a per-request
+    kernel's key reads a plan may keep, else the step reads keys per request (and may replay a CUDA graph)."""
+
+    members: int
+    min_chunk: int
+    target_items: int
+    max_read: float
+
+    @classmethod
+    def for_model(cls, num_heads: int, num_kv_heads: int, num_sms: int, device: torch.device) -> SharedDecodeSettings:
+        """About four programs per SM; chunks of at least 256 keys on a GPU (shorter ones are not worth a program),
+        16 on the CPU interpreter so small tests cut runs too."""
+        return cls(
+            members=members_per_item(num_heads // num_kv_heads),
+            min_chunk=256 if device.type == "cuda" else 16,
+            target_items=max(1, 4 * num_sms // num_kv_heads),
+            max_read=MAX_READ,
+        )
+
+
+def plan_shared_decode(
+    rows: list[int], seq_lens: list[int], runs: list[list[KeyRun]], settings: SharedDecodeSettings,
+    device: torch.device | str,
+) -> SharedDecodePlan | None:
+    """The work of one decode step, or None when sharing would keep more than `settings.max_read` of the reads.
+
+    Request b (row `rows[b]`, query at seq_lens[b] - 1) sees keys [0, seq_lens[b]) and lists its shared runs in
+    `runs[b]` (sorted, disjoint, inside its keys); the keys between and after them are its private runs. Runs are
+    cut into chunks of equal bound, at least `min_chunk` keys, so that the step has about `target_items` of them;
+    a group's requests go `members` per item."""
+    groups: dict[tuple, list[tuple[int, int]]] = {}  # (key, length) -> [(request, run start)]
+    private: list[tuple[int, int, int]] = []  # (request, start, length)
+    for b, (request_runs, seq_len) in enumerate(zip(runs, seq_lens)):
+        at = 0
+        for run in request_runs:
+            if run.start > at:
+                private.append((b, at, run.start - at))
+            groups.setdefault((run.key, run.length), []).append((b, run.start))
+            at = run.start + run.length
+        if seq_len > at:
+            private.append((b, at, seq_len - at))
+    runs_by_group = [(length, found) for (_, length), found in groups.items()]
+    runs_by_group += [(length, [(b, start)]) for b, start, length in private]
+    keys_read = sum(length for length, _ in runs_by_group)
+    keys_per_request = sum(seq_lens)
+    if keys_read > settings.max_read * keys_per_request:
+        return None
+
+    chunk_keys = max(settings.min_chunk, -(-keys_read // settings.target_items))
+    members = settings.members
+    items: list[int] = []
+    entries: list[int] = []
+    counts = [0] * len(rows)
+    for length, found in runs_by_group:
+        rep, rep_start = found[0]
+        for lo in range(0, length, chunk_keys):
+            n = min(chunk_keys, length - lo)
+            for t in range(0, len(found), members):
+                tile = found[t : t + members]
+                items += [rows[rep], rep_start + lo, n, lo, len(entries) // MEMBER_FIELDS, len(tile)]
+                for b, start in tile:
+                    entries += [b, seq_lens[b] - 1 - start, counts[b]]
+                    counts[b] += 1
+    flat = upload(items, entries, counts, device=device)
+    n_items, n_entries = len(items), len(entries)
+    return SharedDecodePlan(
+        items=flat[:n_items].view(-1, ITEM_FIELDS),
+        members=flat[n_items : n_items + n_entries].view(-1, MEMBER_FIELDS),
+        counts=flat[n_items + n_entries :],
+        max_partials=max(counts, default=0),
+        members_per_item=members,
+        keys_read=keys_read,
+        keys_per_request=keys_per_request,
+    )

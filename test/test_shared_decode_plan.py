@@ -1,0 +1,81 @@
+"""The host side of shared decode attention: how a step's keys become runs, items and partial slots."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodePlan, SharedDecodeSettings, plan_shared_decode
+
+EVERY_STEP = SharedDecodeSettings(members=4, min_chunk=1000, target_items=1, max_read=1.0)
+
+
+def _items(plan: SharedDecodePlan) -> list[list[int]]:
+    return plan.items.tolist()
+
+
+def _members(plan: SharedDecodePlan, item: list[int]) -> list[list[int]]:
+    lo, count = item[4], item[5]
+    return plan.members[lo : lo + count].tolist()
+
+
+def test_a_shared_run_is_one_item_whose_members_rotate_by_their_own_offset():
+    # request 0 (row 7): span at 0..10, own keys 10..15; request 1 (row 3): own 0..4, span at 4..14, own 14..20
+    runs = [[KeyRun("span", 0, 10)], [KeyRun("span", 4, 10)]]
+    plan = plan_shared_decode([7, 3], [15, 20], runs, EVERY_STEP, "cpu")
+    items = _items(plan)
+    shared = [it for it in items if it[5] == 2]
+    assert len(shared) == 1
+    row, first, n, run_index, _, _ = shared[0]
+    assert (row, first, n, run_index) == (7, 0, 10, 0)  # read once, from the first holder's row
+    # each member's query rotates by (its position - the run's start in its own request)
+    assert [m[:2] for m in _members(plan, shared[0])] == [[0, 14 - 0], [1, 19 - 4]]
+    private = sorted((it[0], it[1], it[2]) for it in items if it[5] == 1)
+    assert private == [(3, 0, 4), (3, 14, 6), (7, 10, 5)]  # the gaps and tails, each from its own row
+    assert plan.keys_read == 10 + 4 + 6 + 5 and plan.keys_per_request == 35
+    assert plan.counts.tolist() == [2, 3] and plan.max_partials == 3
+
+
+def test_every_key_of_every_request_is_read_once_into_its_own_partial_slot():
+    lens = [20, 25, 9]
+    runs = [[KeyRun("a", 0, 8), KeyRun("b", 8, 8)], [KeyRun("b", 0, 8), KeyRun("a", 10, 8)], []]
+    settings = SharedDecodeSettings(members=1, min_chunk=3, target_items=100, max_read=1.0)
+    plan = plan_shared_decode([0, 1, 2], lens, runs, settings, "cpu")
+    covered: dict[int, list[int]] = {b: [] for b in range(3)}
+    slots: dict[int, list[int]] = {b: [] for b in range(3)}
+    for item in _items(plan):
+        assert item[2] <= 3  # chunks of min_chunk keys (target_items asks for more)
+        for b, angle, slot in _members(plan, item):
+            run_start = lens[b] - 1 - angle  # the query rotates by its position minus the run's start
+            covered[b] += range(run_start + item[3], run_start + item[3] + item[2])
+            slots[b].append(slot)
+    for b, seq_len in enumerate(lens):
+        assert sorted(covered[b]) == list(range(seq_len))  # every key exactly once
+        assert sorted(slots[b]) == list(range(plan.counts[b].item()))
+
+
+def test_members_beyond_an_item_go_to_another_item():
+    runs = [[KeyRun("doc", 2, 16)] for _ in range(5)]
+    settings = SharedDecodeSettings(members=2, min_chunk=1000, target_items=1, max_read=1.0)
+    plan = plan_shared_decode(list(range(5)), [30] * 5, runs, settings, "cpu")
+    shared = [it for it in _items(plan) if it[2] == 16]
+    assert [it[5] for it in shared] == [2, 2, 1]
+    assert sorted(m[0] for it in shared for m in _members(plan, it)) == [0, 1, 2, 3, 4]
+
+
+def test_no_plan_when_sharing_saves_too_little():
+    runs = [[KeyRun("doc", 0, 10)], [KeyRun("doc", 0, 10)]]
+    lens = [100, 100]  # 10 of 200 keys repeat: 95% of the reads stay
+    assert plan_shared_decode([0, 1], lens, runs, SharedDecodeSettings(4, 16, 8, max_read=0.9), "cpu") is None
+    assert plan_shared_decode([0, 1], lens, runs, SharedDecodeSettings(4, 16, 8, max_read=0.96), "cpu") is not None
+    # same key, different length: not the same slots, nothing shared
+    other = [[KeyRun("doc", 0, 10)], [KeyRun("doc", 0, 12)]]
+    assert plan_shared_decode([0, 1], [12, 12], other, SharedDecodeSettings(4, 16, 8, max_read=0.99), "cpu") is None
+
+
+def test_flat_round_trip():
+    runs = [[KeyRun("x", 0, 5)], [KeyRun("x", 3, 5)], []]
+    plan = plan_shared_decode([4, 5, 6], [9, 11, 4], runs, EVERY_STEP, "cpu")
+    again = SharedDecodePlan.from_flat(plan.flat(), plan.sizes())
+    for name in ("items", "members", "counts"):
+        assert torch.equal(getattr(again, name), getattr(plan, name))
+    assert (again.max_partials, again.members_per_item) == (plan.max_partials, plan.members_per_item)
