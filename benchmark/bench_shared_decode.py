@@ -134,6 +134,8 @@ def bench_engine(args: argparse.Namespace, batch_size: int, span: int) -> list[d
             outs = engine.generate(prompts, params)
             wall = perf_counter() - start
             after = engine.get_stats()
+            graphs = engine.runner.graph_runner
+            shared_replays = graphs.num_shared_replays if graphs is not None else 0
         finally:
             engine.shutdown()
         outputs[disabled] = [o["output_ids"] for o in outs]
@@ -147,6 +149,7 @@ def bench_engine(args: argparse.Namespace, batch_size: int, span: int) -> list[d
             "decode_step_s": after["decode_step_s"] - before["decode_step_s"],
             "decode_steps": after["num_decode_steps"] - before["num_decode_steps"],
             "shared_decode_steps": after["shared_decode_steps"] - before["shared_decode_steps"],
+            "shared_graph_replays": shared_replays,
             "cached_span_tokens": sum(o["meta_info"]["cached_span_tokens"] for o in outs),
         })
     same = sum(a == b for a, b in zip(outputs[False], outputs[True]))

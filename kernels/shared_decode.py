@@ -53,6 +53,7 @@ def _shared_decode_kernel(
     req_to_token_ptr,
     items_ptr,
     members_ptr,
+    num_items_ptr,
     mid_o_ptr,
     mid_lse_ptr,
     qk_scale,
@@ -79,7 +80,10 @@ def _shared_decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (item, kv head): the item's keys against its members' queries of that kv head's group."""
+    """One program per (item row, kv head): the item's keys against its members' queries of that kv head's group.
+    Rows past the live items (a CUDA graph's grid covers its static plan) return at once."""
+    if tl.program_id(0) >= tl.load(num_items_ptr):
+        return
     item = items_ptr + tl.program_id(0) * 6
     kvh = tl.program_id(1)
     row = tl.load(item)
@@ -164,7 +168,8 @@ def _merge_partials_kernel(
     V_DIM: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """One program per (request, query head): the softmax-weighted sum of the request's partial outputs."""
+    """One program per (request, query head): the softmax-weighted sum of the request's partial outputs (zeros for
+    a graph's padded request, which has none)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     count = tl.load(counts_ptr + b).to(tl.int32)
@@ -177,7 +182,8 @@ def _merge_partials_kernel(
         lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s)
         o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s * stride_mos + offs_v, mask=v_mask, other=0.0)
         m, denom, acc = merge_chunk(m, denom, acc, lse, o)
-    tl.store(out_ptr + b * stride_ot + h * V_DIM + offs_v, (acc / denom).to(out_ptr.dtype.element_ty), mask=v_mask)
+    out = acc / tl.maximum(denom, 1e-30)
+    tl.store(out_ptr + b * stride_ot + h * V_DIM + offs_v, out.to(out_ptr.dtype.element_ty), mask=v_mask)
 
 
 def shared_decode_kernel_params(
@@ -233,7 +239,7 @@ def shared_decode_attention_fwd(
     mid_o = torch.empty((batch_size, num_heads, plan.max_partials, v_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch_size, num_heads, plan.max_partials), dtype=torch.float32, device=q.device)
     _shared_decode_kernel[(plan.items.shape[0], num_kv_heads)](
-        q, k_buffer, v_buffer, cos_sin_cache, req_to_token, plan.items, plan.members, mid_o, mid_lse,
+        q, k_buffer, v_buffer, cos_sin_cache, req_to_token, plan.items, plan.members, plan.num_items, mid_o, mid_lse,
         sm_scale * LOG2E,
         q.stride(0), k_buffer.stride(0), v_buffer.stride(0), req_to_token.stride(0), cos_sin_cache.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

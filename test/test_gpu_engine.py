@@ -51,8 +51,8 @@ def test_cuda_engine_matches_cpu_float32(tiny_model, page_size):
 
 
 SHARED_DOCS = [
-    "Position-free keys are rotated inside attention, from each request's own positions, so one copy serves all. " * 3,
-    "The capital of France is Paris, the capital of Japan is Tokyo, and the capital of Italy is Rome. " * 3,
+    "Position-free keys are rotated inside attention, from each request's own positions, so one copy serves all.",
+    "The capital of France is Paris, the capital of Japan is Tokyo, and the capital of Italy is Rome.",
 ]
 
 
@@ -78,6 +78,7 @@ def test_shared_decode_matches_cpu_float32_without_waiting_for_the_gpu(tiny_llam
         sched._launch = strict_launch
         got = [o["output_ids"] for o in gpu.generate(prompts, GREEDY)]
         assert gpu.get_stats()["shared_decode_steps"] >= GREEDY["max_new_tokens"] // 2
+        assert gpu.runner.graph_runner.num_shared_replays >= GREEDY["max_new_tokens"] // 2  # in their graphs
     assert got == expected
 
 

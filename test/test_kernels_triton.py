@@ -330,6 +330,32 @@ def _child_main() -> None:
                 "drafts_accepted_and_rejected": 0 < worker.stats.accepted_drafts < worker.stats.draft_tokens,
             }
 
+    def shared_decode_static_plan_case():
+        """A step's plan loaded into a CUDA graph's static plan (more item rows than live ones, a padded request)
+        gives the plan's own outputs, and zeros for the padded request."""
+        from sglang_pic.kernels.shared_decode import shared_decode_attention_fwd
+        from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings, StaticSharedPlan, plan_shared_decode
+
+        lens, padded = [40, 77, 64], 4
+        batch = pb.make_paged_batch([pb.decode(n) for n in lens], 4, 2, 32, torch.float32, "cpu", page_size=16)
+        runs = batch.share_keys([(1, 10, 20, [(0, 0), (2, 40)])])
+        settings = SharedDecodeSettings(members=2, min_chunk=8, target_items=12, max_read=1.0)
+        plan = plan_shared_decode(batch.req_pool_indices.tolist(), lens, runs, settings, "cpu")
+        static = StaticSharedPlan.allocate(8, settings.members, torch.device("cpu"))  # a runner's, up to 8 requests
+        static.load(plan, len(lens), padded)
+        q = torch.cat([batch.q, torch.randn(padded - len(lens), 4, 32)])
+        out = torch.full((padded, 4, 32), float("nan"))
+        shared_decode_attention_fwd(q, batch.k_buffer, batch.v_buffer, out, batch.req_to_token, static.view(padded),
+                                    batch.kernel_cos_sin, batch.sm_scale)
+        return {
+            "dtype": "float32",
+            "nan": bool(out.isnan().any()),
+            "fits": static.fits(plan, padded),
+            "spare_rows": static.view(padded).items.shape[0] - plan.items.shape[0],
+            "vs_reference": relative_errors(out[: len(lens)], attention_reference(*batch.attention_args())),
+            "padded_zero": bool((out[len(lens) :] == 0).all()),
+        }
+
     def shared_decode_engine_case():
         """Requests holding the same cached spans at different offsets decode through the shared kernel in the
         engine (Triton backend), also with tp_size 2 (the plan travels to the follower); greedy tokens equal
@@ -433,6 +459,7 @@ def _child_main() -> None:
         "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),
         "kivi_engine": kivi_engine_case,
         "shared_decode_engine": shared_decode_engine_case,
+        "shared_decode_static_plan": shared_decode_static_plan_case,
         "warm_up": warm_up_case,
         "warm_up_coverage": warm_up_coverage_case,
     }
@@ -599,7 +626,7 @@ GRAPH_CASES = ["backend_graph_padded_extend", "stage_decision"]
 WARM_UP_CASES = ["warm_up", "warm_up_coverage"]
 KIVI_CASES = ["kivi_gqa_fp32", "kivi_group3_partial_rotary_vdim16_bf16"]
 KIVI_ENGINE_CASES = ["kivi_engine"]
-ENGINE_CASES = ["shared_decode_engine"]
+ENGINE_CASES = ["shared_decode_engine", "shared_decode_static_plan"]
 
 
 def test_every_case_is_checked(report: dict) -> None:
@@ -652,6 +679,13 @@ def test_shared_decode_in_the_engine_gives_the_same_tokens(report: dict) -> None
     assert entry["identical"]
     assert entry["shared_steps"] > 0 and entry["keys_saved"] > 0  # the shared kernel ran and skipped repeats
     assert entry["per_request_shared_steps"] == 0  # --disable-shared-decode keeps the per-request kernel
+
+
+def test_shared_decode_static_plan_keeps_the_live_rows(report: dict) -> None:
+    entry = _entry(report, "shared_decode_static_plan")
+    assert entry["fits"] and entry["spare_rows"] > 0  # the grid covers more item rows than the step has
+    _assert_close("shared_decode_static_plan", "vs float64 reference", entry["vs_reference"], TOLERANCE["float32"])
+    assert entry["padded_zero"]
 
 
 def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:

@@ -121,7 +121,7 @@ class BatchReceiver:
         dist.broadcast(lengths, 0, group=self.cpu_group)
         num_items, num_members = plan_sizes[:2]
         decodes = batch_size if ForwardMode(mode).is_decode() else decode_tail
-        plan_len = (num_items * ITEM_FIELDS + num_members * MEMBER_FIELDS + decodes) if num_items else 0
+        plan_len = (num_items * ITEM_FIELDS + num_members * MEMBER_FIELDS + decodes + 1) if num_items else 0
         sizes = [num_tokens] * 4 + [batch_size] * 4 + [num_logits, entries, plan_len]
         payload = torch.empty(sum(sizes), dtype=I64, device=self.runner.device)
         dist.broadcast(payload, 0, group=self.device_group)

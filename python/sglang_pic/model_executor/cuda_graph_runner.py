@@ -2,7 +2,9 @@
 
 Decode: one graph per padded batch size. Padded rows point at the request table's padding row (every slot 0, the
 dummy KV slot) with seq_len 1, so they attend to one harmless key and write their KV into slot 0. The attention
-backend's decode grid depends only on the batch size, so one capture serves every context length.
+backend's decode grid depends only on the batch size, so one capture serves every context length. With shared
+decode (kernels/shared_decode.py) each batch size has a second graph, whose attention reads a static plan sized
+by the batch size; a step whose plan fits replays it, any other the per-request graph.
 
 Extend: one graph per padded token count for a single request, the step of a prompt whose spans and prefix are
 cached. Eager, that step launches ~1,700 kernels for a few dozen new tokens and its launch time exceeds its GPU time.
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_pic.kernels.shared_decode_plan import StaticSharedPlan
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -127,7 +130,10 @@ class CudaGraphRunner:
         req_to_token_pool,
         attn_backend,
         pool=None,
+        shared_members: int | None = None,
     ) -> None:
+        """`shared_members`: members_per_item of the engine's shared decode plans, whose graphs are captured too
+        (None: only per-request decode graphs)."""
         self.runner = runner
         self.batch_sizes = batch_sizes
         self.extend_sizes = extend_sizes
@@ -136,9 +142,14 @@ class CudaGraphRunner:
         pad, dev = req_to_token_pool.padding_row, runner.device
         self.decode_inputs = StaticInputs.allocate(max(batch_sizes, default=0), max(batch_sizes, default=0), pad, dev)
         self.extend_inputs = StaticInputs.allocate(max(extend_sizes, default=0), 1, pad, dev)
-        self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
+        self.shared_plan = None
+        if shared_members is not None and batch_sizes:
+            self.shared_plan = StaticSharedPlan.allocate(max(batch_sizes), shared_members, dev)
+        # (mode, padded size, shared decode) -> graph and its output
+        self.graphs: dict[tuple[ForwardMode, int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[ForwardMode, int, bool], torch.Tensor] = {}
         self.num_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}
+        self.num_shared_replays = 0  # decode replays that read a shared decode plan
         self.pool = pool
         self._capture_all()
 
@@ -153,6 +164,7 @@ class CudaGraphRunner:
             capture_extend_sizes(args.cuda_graph_max_extend_tokens),
             runner.req_to_token_pool,
             runner.attn_backend,
+            shared_members=runner.shared_decode.members if runner.shared_decode is not None else None,
         )
 
     def _inputs(self, mode: ForwardMode) -> StaticInputs:
@@ -165,8 +177,10 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         gc.disable()
         try:
-            keys = [(ForwardMode.DECODE, bs) for bs in self.batch_sizes]
-            keys += [(ForwardMode.EXTEND, n) for n in self.extend_sizes]
+            keys = [(ForwardMode.DECODE, bs, False) for bs in self.batch_sizes]
+            if self.shared_plan is not None:
+                keys += [(ForwardMode.DECODE, bs, True) for bs in self.batch_sizes]
+            keys += [(ForwardMode.EXTEND, n, False) for n in self.extend_sizes]
             stream = torch.cuda.Stream()
             for key in reversed(keys):
                 self._capture(key, stream)
@@ -174,14 +188,15 @@ class CudaGraphRunner:
         finally:
             gc.enable()
         logger.info(
-            "captured CUDA graphs for decode batch sizes %s and one-request extends of %s tokens (%s)",
+            "captured CUDA graphs for decode batch sizes %s%s and one-request extends of %s tokens (%s)",
             self.batch_sizes,
+            " (each also with shared decode)" if self.shared_plan is not None else "",
             self.extend_sizes,
             type(self.attn_backend).__name__,
         )
 
-    def _capture(self, key: tuple[ForwardMode, int], stream: torch.cuda.Stream) -> None:
-        mode, size = key
+    def _capture(self, key: tuple[ForwardMode, int, bool], stream: torch.cuda.Stream) -> None:
+        mode, size, shared = key
         inputs = self._inputs(mode)
         if not mode.is_decode():
             inputs.extend_seq_lens.fill_(size)  # the warm-up runs attend with every row
@@ -193,6 +208,8 @@ class CudaGraphRunner:
             self.runner.token_to_kv_pool,
             self.attn_backend,
         )
+        if shared:
+            batch.shared_decode = self.shared_plan.view(size)
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the kernels and settle the allocator before capture
                 self.attn_backend.init_forward_metadata(batch)
@@ -207,7 +224,7 @@ class CudaGraphRunner:
         self.graphs[key] = graph
         self.outputs[key] = out
 
-    def _padded_key(self, batch: ForwardBatch) -> tuple[ForwardMode, int] | None:
+    def _padded_key(self, batch: ForwardBatch) -> tuple[ForwardMode, int, bool] | None:
         if batch.forward_mode.is_decode():
             sizes, raw = self.batch_sizes, batch.batch_size
         elif batch.batch_size == 1 and batch.num_decode_tail == 0:
@@ -215,16 +232,22 @@ class CudaGraphRunner:
         else:
             return None
         i = bisect.bisect_left(sizes, raw)
-        return (batch.forward_mode, sizes[i]) if i < len(sizes) else None
+        if i == len(sizes):
+            return None
+        plan = batch.shared_decode
+        shared = plan is not None and self.shared_plan is not None and self.shared_plan.fits(plan, sizes[i])
+        return batch.forward_mode, sizes[i], shared
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Whether a graph replays `batch`: one of its size was captured, and its decodes read keys per request."""
-        return batch.shared_decode is None and self._padded_key(batch) is not None
+        return self._padded_key(batch) is not None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         key = self._padded_key(batch)
-        mode, padded = key
+        mode, padded, shared = key
         self._inputs(mode).load(batch, padded, self.req_to_token_pool.padding_row)
+        if shared:
+            self.shared_plan.load(batch.shared_decode, batch.batch_size, padded)
+            self.num_shared_replays += 1
         self.graphs[key].replay()
         self.num_replays[mode] += 1
         return self.outputs[key][: batch.input_ids.shape[0]]
