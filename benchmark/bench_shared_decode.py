@@ -134,8 +134,7 @@ def bench_engine(args: argparse.Namespace, batch_size: int, span: int) -> list[d
             outs = engine.generate(prompts, params)
             wall = perf_counter() - start
             after = engine.get_stats()
-            graphs = engine.runner.graph_runner
-            shared_replays = graphs.num_shared_replays if graphs is not None else 0
+            shared_replays = getattr(engine.runner.graph_runner, "num_shared_replays", 0)
         finally:
             engine.shutdown()
         outputs[disabled] = [o["output_ids"] for o in outs]

@@ -16,6 +16,7 @@ ITEM_FIELDS = 6  # row, first key (column of the row), key count, index of the f
 MEMBER_FIELDS = 3  # decode row, query rotation (position - run start), partial slot
 MAX_QUERY_ROWS = 64  # member queries x GQA group per program
 MAX_READ = 0.75  # a step shares its keys when that leaves at most this fraction of a per-request kernel's reads
+MIN_SHARED_KEYS = 1024  # GPU: shorter runs cost more in programs of their own than their repeated reads
 # Static plans of CUDA graphs: items per request (plus a constant) and partial outputs per request they hold.
 ITEMS_PER_REQUEST, EXTRA_ITEMS, PARTIALS_CAPACITY = 4, 128, 32
 
@@ -113,23 +114,27 @@ def members_per_item(group: int) -> int:
 
 @dataclass(frozen=True)
 class SharedDecodeSettings:
-    """How an engine cuts its steps (see plan_shared_decode); `max_read`: the largest fraction of a per-request
-    kernel's key reads a plan may keep, else the step reads keys per request (and may replay a CUDA graph)."""
+    """How an engine cuts its steps (see plan_shared_decode). `min_shared`: the shortest run read once for its
+    holders (a shorter one is read by each, with the keys around it); `max_read`: the largest fraction of a
+    per-request kernel's key reads a plan may keep, else the step reads keys per request."""
 
     members: int
     min_chunk: int
     target_items: int
     max_read: float
+    min_shared: int = 1
 
     @classmethod
     def for_model(cls, num_heads: int, num_kv_heads: int, num_sms: int, device: torch.device) -> SharedDecodeSettings:
-        """About four programs per SM; chunks of at least 256 keys on a GPU (shorter ones are not worth a program),
-        16 on the CPU interpreter so small tests cut runs too."""
+        """About four programs per SM; on a GPU chunks of at least 256 keys (shorter ones are not worth a program)
+        and shared runs of at least MIN_SHARED_KEYS; 16 and 8 on the CPU interpreter so small tests share too."""
+        gpu = device.type == "cuda"
         return cls(
             members=members_per_item(num_heads // num_kv_heads),
-            min_chunk=256 if device.type == "cuda" else 16,
+            min_chunk=256 if gpu else 16,
             target_items=max(1, 4 * num_sms // num_kv_heads),
             max_read=MAX_READ,
+            min_shared=MIN_SHARED_KEYS if gpu else 8,
         )
 
 
@@ -139,15 +144,23 @@ def plan_shared_decode(
 ) -> SharedDecodePlan | None:
     """The work of one decode step, or None when sharing would keep more than `settings.max_read` of the reads.
 
-    Request b (row `rows[b]`, query at seq_lens[b] - 1) sees keys [0, seq_lens[b]) and lists its shared runs in
-    `runs[b]` (sorted, disjoint, inside its keys); the keys between and after them are its private runs. Runs are
-    cut into chunks of equal bound, at least `min_chunk` keys, so that the step has about `target_items` of them;
-    a group's requests go `members` per item."""
+    Request b (row `rows[b]`, query at seq_lens[b] - 1) sees keys [0, seq_lens[b]) and lists the runs it may share
+    in `runs[b]` (sorted, disjoint, inside its keys). A run of at least `min_shared` keys that another request of
+    the step holds too is shared; every other key is in its request's private runs, the stretches between shared
+    runs. Runs are cut into chunks of equal bound, at least `min_chunk` keys, so that the step has about
+    `target_items` of them; a group's requests go `members` per item."""
+    holders: dict[tuple, int] = {}
+    for request_runs in runs:
+        for run in request_runs:
+            if run.length >= settings.min_shared:
+                holders[(run.key, run.length)] = holders.get((run.key, run.length), 0) + 1
     groups: dict[tuple, list[tuple[int, int]]] = {}  # (key, length) -> [(request, run start)]
     private: list[tuple[int, int, int]] = []  # (request, start, length)
     for b, (request_runs, seq_len) in enumerate(zip(runs, seq_lens)):
         at = 0
         for run in request_runs:
+            if holders.get((run.key, run.length), 0) < 2:
+                continue
             if run.start > at:
                 private.append((b, at, run.start - at))
             groups.setdefault((run.key, run.length), []).append((b, run.start))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,6 +68,8 @@ def test_shared_decode_matches_cpu_float32_without_waiting_for_the_gpu(tiny_llam
         cpu.generate(prompts[:1], GREEDY)
         expected = [o["output_ids"] for o in cpu.generate(prompts, GREEDY)]
     with Engine(device="cuda", attention_backend="triton", **common) as gpu:
+        # the tiny model's spans are far shorter than the runs a GPU shares by default
+        gpu.runner.shared_decode = dataclasses.replace(gpu.runner.shared_decode, min_shared=8)
         gpu.generate(prompts[:1], GREEDY)  # caches both spans
         sched = gpu.scheduler
         launch = sched._launch

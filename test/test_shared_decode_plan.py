@@ -72,6 +72,18 @@ def test_no_plan_when_sharing_saves_too_little():
     assert plan_shared_decode([0, 1], [12, 12], other, SharedDecodeSettings(4, 16, 8, max_read=0.99), "cpu") is None
 
 
+def test_short_runs_and_runs_no_other_request_holds_are_read_with_the_private_keys():
+    # "doc" (20 keys) is shared; "note" (4 keys, below min_shared) and "solo" (one holder) are not
+    runs = [[KeyRun("note", 0, 4), KeyRun("doc", 4, 20), KeyRun("solo", 30, 10)], [KeyRun("note", 2, 4),
+            KeyRun("doc", 10, 20)]]
+    settings = SharedDecodeSettings(members=4, min_chunk=1000, target_items=1, max_read=1.0, min_shared=8)
+    plan = plan_shared_decode([0, 1], [45, 33], runs, settings, "cpu")
+    items = _items(plan)
+    assert [(it[0], it[1], it[2], it[5]) for it in items if it[5] == 2] == [(0, 4, 20, 2)]
+    private = sorted((it[0], it[1], it[2]) for it in items if it[5] == 1)
+    assert private == [(0, 0, 4), (0, 24, 21), (1, 0, 10), (1, 30, 3)]  # "solo" is inside request 0's tail
+
+
 def test_flat_round_trip():
     runs = [[KeyRun("x", 0, 5)], [KeyRun("x", 3, 5)], []]
     plan = plan_shared_decode([4, 5, 6], [9, 11, 4], runs, EVERY_STEP, "cpu")

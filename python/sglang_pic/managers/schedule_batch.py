@@ -140,7 +140,10 @@ def shared_decode_plan(reqs: list[Req], seq_lens: list[int], runner) -> SharedDe
     settings = runner.shared_decode
     if settings is None or len(reqs) < 2:
         return None
-    runs = [[KeyRun(s.lock_node, s.start, s.cached) for s in r.segments if s.cached] for r in reqs]
+    shortest = settings.min_shared
+    runs = [[KeyRun(s.lock_node, s.start, s.cached) for s in r.segments if s.cached >= shortest] for r in reqs]
+    if sum(map(bool, runs)) < 2:
+        return None
     rows = [r.req_pool_idx for r in reqs]
     return plan_shared_decode(rows, seq_lens, runs, settings, runner.device)
 
