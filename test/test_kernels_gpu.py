@@ -82,7 +82,7 @@ SHARED_DECODE_CASES = {
     # (preface lengths, shared span length, private tail): every request holds the span at its own offset
     "b64_span4k": (_ragged(64, 10, 600, 41), 4096, 64),
     "b8_span16k": (_ragged(8, 1, 3000, 42), 16384, 300),
-    "b200_span700": (_ragged(200, 0, 50, 43), 700, 1),
+    "b200_span1100": (_ragged(200, 0, 50, 43), 1100, 1),
 }
 
 
