@@ -213,6 +213,16 @@ def shared_decode_kernel_params(
     return attend, merge
 
 
+def alloc_shared_buffers(
+    q: torch.Tensor, plan: SharedDecodePlan, v_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs [B, Hq, max_partials, Dv] and their base-2 log-sum-exps, float32, for the queries q."""
+    batch_size, num_heads, _ = q.shape
+    mid_o = torch.empty((batch_size, num_heads, plan.max_partials, v_head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch_size, num_heads, plan.max_partials), dtype=torch.float32, device=q.device)
+    return mid_o, mid_lse
+
+
 def shared_decode_attention_fwd(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -222,9 +232,10 @@ def shared_decode_attention_fwd(
     plan: SharedDecodePlan,
     cos_sin_cache: torch.Tensor,
     sm_scale: float,
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out [B, Hq, Dv] for the decode queries q [B, Hq, D] (unrotated; row b of the plan's requests), keys
-    position-free in the pool. Partials live in float32 buffers allocated here ([B, Hq, max_partials, Dv])."""
+    position-free in the pool. The partials go to `buffers` (alloc_shared_buffers; allocated here if None)."""
     batch_size, num_heads, head_dim = q.shape
     if batch_size == 0:
         return
@@ -235,9 +246,7 @@ def shared_decode_attention_fwd(
     if plan.members_per_item * attend["GROUP"] > attend["BLOCK_M"]:
         raise ValueError(f"the plan puts {plan.members_per_item} requests in an item; the kernel takes "
                          f"{attend['BLOCK_M'] // attend['GROUP']} (members_per_item)")
-    v_dim = split.v_head_dim
-    mid_o = torch.empty((batch_size, num_heads, plan.max_partials, v_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch_size, num_heads, plan.max_partials), dtype=torch.float32, device=q.device)
+    mid_o, mid_lse = buffers or alloc_shared_buffers(q, plan, split.v_head_dim)
     _shared_decode_kernel[(plan.items.shape[0], num_kv_heads)](
         q, k_buffer, v_buffer, cos_sin_cache, req_to_token, plan.items, plan.members, plan.num_items, mid_o, mid_lse,
         sm_scale * LOG2E,

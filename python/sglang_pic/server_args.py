@@ -150,8 +150,8 @@ class ServerArgs:
     disable_shared_decode: bool = _arg(
         False,
         "Triton backend: read a cached run of KV (a span, a system prompt) once per decode step for all running "
-        "requests that hold it, at whatever offset, rather than once per request. Steps where that saves little "
-        "keep their CUDA graphs.",
+        "requests that hold it, at whatever offset, rather than once per request (on a GPU, runs of 1024+ "
+        "tokens; steps where that saves little read keys per request). This flag turns it off.",
     )
     cuda_graph_max_extend_tokens: int = _arg(
         256,

@@ -15,7 +15,7 @@ import torch
 
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, decode_attention_fwd, num_kv_splits
 from sglang_pic.kernels.extend_attention import extend_attention_fwd, extend_variants
-from sglang_pic.kernels.shared_decode import shared_decode_attention_fwd
+from sglang_pic.kernels.shared_decode import alloc_shared_buffers, shared_decode_attention_fwd
 from sglang_pic.kernels.stage_keys import StagedKeys, key_row_starts, should_stage_keys, stage_keys
 from sglang_pic.kernels.store_kv import store_kv
 from sglang_pic.layers.attention_backend import AttentionBackend
@@ -42,7 +42,9 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         meta = forward_batch.attn_metadata
         decodes = forward_batch.num_decodes
-        if decodes and forward_batch.shared_decode is None:
+        if decodes and forward_batch.shared_decode is not None:
+            meta["shared_buffers"] = None  # allocated by the first layer, shared by all layers of the batch
+        elif decodes:
             device = forward_batch.seq_lens.device
             kv_heads = forward_batch.token_to_kv_pool.head_num
             meta["max_kv_splits"] = num_kv_splits(decodes, kv_heads, self.sm_count(device))
@@ -99,9 +101,11 @@ class TritonAttnBackend(AttentionBackend):
                 staged_keys=self._staged_keys(fb, extends, k_buf, cos_sin, layer.num_heads // layer.num_kv_heads),
             )
         if decodes and fb.shared_decode is not None:
+            if fb.attn_metadata["shared_buffers"] is None:  # allocated by the first layer, shared by all
+                fb.attn_metadata["shared_buffers"] = alloc_shared_buffers(q3[rows:], fb.shared_decode, layer.v_head_dim)
             shared_decode_attention_fwd(
                 q3[rows:], k_buf, v_buf, out[rows:], fb.req_to_token_pool.req_to_token, fb.shared_decode, cos_sin,
-                layer.scaling,
+                layer.scaling, fb.attn_metadata["shared_buffers"],
             )
         elif decodes:
             mid_o, mid_lse = self._decode_buffers(fb, decodes, layer, q.device)
