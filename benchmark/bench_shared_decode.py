@@ -1,13 +1,15 @@
 """What reading a shared span's KV once per decode step buys (kernels/shared_decode.py).
 
 Every request holds the same cached span at its own offset: a private preface of 64-511 tokens, the span, a private
-question and its answer so far (64 tokens). Two parts:
+question and its answer so far (64 tokens). Three parts:
   kernel  decode attention of one step over a paged batch laid out like that, per-request kernel (flash-decoding,
           every request reads the span) vs the shared kernel (the span read once per step), both replayed from a
           CUDA graph with a cold L2; plus the host time of building the shared plan.
   engine  the offline Engine decoding those requests, with and without --disable-shared-decode: output tokens/s.
+  plan    host time of planning one such step (kernels/shared_decode_plan.py) with a GPU's settings; CPU only.
 
-Usage: python benchmark/bench_shared_decode.py --part kernel --batch-sizes 32,128 --span-lengths 2048,16384
+Usage: python benchmark/bench_shared_decode.py --part plan --batch-sizes 32,128,256 --span-lengths 8192
+       python benchmark/bench_shared_decode.py --part kernel --batch-sizes 32,128 --span-lengths 2048,16384
        python benchmark/bench_shared_decode.py --part engine --model-path CFG_DIR --load-format dummy \
            --dtype bfloat16 --batch-sizes 64 --span-lengths 8192
 """
@@ -36,7 +38,7 @@ PREFACE_RANGE = (64, 512)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("kernel", "engine"), required=True)
+    p.add_argument("--part", choices=("kernel", "engine", "plan"), required=True)
     p.add_argument("--batch-sizes", default="32,128")
     p.add_argument("--span-lengths", default="2048,8192")
     p.add_argument("--heads", type=int, default=32)
@@ -105,6 +107,25 @@ def bench_kernel(args: argparse.Namespace, batch_size: int, span: int) -> dict[s
     }
 
 
+def bench_plan(args: argparse.Namespace, batch_size: int, span: int, repeats: int = 200) -> dict[str, Any]:
+    """Median host time of plan_shared_decode for one step of this layout, with an H200's settings (132 SMs)."""
+    from statistics import median
+
+    from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodeSettings, plan_shared_decode
+
+    rng = random.Random(args.seed + batch_size + span)
+    prefaces = [rng.randrange(*PREFACE_RANGE) for _ in range(batch_size)]
+    lens = [n + span + TAIL_TOKENS for n in prefaces]
+    runs = [[KeyRun("span", n, span)] for n in prefaces]
+    settings = SharedDecodeSettings.for_model(args.heads, args.kv_heads, 132, torch.device("cuda"))
+    times = []
+    for _ in range(repeats):
+        start = perf_counter()
+        plan = plan_shared_decode(list(range(batch_size)), lens, runs, settings, "cpu")
+        times.append(perf_counter() - start)
+    return {"batch": batch_size, "span": span, "plan_host_ms": median(times) * 1e3, "items": plan.items.shape[0]}
+
+
 def bench_engine(args: argparse.Namespace, batch_size: int, span: int) -> list[dict[str, Any]]:
     from sglang_pic import Engine
     from sglang_pic.frontend_lang import pdep
@@ -162,13 +183,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for batch_size in args.batch_sizes:
         for span in args.span_lengths:
-            found = [bench_kernel(args, batch_size, span)] if args.part == "kernel" else bench_engine(
-                args, batch_size, span)
+            if args.part == "engine":
+                found = bench_engine(args, batch_size, span)
+            else:
+                found = [(bench_kernel if args.part == "kernel" else bench_plan)(args, batch_size, span)]
             for row in found:
                 row["device"] = device_name()
                 print(json.dumps(row), flush=True)
             rows += found
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=2))
