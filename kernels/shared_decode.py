@@ -1,8 +1,8 @@
 """Decode attention that reads each shared KV run once for every request holding it, at whatever offset.
 
 Position-free keys let one physical run of KV slots (a cached span, a shared system prompt) sit at different
-logical offsets in many running requests. A per-request decode kernel reads such a run once per request; in a RAG
-batch most of a step's KV bytes are those repeats. Here a step's keys are cut into runs: every group of requests
+logical offsets in many running requests. A per-request decode kernel reads such a run once per request; when many
+requests hold one long document or tool description, most of a step's KV bytes are those repeats. Here a step's keys are cut into runs: every group of requests
 whose rows hold the same slots over a run (`KeyRun.key`) shares one run, and whatever no group covers is a private
 run of one request. One program loads a chunk of a run's keys once and attends to it with the queries of up to
 `members_per_item` of its requests together, which turns the decode's matrix-vector products into small matrix
