@@ -206,6 +206,7 @@ def test_metrics(server):
         "sglang:token_usage",
         "sglang:time_to_first_token_seconds_bucket",
         "sglang:inter_token_latency_seconds_bucket",
+        "sglang:shared_decode_steps_total",
     ):
         assert name in text, name
     generated = [l for l in text.splitlines() if l.startswith("sglang:generation_tokens_total")]

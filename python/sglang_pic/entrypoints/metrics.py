@@ -55,6 +55,11 @@ class _SnapshotCollector:
         yield counter(
             "sglang:num_preemptions", "Number of running requests preempted by more urgent ones.", snap.num_preemptions
         )
+        yield counter(
+            "sglang:shared_decode_steps",
+            "Number of steps whose decodes read each shared KV run once for all requests holding it.",
+            snap.shared_decode_steps,
+        )
         yield gauge("sglang:cache_hit_rate", "Share of prompt tokens served from the cache.", snap.cache_hit_rate)
         yield gauge("sglang:num_running_reqs", "Number of running requests.", snap.num_running_reqs)
         yield gauge("sglang:num_queue_reqs", "Number of requests waiting in the queue.", snap.num_waiting_reqs)

@@ -109,6 +109,7 @@ class SchedulerSnapshot:
     num_retractions: int
     num_steps: int
     num_preemptions: int = 0  # running requests retracted for more urgent ones (priority scheduling)
+    shared_decode_steps: int = 0  # steps whose decodes read shared KV runs once (kernels/shared_decode.py)
     host_cache_tokens: int = 0  # hierarchical cache: tokens whose KV waits in host memory
     host_cache_loaded_tokens: int = 0  # tokens brought back from it to the device
     # VeriCache totals (speculation off: all 0); see speculative/spec_stats.py

@@ -224,6 +224,7 @@ def scheduler_snapshot(sched: "Scheduler", allocator) -> SchedulerSnapshot:
         computed_prefill_tokens=stats.computed_prefill_tokens,
         num_retractions=stats.num_retractions,
         num_preemptions=stats.num_preemptions,
+        shared_decode_steps=stats.shared_decode_steps,
         num_steps=stats.num_steps,
         host_cache_tokens=sched.tree.host_size(),
         host_cache_loaded_tokens=sched.tree.loaded_tokens,
