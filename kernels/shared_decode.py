@@ -2,11 +2,11 @@
 
 Position-free keys let one physical run of KV slots (a cached span, a shared system prompt) sit at different
 logical offsets in many running requests. A per-request decode kernel reads such a run once per request; when many
-requests hold one long document or tool description, most of a step's KV bytes are those repeats. Here a step's keys are cut into runs: every group of requests
-whose rows hold the same slots over a run (`KeyRun.key`) shares one run, and whatever no group covers is a private
-run of one request. One program loads a chunk of a run's keys once and attends to it with the queries of up to
-`members_per_item` of its requests together, which turns the decode's matrix-vector products into small matrix
-products on the tensor cores.
+requests hold one long document or tool description, most of a step's KV bytes are those repeats. Here a step's
+keys are cut into runs: every group of requests whose rows hold the same slots over a run (`KeyRun.key`) shares one
+run, and whatever no group covers is a private run of one request. One program loads a chunk of a run's keys once
+and attends to it with the queries of up to `members_per_item` of its requests together, which turns the decode's
+matrix-vector products into small matrix products on the tensor cores.
 
 The offsets differ per request, so the rotation is split: for a query at position p and a run starting at o in
 its request, key j of the run sits at o + j and RoPE's score is

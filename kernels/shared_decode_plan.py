@@ -24,7 +24,7 @@ ITEMS_PER_REQUEST, EXTRA_ITEMS, PARTIALS_CAPACITY = 4, 128, 32
 @dataclass(frozen=True)
 class KeyRun:
     """Keys [start, start + length) of one decode request. Requests with runs of the same `key` and length hold the
-    same KV slots over them (the caller guarantees it; the engine keys a cached segment by its radix node)."""
+    same KV slots over them (the caller guarantees it; the engine names a run by the radix node that ends it)."""
 
     key: Hashable
     start: int

@@ -383,9 +383,20 @@ def _child_main() -> None:
                 e.generate(prompts[:1], params)  # caches both spans: the batch below finds them
                 outs[name] = [o["output_ids"] for o in e.generate(prompts, params)]
                 stats[name] = e.get_stats()
+        # no markers: a common system prompt before different questions is one tree node all of them hold
+        system = "You answer questions about the sea, the town by it and the fishermen who live there. " * 2
+        plain = [system + q for q in ("Who fishes?", "Where is the town?", "When do the boats leave in the morning?")]
+        plain_outs = {}
+        for name, kw in [("torch_native", {}), ("shared", dict(attention_backend="triton"))]:
+            with Engine(**common, **kw) as e:
+                e.generate(plain[:1], params)
+                plain_outs[name] = [o["output_ids"] for o in e.generate(plain, params)]
+                stats[f"plain_{name}"] = e.get_stats()
         return {
             "dtype": "float32",
             "nan": False,
+            "plain_identical": plain_outs["shared"] == plain_outs["torch_native"],
+            "plain_shared_steps": stats["plain_shared"]["shared_decode_steps"],
             "identical": outs["shared"] == outs["torch_native"] == outs["per_request"] == outs["tp2"],
             "shared_steps": min(stats["shared"]["shared_decode_steps"], stats["tp2"]["shared_decode_steps"]),
             "keys_saved": stats["shared"]["decode_keys_saved"],
@@ -679,6 +690,7 @@ def test_shared_decode_in_the_engine_gives_the_same_tokens(report: dict) -> None
     assert entry["identical"]
     assert entry["shared_steps"] > 0 and entry["keys_saved"] > 0  # the shared kernel ran and skipped repeats
     assert entry["per_request_shared_steps"] == 0  # --disable-shared-decode keeps the per-request kernel
+    assert entry["plain_identical"] and entry["plain_shared_steps"] > 0  # a common system prompt, no markers
 
 
 def test_shared_decode_static_plan_keeps_the_live_rows(report: dict) -> None:

@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodePlan, SharedDecodeSettings, plan_shared_decode
+from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.managers.schedule_batch import decode_runs
+from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
+from sglang_pic.radix_ext import RadixCache, RadixKey
+from sglang_pic.sampling.sampling_params import SamplingParams
 
 EVERY_STEP = SharedDecodeSettings(members=4, min_chunk=1000, target_items=1, max_read=1.0)
 
@@ -91,3 +96,48 @@ def test_flat_round_trip():
     for name in ("items", "members", "counts"):
         assert torch.equal(getattr(again, name), getattr(plan, name))
     assert (again.max_partials, again.members_per_item) == (plan.max_partials, plan.members_per_item)
+
+
+def _cached_request(tree: RadixCache, segments: list[tuple[str, list[int]]]) -> Req:
+    """A request whose segments are all in the tree, locked as admission locks them."""
+    segs, start = [], 0
+    for kind, tokens in segments:
+        seg = ReqSegment(kind, tokens, None if kind == "prefix" else f"span:{kind}", start=start)
+        match = tree.match_prefix(seg.key())
+        seg.lock_node, seg.cached, seg.done = match.last_node, len(tokens), len(tokens)
+        segs.append(seg)
+        start += len(tokens)
+    return Req(rid=str(id(segs)), segments=segs, sampling_params=SamplingParams(), prompt_len=start)
+
+
+def test_requests_share_the_tree_nodes_they_have_in_common():
+    tree = RadixCache(TokenToKVPoolAllocator(1024, 1, "cpu"), 1)
+    system, doc = list(range(100, 140)), list(range(200, 230))
+    q1, q2, q3 = [1, 2, 3], [4, 5, 6, 7], [8, 9]
+    for key, n in ((system + q1, 43), (system + q2, 44), (system + q3, 42)):
+        tree.insert(RadixKey(tuple(key)), torch.arange(n) + 1)
+    tree.insert(RadixKey(tuple(doc), "span:doc"), torch.arange(30) + 500)
+    a = _cached_request(tree, [("prefix", system + q1), ("doc", doc)])
+    b = _cached_request(tree, [("prefix", system + q2)])
+    c = _cached_request(tree, [("prefix", system + q3), ("doc", doc)])
+    runs = decode_runs([a, b, c], shortest=8)
+    # the system prompt is one node all three hold; each question is a node of its own; the doc span is shared
+    system_node = a.segments[0].lock_node.parent
+    assert [r.key for r in runs[0]] == [system_node, a.segments[0].lock_node, a.segments[1].lock_node]
+    assert [(r.start, r.length) for r in runs[0]] == [(0, 40), (40, 3), (43, 30)]
+    assert [(r.key, r.start, r.length) for r in runs[1]] == [(system_node, 0, 40), (b.segments[0].lock_node, 40, 4)]
+    assert runs[2][2] == KeyRun(c.segments[1].lock_node, 42, 30)  # the same doc node, at another offset than in a
+    settings = SharedDecodeSettings(members=4, min_chunk=1000, target_items=1, max_read=1.0, min_shared=8)
+    plan = plan_shared_decode([0, 1, 2], [44, 45, 73], runs, settings, "cpu")
+    assert sorted(it[5] for it in plan.items.tolist() if it[5] > 1) == [2, 3]  # doc by a and c, system by all
+
+
+def test_nodes_held_by_the_same_requests_stay_one_run():
+    tree = RadixCache(TokenToKVPoolAllocator(1024, 1, "cpu"), 1)
+    doc = list(range(300, 350))
+    tree.insert(RadixKey(tuple(doc[:20])), torch.arange(20) + 1)  # an older, shorter insert splits the path
+    tree.insert(RadixKey(tuple(doc)), torch.arange(50) + 1)
+    a = _cached_request(tree, [("prefix", doc)])
+    b = _cached_request(tree, [("prefix", doc)])
+    assert not a.segments[0].lock_node.parent.is_root  # two nodes on the path
+    assert decode_runs([a, b], shortest=8) == [[KeyRun(a.segments[0].lock_node, 0, 50)]] * 2

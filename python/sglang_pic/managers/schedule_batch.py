@@ -133,19 +133,65 @@ class _Columns:
 
 
 def shared_decode_plan(reqs: list[Req], seq_lens: list[int], runner) -> SharedDecodePlan | None:
-    """The decodes' keys as runs the kernel may read once for several requests (kernels/shared_decode.py), or None.
-
-    A segment's first `cached` tokens hold the slots of the tree path ending at its lock node, so two requests
-    locking the same node over as many tokens hold the same KV there, whatever their offsets."""
+    """The decodes' keys as runs the kernel may read once for several requests (kernels/shared_decode.py), or None."""
     settings = runner.shared_decode
     if settings is None or len(reqs) < 2:
         return None
-    shortest = settings.min_shared
-    runs = [[KeyRun(s.lock_node, s.start, s.cached) for s in r.segments if s.cached >= shortest] for r in reqs]
+    runs = decode_runs(reqs, settings.min_shared)
     if sum(map(bool, runs)) < 2:
         return None
     rows = [r.req_pool_idx for r in reqs]
     return plan_shared_decode(rows, seq_lens, runs, settings, runner.device)
+
+
+def decode_runs(reqs: list[Req], shortest: int) -> list[list[KeyRun]]:
+    """Each request's tree-owned keys as runs that name their slots, for segments with `shortest`+ cached tokens.
+
+    A segment's first `cached` tokens hold the slots of the tree path ending at its lock node, whatever the offset.
+    The path is cut at its nodes, so requests that share only its first nodes (a system prompt before different
+    questions) share those; consecutive nodes with as many holders in the batch stay one run (every holder of the
+    deeper one holds the other), named by the deeper node and its length."""
+    paths: list[list[tuple[int, list[tuple[object, int]]]]] = []
+    holders: dict[object, int] = {}
+    for req in reqs:
+        mine = []
+        for seg in req.segments:
+            if seg.cached >= shortest:
+                nodes = _tree_path(seg)
+                mine.append((seg.start, nodes))
+                for node, _ in nodes:
+                    holders[node] = holders.get(node, 0) + 1
+        paths.append(mine)
+    runs: list[list[KeyRun]] = []
+    for mine in paths:
+        request_runs = []
+        for at, nodes in mine:
+            i = 0
+            while i < len(nodes):
+                node, length = nodes[i]
+                count = holders[node]
+                while i + 1 < len(nodes) and holders[nodes[i + 1][0]] == count:
+                    i += 1
+                    node, length = nodes[i][0], length + nodes[i][1]
+                request_runs.append(KeyRun(node, at, length))
+                at += length
+                i += 1
+        runs.append(request_runs)
+    return runs
+
+
+def _tree_path(seg) -> list[tuple[object, int]]:
+    """(node, tokens) from the segment's tree root down to its lock node; the lock node alone if the path does not
+    add up to the segment's cached tokens."""
+    nodes = []
+    node = seg.lock_node
+    while not node.is_root:
+        nodes.append((node, len(node.key)))
+        node = node.parent
+    if sum(n for _, n in nodes) != seg.cached:
+        return [(seg.lock_node, seg.cached)]
+    nodes.reverse()
+    return nodes
 
 
 def build_forward_batch(plan: StepPlan, runner, next_input_ids: torch.Tensor) -> ForwardBatch:
