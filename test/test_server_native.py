@@ -213,6 +213,21 @@ def test_metrics(server):
     assert float(generated[0].rsplit(" ", 1)[1]) >= 8
 
 
+def test_profile_routes(server, tmp_path):
+    started = server.post("/start_profile", json={"output_dir": str(tmp_path), "activities": ["CPU"]})
+    assert started.status_code == 200 and str(tmp_path) in started.text
+    assert "already running" in server.post("/start_profile").text
+    server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY})
+    stopped = server.post("/stop_profile")
+    assert stopped.status_code == 200
+    assert [p.name for p in tmp_path.glob("*.trace.json.gz")] and str(tmp_path) in stopped.text
+    assert server.post("/stop_profile").status_code == 400
+    for body, needle in (({"bogus": 1}, "may hold only"), ({"activities": ["TPU"]}, "activities")):
+        refused = server.post("/start_profile", json=body)
+        assert refused.status_code == 400 and needle in refused.text
+    assert server.post("/start_profile", data=b"{not json").status_code == 400
+
+
 def test_concurrent_non_streaming_requests(server):
     results: list = [None] * 6
 

@@ -238,6 +238,24 @@ class Engine:
         self.server_args.model_path = model_path
         return True, message
 
+    def start_profile(
+        self,
+        output_dir: str | None = None,
+        num_steps: int | None = None,
+        activities: list[str] | None = None,
+        record_shapes: bool = False,
+    ) -> str:
+        """SGLang's: record torch.profiler over the coming steps (all until stop_profile, or `num_steps`); returns
+        the Chrome trace's path (in output_dir, else $SGLANG_TORCH_PROFILER_DIR or /tmp). activities: "CPU",
+        "GPU". ValueError names a bad argument."""
+        with self._lock:
+            return self._live().profiler.start(output_dir, num_steps, activities, record_shapes)
+
+    def stop_profile(self) -> str:
+        """Stop the profile and write its trace; returns the path. ValueError when none is running."""
+        with self._lock:
+            return self._live().profiler.stop()
+
     def get_stats(self) -> dict[str, Any]:
         """Counters and cache state; after shutdown, those it ended with."""
         from dataclasses import asdict

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sglang_pic.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sglang_pic.entrypoints.openai_api import OpenAIServing, error_response
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.profiler import PROFILE_FIELDS
 from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerBusy, ServerTokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -222,6 +223,28 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
             return json_response({"success": False, "message": str(e)}, 400)
         success, message = await manager.update_weights_from_disk(body["model_path"], body.get("load_format"))
         return json_response({"success": success, "message": message}, 200 if success else 400)
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(request: Request) -> Response:
+        """SGLang's: torch.profiler over the coming steps; optional body {"output_dir", "num_steps", "activities":
+        ["CPU", "GPU"], "record_shapes"}. Answers with where each replica's Chrome trace goes."""
+        try:
+            body = await read_json(request) if await request.body() else {}
+            if not isinstance(body, dict) or set(body) - PROFILE_FIELDS:
+                raise ValueError(f"the body may hold only {sorted(PROFILE_FIELDS)}")
+        except ValueError as e:
+            return PlainTextResponse(f"{e}\n", status_code=400)
+        success, messages = await manager.profile(True, body)
+        if not success:
+            return PlainTextResponse("; ".join(messages) + "\n", status_code=400)
+        return PlainTextResponse(f"Start profiling. Traces go to {', '.join(messages)}\n")
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        success, messages = await manager.profile(False)
+        if not success:
+            return PlainTextResponse("; ".join(messages) + "\n", status_code=400)
+        return PlainTextResponse(f"Stop profiling. Traces written to {', '.join(messages)}\n")
 
     @app.post("/warm_spans")
     async def warm_spans(request: Request) -> Response:

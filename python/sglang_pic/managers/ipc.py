@@ -68,6 +68,15 @@ class WarmSpansRequest:
     spans: list[tuple[str | None, list[int]]]
 
 
+@dataclass
+class ProfileRequest:
+    """Start (with StepProfiler.start's arguments in `options`) or stop the scheduler's torch.profiler run."""
+
+    request_id: str
+    start: bool
+    options: dict = field(default_factory=dict)
+
+
 # ---- scheduler -> main ----------------------------------------------------------------------------------------
 @dataclass
 class FlushCacheResult:
@@ -80,6 +89,13 @@ class UpdateWeightsResult:
     request_id: str
     success: bool
     message: str
+
+
+@dataclass
+class ProfileResult:
+    request_id: str
+    success: bool
+    message: str  # the trace's path, or why not
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 
 from sglang_pic.managers.isps import SpanPrefillPlanner
 from sglang_pic.managers.overlap import LaunchedStep, PromptLogprobs
+from sglang_pic.managers.profiler import StepProfiler
 from sglang_pic.managers.req import FinishReason, Req
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.host_pool import HostKVPool
@@ -74,6 +75,7 @@ class Scheduler:
         self.server_args = server_args
         self.runner = model_runner
         self.tokenizer = tokenizer
+        self.profiler = StepProfiler("engine")  # /start_profile, Engine.start_profile
         self._decode = fast_decode(tokenizer) if tokenizer is not None else None  # for stop strings
         self.page_size = server_args.page_size
         host_pool = None
@@ -216,7 +218,9 @@ class Scheduler:
         plan = self._schedule_extend()
         if plan is None and self.spec_worker is not None and self.running:
             updated, self.finished_early = self.finished_early, []
-            return updated + self.spec_worker.decode_round()
+            updated += self.spec_worker.decode_round()
+            self.profiler.step()
+            return updated
         if plan is None:
             plan = StepPlan([], self._schedule_decode())
         updated, self.finished_early = self.finished_early, []
@@ -238,6 +242,7 @@ class Scheduler:
             self.stats.num_decode_steps += 1
         else:
             self.stats.prefill_step_s += elapsed
+        self.profiler.step()
         return updated
 
     def _commit_inflight(self, updated: list[Req]) -> None:

@@ -25,6 +25,8 @@ from sglang_pic.managers.ipc import (
     FlushCacheResult,
     GenerateRequest,
     IpcNames,
+    ProfileRequest,
+    ProfileResult,
     ReqHeader,
     SchedulerReady,
     SchedulerSnapshot,
@@ -68,6 +70,7 @@ class SchedulerLoop:
         join_replica(args, placement, 0)  # tensor-parallel rank 0 of its replica; a no-op without parallelism
         self.runner = ModelRunner(args, model_config)
         self.scheduler = Scheduler(args, self.runner, tokenizer)
+        self.scheduler.profiler.name = f"DP-{placement.dp_rank}-TP-0"
         self.context_len = model_config.context_len
         ctx = zmq.Context()
         self.inbox = pull_socket(ctx, names.scheduler_input)
@@ -121,11 +124,21 @@ class SchedulerLoop:
             self.to_main.send_pyobj(FlushCacheResult(msg.request_id, self.scheduler.flush_cache()))
         elif isinstance(msg, StatsRequest):
             self.to_main.send_pyobj(StatsResult(msg.request_id, self.snapshot()))
+        elif isinstance(msg, ProfileRequest):
+            self.to_main.send_pyobj(self.profile(msg))
         elif isinstance(msg, WarmSpansRequest):
             jobs = self.scheduler.add_span_jobs(msg.spans)
             self.warming[msg.request_id] = (msg, jobs, self.scheduler.stats.computed_prefill_tokens)
         else:
             logger.error("scheduler got an unknown message %r", type(msg).__name__)
+
+    def profile(self, msg: ProfileRequest) -> ProfileResult:
+        profiler = self.scheduler.profiler
+        try:
+            path = profiler.start(**msg.options) if msg.start else profiler.stop()
+        except (TypeError, ValueError) as e:
+            return ProfileResult(msg.request_id, False, str(e))
+        return ProfileResult(msg.request_id, True, path)
 
     def apply_update(self) -> None:
         msg, self.update = self.update, None

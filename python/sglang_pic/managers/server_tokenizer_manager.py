@@ -31,6 +31,8 @@ from sglang_pic.managers.ipc import (
     GenerateOutput,
     GenerateRequest,
     IpcNames,
+    ProfileRequest,
+    ProfileResult,
     SchedulerReady,
     SchedulerSnapshot,
     StatsRequest,
@@ -161,7 +163,7 @@ class ServerTokenizerManager:
         if isinstance(msg, BatchGenerateOutput):
             for out in msg.outputs:
                 self._on_output(out)
-        elif isinstance(msg, (FlushCacheResult, StatsResult, WarmSpansResult, UpdateWeightsResult)):
+        elif isinstance(msg, (FlushCacheResult, StatsResult, WarmSpansResult, UpdateWeightsResult, ProfileResult)):
             future = self.pending.pop(msg.request_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -323,6 +325,11 @@ class ServerTokenizerManager:
             return False, failed[0]
         self.server_args.model_path = model_path
         return True, results[0].message
+
+    async def profile(self, start: bool, options: dict | None = None) -> tuple[bool, list[str]]:
+        """Start or stop every replica's profile; (all succeeded, each replica's trace path or error)."""
+        results = await self._control(lambda rid: ProfileRequest(rid, start, options or {}))
+        return all(r.success for r in results), [r.message for r in results]
 
     async def warm_spans(self, spans: list[str]) -> dict[str, int]:
         """Prefill spans without generating; raises ValueError for bad span text."""
