@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodePlan, plan_shared_decode
-from sglang_pic.managers.req import Req
+from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.utils_tensor import upload
 
@@ -180,7 +180,7 @@ def decode_runs(reqs: list[Req], shortest: int) -> list[list[KeyRun]]:
     return runs
 
 
-def _tree_path(seg) -> list[tuple[object, int]]:
+def _tree_path(seg: ReqSegment) -> list[tuple[object, int]]:
     """(node, tokens) from the segment's tree root down to its lock node; the lock node alone if the path does not
     add up to the segment's cached tokens."""
     nodes = []
