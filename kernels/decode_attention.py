@@ -25,15 +25,13 @@ import triton.language as tl
 
 from sglang_pic.kernels.rope import (
     HeadSplit,
-    attend_block,
+    attend_paged_keys,
     check_dense_heads,
     dot_operand_dtype,
     dot_precision,
     head_split,
-    load_cos_sin,
     load_group_query,
-    merge_chunk,
-    rotate_keys,
+    merge_partials,
 )
 
 LOG2E = 1.0 / math.log(2.0)
@@ -135,8 +133,6 @@ def _decode_split_kernel(
         q_ptr, stride_qt, b, kvh, seq_len - 1, cos_sin_ptr, stride_cs, qk_scale, dtype,
         GROUP, BLOCK_H, HEAD_DIM, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, DOT_DTYPE,
     )
-    offs_r = tl.arange(0, BLOCK_HALF)
-    offs_t = tl.arange(0, BLOCK_TAIL)
     offs_b = tl.arange(0, BLOCK_N)
     offs_v = tl.arange(0, BLOCK_V)
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
@@ -150,24 +146,11 @@ def _decode_split_kernel(
         offs_n = start_n + offs_b
         n_mask = offs_n < kv_end
         slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
-        k_rows = k_head + slots[:, None] * stride_kbs
-        k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
-        k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
-        k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
-        if ROTATE_KEYS:
-            k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_n, offs_r, n_mask, HALF)
-            k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
-        qk = tl.dot(q1_dot, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        qk = tl.dot(q2_dot, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
-        if TAIL > 0:
-            k_tail_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
-            k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=k_tail_mask, other=0.0)
-            qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
-
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
-        v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
-        m_i, l_i, acc = attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
+        m_i, l_i, acc = attend_paged_keys(
+            q1_dot, q2_dot, q_tail, k_head, v_head, slots, n_mask, offs_n, cos_sin_ptr, stride_cs, stride_kbs,
+            stride_vbs, m_i, l_i, acc, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, V_DIM, BLOCK_V, DOT_DTYPE,
+            DOT_PRECISION,
+        )
 
     mid_o = mid_o_ptr + b * stride_mob + head[:, None] * stride_moh + split * stride_mos + offs_v[None, :]
     tl.store(mid_o, acc / l_i[:, None], mask=h_mask[:, None] & (offs_v[None, :] < V_DIM))
@@ -200,16 +183,10 @@ def _decode_merge_kernel(
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     _, n_splits = _split_range(seq_len, MAX_SPLITS, MIN_SPLIT_LEN, BLOCK_N)
-    offs_v = tl.arange(0, BLOCK_V)
-    v_mask = offs_v < V_DIM
-    m = float("-inf")
-    denom = 0.0
-    acc = tl.zeros([BLOCK_V], tl.float32)
-    for s in range(0, n_splits):
-        lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s)
-        o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s * stride_mos + offs_v, mask=v_mask, other=0.0)
-        m, denom, acc = merge_chunk(m, denom, acc, lse, o)
-    tl.store(out_ptr + b * stride_ot + h * V_DIM + offs_v, (acc / denom).to(out_ptr.dtype.element_ty), mask=v_mask)
+    merge_partials(
+        mid_o_ptr + b * stride_mob + h * stride_moh, mid_lse_ptr + b * stride_mlb + h * stride_mlh, stride_mos,
+        n_splits, out_ptr + b * stride_ot + h * V_DIM, V_DIM, BLOCK_V,
+    )
 
 
 def alloc_decode_buffers(

@@ -25,7 +25,7 @@ from sglang_pic.kernels.rope import (
     dot_precision,
     head_split,
     load_cos_sin,
-    merge_chunk,
+    merge_partials,
     rotate_halves,
     rotate_keys,
 )
@@ -260,16 +260,10 @@ def _extend_merge_kernel(
     no visible key has log-sum-exp -inf and weight 0; every query sees at least itself, so some chunk counts."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    offs_v = tl.arange(0, BLOCK_V)
-    v_mask = offs_v < V_DIM
-    m = -1.0e30
-    denom = 0.0
-    acc = tl.zeros([BLOCK_V], tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(mid_lse_ptr + t * stride_mlt + h * num_splits + s)
-        o = tl.load(mid_o_ptr + t * stride_mot + (h * num_splits + s) * V_DIM + offs_v, mask=v_mask, other=0.0)
-        m, denom, acc = merge_chunk(m, denom, acc, lse, o)
-    tl.store(out_ptr + t * stride_ot + h * V_DIM + offs_v, (acc / denom).to(out_ptr.dtype.element_ty), mask=v_mask)
+    merge_partials(
+        mid_o_ptr + t * stride_mot + h * num_splits * V_DIM, mid_lse_ptr + t * stride_mlt + h * num_splits, V_DIM,
+        num_splits, out_ptr + t * stride_ot + h * V_DIM, V_DIM, BLOCK_V,
+    )
 
 
 def num_extend_splits(programs: int, max_seq_len: int, num_sms: int, num_warps: int) -> int:

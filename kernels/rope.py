@@ -155,6 +155,109 @@ def attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
+def merge_partials(mid_o, mid_lse, stride_mos, count, out, V_DIM: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Store at `out` the softmax-weighted sum of `count` normalized partial outputs (mid_o + s * stride_mos) with
+    base-2 log-sum-exps mid_lse[s]. A partial with lse = -inf weighs nothing (the running max starts finite, so
+    such a partial first is harmless); with none at all the output is zeros (a CUDA graph's padded request)."""
+    offs_v = tl.arange(0, BLOCK_V)
+    v_mask = offs_v < V_DIM
+    m = -1.0e30
+    denom = 0.0
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for s in range(0, count):
+        lse = tl.load(mid_lse + s)
+        o = tl.load(mid_o + s * stride_mos + offs_v, mask=v_mask, other=0.0)
+        m, denom, acc = merge_chunk(m, denom, acc, lse, o)
+    tl.store(out + offs_v, (acc / tl.maximum(denom, 1e-30)).to(out.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def attend_paged_keys(
+    q1,
+    q2,
+    q_tail,
+    k_head,
+    v_head,
+    slots,
+    n_mask,
+    key_pos,
+    cos_sin_ptr,
+    stride_cs,
+    stride_kbs,
+    stride_vbs,
+    m_i,
+    l_i,
+    acc,
+    ROTATE_KEYS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One block of decode keys read from the pool: the keys and values at `slots` of one kv head (`k_head`,
+    `v_head`: the head's first element in the pools; `n_mask` masks the block's padding), keys rotated by
+    `key_pos` when ROTATE_KEYS, against the query operands of load_query_rows; folds into (m_i, l_i, acc)."""
+    dtype = k_head.dtype.element_ty
+    offs_r = tl.arange(0, BLOCK_HALF)
+    offs_t = tl.arange(0, BLOCK_TAIL)
+    offs_v = tl.arange(0, BLOCK_V)
+    k_rows = k_head + slots[:, None] * stride_kbs
+    k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
+    k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
+    k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
+    if ROTATE_KEYS:
+        k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, key_pos, offs_r, n_mask, HALF)
+        k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
+    qk = tl.dot(q1, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    qk = tl.dot(q2, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+    if TAIL > 0:
+        k_tail_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
+        k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=k_tail_mask, other=0.0)
+        qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
+    v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
+    return attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
+
+
+@triton.jit
+def load_query_rows(
+    q_rows,
+    row_mask,
+    pos,
+    cos_sin_ptr,
+    stride_cs,
+    qk_scale,
+    dtype: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Query heads (pointer column `q_rows` [BLOCK_ROWS, 1] at each head's first element), scaled and rotated
+    each by its own position `pos`: the dot operands of the two rotary halves and of the tail (zeros without one),
+    rounded to the cache's dtype like keys are."""
+    offs_r = tl.arange(0, BLOCK_HALF)
+    q_mask = row_mask[:, None] & (offs_r[None, :] < HALF)
+    q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    q2 = tl.load(q_rows + HALF + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+    cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, pos, offs_r, row_mask, HALF)
+    q1, q2 = rotate_halves(q1, q2, cos, sin)
+    q_tail = tl.zeros([BLOCK_ROWS, BLOCK_TAIL], tl.float32)
+    if TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        tail_mask = row_mask[:, None] & (offs_t[None, :] < TAIL)
+        q_tail = tl.load(q_rows + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0).to(tl.float32) * qk_scale
+    return q1.to(dtype).to(DOT_DTYPE), q2.to(dtype).to(DOT_DTYPE), q_tail.to(dtype).to(DOT_DTYPE)
+
+
+@triton.jit
 def load_group_query(
     q_ptr,
     stride_qt,
@@ -174,20 +277,11 @@ def load_group_query(
     BLOCK_TAIL: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """A decode query's heads that share kv head `kvh`, scaled and rotated by its position: the dot operands of the
-    two rotary halves and of the tail (zeros without one), rounded to the cache's dtype like keys are."""
+    """A decode query's heads that share kv head `kvh`, at position `pos` (see load_query_rows)."""
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < GROUP
     q_rows = q_ptr + row * stride_qt + (kvh * GROUP + offs_h)[:, None] * HEAD_DIM
-    offs_r = tl.arange(0, BLOCK_HALF)
-    q_mask = h_mask[:, None] & (offs_r[None, :] < HALF)
-    q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
-    q2 = tl.load(q_rows + HALF + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
-    cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, tl.zeros([BLOCK_H], tl.int32) + pos, offs_r, h_mask, HALF)
-    q1, q2 = rotate_halves(q1, q2, cos, sin)
-    q_tail = tl.zeros([BLOCK_H, BLOCK_TAIL], tl.float32)
-    if TAIL > 0:
-        offs_t = tl.arange(0, BLOCK_TAIL)
-        tail_mask = h_mask[:, None] & (offs_t[None, :] < TAIL)
-        q_tail = tl.load(q_rows + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0).to(tl.float32) * qk_scale
-    return q1.to(dtype).to(DOT_DTYPE), q2.to(dtype).to(DOT_DTYPE), q_tail.to(dtype).to(DOT_DTYPE)
+    return load_query_rows(
+        q_rows, h_mask, tl.zeros([BLOCK_H], tl.int32) + pos, cos_sin_ptr, stride_cs, qk_scale, dtype,
+        BLOCK_H, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, DOT_DTYPE,
+    )

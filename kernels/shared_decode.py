@@ -29,15 +29,13 @@ import triton.language as tl
 
 from sglang_pic.kernels.rope import (
     HeadSplit,
-    attend_block,
+    attend_paged_keys,
     check_dense_heads,
     dot_operand_dtype,
     dot_precision,
     head_split,
-    load_cos_sin,
-    merge_chunk,
-    rotate_halves,
-    rotate_keys,
+    load_query_rows,
+    merge_partials,
 )
 from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan, members_per_item
 
@@ -103,21 +101,10 @@ def _shared_decode_kernel(
     angle = tl.load(entry + 1, mask=m_mask, other=0)
     slot = tl.load(entry + 2, mask=m_mask, other=0)
     head = kvh * GROUP + offs_m % GROUP
-    q_rows = q_ptr + b[:, None] * stride_qt + head[:, None] * HEAD_DIM
-    offs_r = tl.arange(0, BLOCK_HALF)
-    q_mask = m_mask[:, None] & (offs_r[None, :] < HALF)
-    q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
-    q2 = tl.load(q_rows + HALF + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale
-    cos, sin = load_cos_sin(cos_sin_ptr, stride_cs, angle, offs_r, m_mask, HALF)
-    q1, q2 = rotate_halves(q1, q2, cos, sin)
-    q1 = q1.to(dtype).to(DOT_DTYPE)
-    q2 = q2.to(dtype).to(DOT_DTYPE)
-    offs_t = tl.arange(0, BLOCK_TAIL)
-    q_tail = tl.zeros([BLOCK_M, BLOCK_TAIL], DOT_DTYPE)
-    if TAIL > 0:
-        q_tail_mask = m_mask[:, None] & (offs_t[None, :] < TAIL)
-        q_tail = tl.load(q_rows + 2 * HALF + offs_t[None, :], mask=q_tail_mask, other=0.0).to(tl.float32)
-        q_tail = (q_tail * qk_scale).to(dtype).to(DOT_DTYPE)
+    q1, q2, q_tail = load_query_rows(
+        q_ptr + b[:, None] * stride_qt + head[:, None] * HEAD_DIM, m_mask, angle, cos_sin_ptr, stride_cs, qk_scale,
+        dtype, BLOCK_M, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, DOT_DTYPE,
+    )
 
     offs_b = tl.arange(0, BLOCK_N)
     offs_v = tl.arange(0, BLOCK_V)
@@ -131,22 +118,11 @@ def _shared_decode_kernel(
         offs_n = start_n + offs_b
         n_mask = offs_n < n_keys
         slots = tl.load(r2t + offs_n, mask=n_mask, other=0)
-        k_rows = k_head + slots[:, None] * stride_kbs
-        k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
-        k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
-        k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
-        k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, run_index + offs_n, offs_r, n_mask, HALF)
-        k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
-        qk = tl.dot(q1, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        qk = tl.dot(q2, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
-        if TAIL > 0:
-            k_tail_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
-            k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=k_tail_mask, other=0.0)
-            qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
-        v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
-        m_i, l_i, acc = attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
+        m_i, l_i, acc = attend_paged_keys(
+            q1, q2, q_tail, k_head, v_head, slots, n_mask, run_index + offs_n, cos_sin_ptr, stride_cs, stride_kbs,
+            stride_vbs, m_i, l_i, acc, True, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, V_DIM, BLOCK_V, DOT_DTYPE,
+            DOT_PRECISION,
+        )
 
     mid_o = mid_o_ptr + b[:, None] * stride_mob + head[:, None] * stride_moh + slot[:, None] * stride_mos
     tl.store(mid_o + offs_v[None, :], acc / l_i[:, None], mask=m_mask[:, None] & (offs_v[None, :] < V_DIM))
@@ -172,18 +148,10 @@ def _merge_partials_kernel(
     a graph's padded request, which has none)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    count = tl.load(counts_ptr + b).to(tl.int32)
-    offs_v = tl.arange(0, BLOCK_V)
-    v_mask = offs_v < V_DIM
-    m = float("-inf")
-    denom = 0.0
-    acc = tl.zeros([BLOCK_V], tl.float32)
-    for s in range(0, count):
-        lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s)
-        o = tl.load(mid_o_ptr + b * stride_mob + h * stride_moh + s * stride_mos + offs_v, mask=v_mask, other=0.0)
-        m, denom, acc = merge_chunk(m, denom, acc, lse, o)
-    out = acc / tl.maximum(denom, 1e-30)
-    tl.store(out_ptr + b * stride_ot + h * V_DIM + offs_v, out.to(out_ptr.dtype.element_ty), mask=v_mask)
+    merge_partials(
+        mid_o_ptr + b * stride_mob + h * stride_moh, mid_lse_ptr + b * stride_mlb + h * stride_mlh, stride_mos,
+        tl.load(counts_ptr + b).to(tl.int32), out_ptr + b * stride_ot + h * V_DIM, V_DIM, BLOCK_V,
+    )
 
 
 def shared_decode_kernel_params(
