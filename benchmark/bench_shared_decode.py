@@ -55,15 +55,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def layout(seed: int, batch_size: int, span: int) -> tuple[list[int], list[int]]:
+    """(preface lengths, key counts) of the requests: preface, the span, TAIL_TOKENS of question and answer."""
+    rng = random.Random(seed + batch_size + span)
+    prefaces = [rng.randrange(*PREFACE_RANGE) for _ in range(batch_size)]
+    return prefaces, [n + span + TAIL_TOKENS for n in prefaces]
+
+
 def bench_kernel(args: argparse.Namespace, batch_size: int, span: int) -> dict[str, Any]:
     from sglang_pic.kernels import paged_batch as pb
     from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
     from sglang_pic.kernels.reference import relative_errors
     from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings, plan_shared_decode
 
-    rng = random.Random(args.seed + batch_size + span)
-    prefaces = [rng.randrange(*PREFACE_RANGE) for _ in range(batch_size)]
-    lens = [n + span + TAIL_TOKENS for n in prefaces]
+    prefaces, lens = layout(args.seed, batch_size, span)
     batch = pb.make_paged_batch([pb.decode(n) for n in lens], args.heads, args.kv_heads, args.head_dim,
                                 torch.bfloat16, "cuda", seed=args.seed)
     runs = batch.share_keys([(0, prefaces[0], span, list(enumerate(prefaces))[1:])])
@@ -113,9 +118,7 @@ def bench_plan(args: argparse.Namespace, batch_size: int, span: int, repeats: in
 
     from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodeSettings, plan_shared_decode
 
-    rng = random.Random(args.seed + batch_size + span)
-    prefaces = [rng.randrange(*PREFACE_RANGE) for _ in range(batch_size)]
-    lens = [n + span + TAIL_TOKENS for n in prefaces]
+    prefaces, lens = layout(args.seed, batch_size, span)
     runs = [[KeyRun("span", n, span)] for n in prefaces]
     settings = SharedDecodeSettings.for_model(args.heads, args.kv_heads, 132, torch.device("cuda"))
     times = []
