@@ -57,8 +57,10 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.devic
 
 
 def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """Chunks per request so that about 4 programs per SM are in flight when contexts are long."""
-    return max(1, min(MAX_SPLITS_CAP, triton.cdiv(4 * num_sms, batch_size * num_kv_heads)))
+    """Chunks per request for at most 4 programs per SM when contexts are long: two full waves of the split kernel,
+    which fits 2 programs per SM in shared memory on Hopper. Rounding up instead starts a third wave that runs
+    nearly empty (16 requests of 16K keys: 9% slower on the H200, benchmark/results/decode_launch_h200.log)."""
+    return max(1, min(MAX_SPLITS_CAP, 4 * num_sms // (batch_size * num_kv_heads)))
 
 
 @triton.jit
