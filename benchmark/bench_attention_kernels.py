@@ -42,6 +42,7 @@ QUICK = {"batches": [1, 32, 256], "contexts": [1024, 8192, 32768], "prefill": [1
 SWEEP_DECODE_SHAPES = [(1, 32768), (64, 8192), (256, 2048)]  # (batch, context)
 SWEEP_PREFILL_LEN = 8192
 STORE_TOKENS = 8192
+PRE_ROTATED_PROGRAMS_PER_SM = 3  # the pre-rotated decode split kernel's shared memory fits 3 per H200 SM
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,10 +115,10 @@ def _make_batch(args: argparse.Namespace, specs: list, seed: int):
 
 
 def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config=None) -> dict:
-    """Both variants at the engine's split count; the pre-rotated one also at the count rounded up, keeping the
-    faster: the engine's count fills the waves of the position-free kernel (2 programs per SM), while the
+    """Both variants at the engine's split count; the pre-rotated one also at the count that fills its own waves,
+    keeping the faster: the engine's count is chosen for the position-free kernel's 2 programs per SM, while the
     pre-rotated one fits 3 per SM, so that count alone would handicap the baseline."""
-    from sglang_pic.kernels.decode_attention import MAX_SPLITS_CAP, alloc_decode_buffers, num_kv_splits
+    from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
     from sglang_pic.kernels.paged_batch import decode
 
     dtype = DTYPES[args.dtype]
@@ -125,7 +126,7 @@ def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config
     batch = _make_batch(args, specs, seed=batch_size + context)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     splits = num_kv_splits(batch_size, args.kv_heads, sms)
-    rounded_up = max(1, min(MAX_SPLITS_CAP, -(-4 * sms // (batch_size * args.kv_heads))))
+    own_waves = num_kv_splits(batch_size, args.kv_heads, sms, resident_per_sm=PRE_ROTATED_PROGRAMS_PER_SM)
     out = batch.poisoned_output()
 
     def launch(keys_rotated: bool, n: int) -> Callable[[], object]:
@@ -133,7 +134,7 @@ def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config
         return lambda: batch.run_decode(n, keys_rotated, out=out, buffers=buffers, config=config)
 
     free = graph_time_ms(launch(False, splits), args.rep_ms)
-    pre_by_splits = {n: graph_time_ms(launch(True, n), args.rep_ms) for n in sorted({splits, rounded_up})}
+    pre_by_splits = {n: graph_time_ms(launch(True, n), args.rep_ms) for n in sorted({splits, own_waves})}
     pre_splits = min(pre_by_splits, key=pre_by_splits.__getitem__)
     result = {
         "position_free_ms": free,

@@ -16,6 +16,7 @@ cost +55% over pre-rotated keys on the H200, against +4% now (benchmark/results/
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,6 +37,10 @@ from sglang_pic.kernels.rope import (
 
 LOG2E = 1.0 / math.log(2.0)
 MAX_SPLITS_CAP = 64
+# Split-kernel programs one SM holds at once: shared memory bounds the Hopper tile for bf16/fp16 head_dim <= 128 to 2
+# (107.5 KB each: keys, values and the keys' cos/sin rows are prefetched; the pre-rotated variant fits 3).
+RESIDENT_PROGRAMS_PER_SM = 2
+WAVE_SLACK = 1.15
 
 
 @dataclass(frozen=True)
@@ -56,11 +61,22 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.devic
     return DecodeConfig(block_n=32, min_split_len=256, num_warps=8, num_stages=2)
 
 
-def num_kv_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """Chunks per request for at most 4 programs per SM when contexts are long: two full waves of the split kernel,
-    which fits 2 programs per SM in shared memory on Hopper. Rounding up instead starts a third wave that runs
-    nearly empty (16 requests of 16K keys: 9% slower on the H200, benchmark/results/decode_launch_h200.log)."""
-    return max(1, min(MAX_SPLITS_CAP, 4 * num_sms // (batch_size * num_kv_heads)))
+@functools.lru_cache(maxsize=None)
+def num_kv_splits(
+    batch_size: int, num_kv_heads: int, num_sms: int, resident_per_sm: int = RESIDENT_PROGRAMS_PER_SM
+) -> int:
+    """Chunks per request, chosen for whole waves of the split kernel. With s chunks each program reads 1/s of a
+    request's keys, and the launch runs ceil(P * s / W) waves of W = resident_per_sm * num_sms programs (P per
+    chunk index): about ceil(P * s / W) / s, in units of one request's keys per program. Takes the fewest chunks
+    within WAVE_SLACK of the best such time, since each chunk adds a merge and shortens the key pipeline. A partly
+    filled last wave idles SMs: against 4 programs per SM rounded down, 40 requests x 8K keys run 33% faster at 3
+    chunks than at 1, one request of 16K 12% faster at 29 than at 64; the rule was within 1.1% of the best count
+    at 13 shapes from 1 to 200 requests (benchmark/results/decode_splits_h200.log)."""
+    per_chunk = batch_size * num_kv_heads
+    wave = resident_per_sm * num_sms
+    cost = {s: math.ceil(per_chunk * s / wave) / s for s in range(1, MAX_SPLITS_CAP + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= WAVE_SLACK * best)
 
 
 @triton.jit
