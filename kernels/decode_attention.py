@@ -11,7 +11,7 @@ Each key is rotated by its own cos/sin row, read from the table in the KV cache'
 same rows, so they come from L2, never HBM), with packed half-precision math (`rotate_keys`). The query is
 rotated once, by its own position, before the loop. The first version rotated keys by their offset in the block
 from an fp32 table kept in registers; that table took half the registers, cut the programs resident per SM, and
-cost +55% over pre-rotated keys on the H200, against +4% now (benchmark/results/attention_kernels_h200.json).
+cost +55% over pre-rotated keys on the H200, against +3.3% now (benchmark/results/attention_kernels_h200.json).
 """
 
 from __future__ import annotations
