@@ -4,9 +4,9 @@ Every case times both variants on one pool and one set of inputs: `position_free
 rotated inside attention from their index) and `prerotated` (the standard engine layout: keys rotated once at
 store time, only queries rotated in attention). Both are the same kernel body compiled with ROTATE_KEYS on and
 off. Kernel cost does not depend on the key values, so the baseline reads the same buffer. The decode baseline
-also runs at its own better split count (see bench_decode). For extends with many
-queries per key the engine stages keys instead (rotated once into a workspace, see kernels/stage_keys.py); there
-`position_free` includes the staging pass (`stage_ms` alone) and `in_kernel_ms` times in-kernel rotation as well.
+also runs at its own better split count (see bench_decode). For extends with many queries per key the engine
+stages keys instead (rotated once into a workspace, see kernels/stage_keys.py); there `position_free` includes
+the staging pass (`stage_ms` alone) and `in_kernel_ms` times in-kernel rotation as well.
 
 Cases: decode (flash-decoding, batch x context grid), extend (prefill, prefix extends, span prefills), and the
 KV store. Each call is captured in a CUDA graph and timed by triton.testing.do_bench on its replays (L2 flushed

@@ -40,7 +40,7 @@ MAX_SPLITS_CAP = 64
 # Split-kernel programs one SM holds at once: shared memory bounds the Hopper tile for bf16/fp16 head_dim <= 128 to 2
 # (107.5 KB each: keys, values and the keys' cos/sin rows are prefetched; the pre-rotated variant fits 3).
 RESIDENT_PROGRAMS_PER_SM = 2
-WAVE_SLACK = 1.15
+WAVE_SLACK = 1.15  # estimated time a split count may lose to the best one and still win by being smaller
 
 
 @dataclass(frozen=True)
