@@ -141,3 +141,46 @@ def test_nodes_held_by_the_same_requests_stay_one_run():
     b = _cached_request(tree, [("prefix", doc)])
     assert not a.segments[0].lock_node.parent.is_root  # two nodes on the path
     assert decode_runs([a, b], shortest=8) == [[KeyRun(a.segments[0].lock_node, 0, 50)]] * 2
+
+
+def test_a_segment_whose_path_does_not_add_up_shares_nothing():
+    """(node, length) names the path's last `length` tokens; a segment whose cached count is not its path's length
+    would give that name to other slots (its first tokens), so its keys stay private."""
+    tree = RadixCache(TokenToKVPoolAllocator(1024, 1, "cpu"), 1)
+    doc = list(range(400, 420))
+    tree.insert(RadixKey(tuple(doc[:10])), torch.arange(10) + 1)
+    tree.insert(RadixKey(tuple(doc)), torch.arange(20) + 1)  # path: 10 tokens, then 10 more
+    whole = _cached_request(tree, [("prefix", doc)])
+    odd = _cached_request(tree, [("prefix", doc)])
+    odd.segments[0].cached = 10  # locked at the deeper node, but only its parent's 10 tokens counted as cached
+    runs = decode_runs([whole, odd], shortest=8)
+    assert runs == [[KeyRun(whole.segments[0].lock_node, 0, 20)], []]
+
+
+class _Stub:
+    def __init__(self, **attrs) -> None:
+        self.__dict__.update(attrs)
+
+
+def test_a_step_whose_plan_does_not_fit_the_graph_records_no_sharing():
+    """A decode step replays the per-request graph when its plan does not fit the static plan; the batch then
+    says so (the engine's shared-step counters read it), and a plan that fits is loaded and kept."""
+    from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
+    from sglang_pic.model_executor.forward_batch import ForwardMode
+
+    loaded = []
+    for fits in (False, True):
+        runner = object.__new__(CudaGraphRunner)
+        runner.batch_sizes, runner.extend_sizes = [4], []
+        runner.shared_plan = _Stub(fits=lambda plan, size: fits, load=lambda *args: loaded.append(args))
+        runner.decode_inputs = _Stub(load=lambda *args: None)
+        runner.req_to_token_pool = _Stub(padding_row=0)
+        key = (ForwardMode.DECODE, 4, fits)
+        runner.graphs, runner.outputs = {key: _Stub(replay=lambda: None)}, {key: torch.zeros(4, 2)}
+        runner.num_replays, runner.num_shared_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}, 0
+        plan = object()
+        batch = _Stub(forward_mode=ForwardMode.DECODE, batch_size=3, shared_decode=plan, input_ids=torch.zeros(3))
+        assert runner.replay(batch).shape == (3, 2)
+        assert batch.shared_decode is (plan if fits else None)
+        assert runner.num_shared_replays == int(fits)
+    assert len(loaded) == 1

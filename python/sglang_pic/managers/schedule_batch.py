@@ -181,15 +181,16 @@ def decode_runs(reqs: list[Req], shortest: int) -> list[list[KeyRun]]:
 
 
 def _tree_path(seg: ReqSegment) -> list[tuple[object, int]]:
-    """(node, tokens) from the segment's tree root down to its lock node; the lock node alone if the path does not
-    add up to the segment's cached tokens."""
+    """(node, tokens) from the segment's tree root down to its lock node; none when the path does not add up to
+    the segment's cached tokens, so those keys stay private: a run's name must stand for the same slots in every
+    request, and a (node, length) pair here names the path's last `length` tokens."""
     nodes = []
     node = seg.lock_node
     while not node.is_root:
         nodes.append((node, len(node.key)))
         node = node.parent
     if sum(n for _, n in nodes) != seg.cached:
-        return [(seg.lock_node, seg.cached)]
+        return []
     nodes.reverse()
     return nodes
 

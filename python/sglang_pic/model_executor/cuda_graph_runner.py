@@ -248,6 +248,8 @@ class CudaGraphRunner:
         if shared:
             self.shared_plan.load(batch.shared_decode, batch.batch_size, padded)
             self.num_shared_replays += 1
+        else:  # the per-request graph runs: the batch records that this step shared no keys (the stats read it)
+            batch.shared_decode = None
         self.graphs[key].replay()
         self.num_replays[mode] += 1
         return self.outputs[key][: batch.input_ids.shape[0]]
