@@ -24,6 +24,7 @@ from sglang_pic.kernels.rope import (
     dot_operand_dtype,
     dot_precision,
     head_split,
+    key_scores,
     load_cos_sin,
     merge_partials,
     rotate_halves,
@@ -171,6 +172,7 @@ def _extend_attention_kernel(
     q1 = (q1 * qk_scale).to(dtype).to(DOT_DTYPE)
     q2 = (q2 * qk_scale).to(dtype).to(DOT_DTYPE)
     offs_t = tl.arange(0, BLOCK_TAIL)
+    q_tail = tl.zeros([BLOCK_M, BLOCK_TAIL], DOT_DTYPE)  # no tail: key_scores skips it
     if TAIL > 0:
         tail_mask = row_mask[:, None] & (offs_t[None, :] < TAIL)
         q_tail = tl.load(q_rows + 2 * HALF + offs_t[None, :], mask=tail_mask, other=0.0)
@@ -219,12 +221,7 @@ def _extend_attention_kernel(
             k_cos = b_cos * t_cos - b_sin * t_sin
             k_sin = b_sin * t_cos + b_cos * t_sin
             k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
-        qk = tl.dot(q1, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        qk = tl.dot(q2, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
-        if TAIL > 0:
-            k_tail_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
-            k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=k_tail_mask, other=0.0)
-            qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+        qk = key_scores(q1, q2, q_tail, k1, k2, k_rows, n_mask, dtype, HALF, TAIL, BLOCK_TAIL, DOT_DTYPE, DOT_PRECISION)
 
         visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= pos[:, None])
         qk = tl.where(visible, qk, float("-inf"))

@@ -172,6 +172,35 @@ def merge_partials(mid_o, mid_lse, stride_mos, count, out, V_DIM: tl.constexpr, 
 
 
 @triton.jit
+def key_scores(
+    q1,
+    q2,
+    q_tail,
+    k1,
+    k2,
+    k_rows,
+    n_mask,
+    dtype: tl.constexpr,
+    HALF: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Scores [rows, keys] of the query operands of load_query_rows against a key block: its rotary halves k1, k2
+    (rotated already where that is due) and its unrotated tail, read here from `k_rows` (a pointer column at each
+    key's first element; `n_mask` masks the block's padding)."""
+    qk = tl.dot(q1, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    qk = tl.dot(q2, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+    if TAIL > 0:
+        offs_t = tl.arange(0, BLOCK_TAIL)
+        k_tail_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
+        k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=k_tail_mask, other=0.0)
+        qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+    return qk
+
+
+@triton.jit
 def attend_paged_keys(
     q1,
     q2,
@@ -203,7 +232,6 @@ def attend_paged_keys(
     `key_pos` when ROTATE_KEYS, against the query operands of load_query_rows; folds into (m_i, l_i, acc)."""
     dtype = k_head.dtype.element_ty
     offs_r = tl.arange(0, BLOCK_HALF)
-    offs_t = tl.arange(0, BLOCK_TAIL)
     offs_v = tl.arange(0, BLOCK_V)
     k_rows = k_head + slots[:, None] * stride_kbs
     k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
@@ -212,12 +240,7 @@ def attend_paged_keys(
     if ROTATE_KEYS:
         k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, key_pos, offs_r, n_mask, HALF)
         k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
-    qk = tl.dot(q1, tl.trans(k1.to(dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-    qk = tl.dot(q2, tl.trans(k2.to(dtype).to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
-    if TAIL > 0:
-        k_tail_mask = n_mask[:, None] & (offs_t[None, :] < TAIL)
-        k_tail = tl.load(k_rows + 2 * HALF + offs_t[None, :], mask=k_tail_mask, other=0.0)
-        qk = tl.dot(q_tail, tl.trans(k_tail.to(DOT_DTYPE)), qk, input_precision=DOT_PRECISION)
+    qk = key_scores(q1, q2, q_tail, k1, k2, k_rows, n_mask, dtype, HALF, TAIL, BLOCK_TAIL, DOT_DTYPE, DOT_PRECISION)
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
     v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
