@@ -1,12 +1,16 @@
 """What position-free keys cost: Triton attention with in-kernel key RoPE vs the same kernels on pre-rotated keys.
 
-Every case times both variants on one pool and one set of inputs: `position_free` (keys stored unrotated and
-rotated inside attention from their index) and `prerotated` (the standard engine layout: keys rotated once at
-store time, only queries rotated in attention). Both are the same kernel body compiled with ROTATE_KEYS on and
-off. Kernel cost does not depend on the key values, so the baseline reads the same buffer. The decode baseline
-also runs at its own better split count (see bench_decode). For extends with many queries per key the engine
-stages keys instead (rotated once into a workspace, see kernels/stage_keys.py); there `position_free` includes
-the staging pass (`stage_ms` alone) and `in_kernel_ms` times in-kernel rotation as well.
+Every case times both variants on one set of inputs: `position_free` (keys stored unrotated and rotated inside
+attention from their index) and `prerotated` (the standard engine layout: keys rotated once at store time, only
+queries rotated in attention). Both are the same kernel body compiled with ROTATE_KEYS on and off. Kernel cost
+does not depend on the key values, so the decode baseline reads the same buffer; it also runs at its own better
+split count (see bench_decode). Extends are timed as the step that stores the new tokens' k/v and attends, since
+position-free keys move work between the two: for extends with many queries per key the engine stages keys
+(rotated once into a workspace, see kernels/stage_keys.py), the store writing the new keys' rotated copies and a
+staging pass the cached ones (`stage_ms` alone); `in_kernel_ms` times in-kernel rotation as well.
+
+Variants are timed in `--rounds` interleaved rounds whose order reverses every round, and the median is kept;
+`noise_pct` is the largest spread of one variant's rounds, below which differences are noise.
 
 Cases: decode (flash-decoding, batch x context grid), extend (prefill, prefix extends, span prefills), and the
 KV store. Each call is captured in a CUDA graph and timed by triton.testing.do_bench on its replays (L2 flushed
@@ -23,6 +27,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -60,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--max-kv-tokens", type=int, default=8 * 2**20, help="skip decode cases with batch x context above")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved measurements of each variant (median kept)")
     args = p.parse_args(argv)
     grid = QUICK if args.quick else FULL
     args.batches = args.batches or grid["batches"]
@@ -72,26 +78,50 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def graph_time_ms(fn: Callable[[], object], rep_ms: int) -> float:
-    """Median time of one replay of `fn` captured in a CUDA graph, cold L2 (do_bench flushes it)."""
-    import triton.testing
-
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after one run outside the capture that compiles and warms it up."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, rep_ms: int) -> float:
+    """Median time of one replay, cold L2 (do_bench flushes it)."""
+    import triton.testing
+
     return triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
 
 
-def pair(fn: Callable[[bool], Callable[[], object]], rep_ms: int) -> dict:
-    """Times of the position-free and pre-rotated variants and the overhead of the first over the second."""
-    free = graph_time_ms(fn(False), rep_ms)
-    base = graph_time_ms(fn(True), rep_ms)
-    return {"position_free_ms": free, "prerotated_ms": base, "overhead_pct": 100.0 * (free / base - 1.0)}
+def graph_time_ms(fn: Callable[[], object], rep_ms: int) -> float:
+    """Median time of one replay of `fn` captured in a CUDA graph, cold L2."""
+    return replay_ms(capture(fn), rep_ms)
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], rep_ms: int, rounds: int) -> dict[str, list[float]]:
+    """Each function's replay time in `rounds` rounds, the functions taking turns within a round in an order that
+    reverses every round, so a drift of the GPU's clocks over the run falls on all of them alike."""
+    graphs = {name: capture(fn) for name, fn in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in list(graphs)[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(replay_ms(graphs[name], rep_ms))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def spread_pct(times: dict[str, list[float]]) -> float:
+    """The largest spread of one function's round times, in percent of its median: differences between
+    functions smaller than this are noise."""
+    return max(100.0 * (max(t) - min(t)) / median(t) for t in times.values())
 
 
 def ceilings(rep_ms: int) -> dict:
@@ -133,13 +163,16 @@ def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config
         buffers = alloc_decode_buffers(batch_size, args.heads, args.head_dim, n, batch.q.device)
         return lambda: batch.run_decode(n, keys_rotated, out=out, buffers=buffers, config=config)
 
-    free = graph_time_ms(launch(False, splits), args.rep_ms)
-    pre_by_splits = {n: graph_time_ms(launch(True, n), args.rep_ms) for n in sorted({splits, own_waves})}
-    pre_splits = min(pre_by_splits, key=pre_by_splits.__getitem__)
+    fns = {"free": launch(False, splits), **{f"pre_{n}": launch(True, n) for n in sorted({splits, own_waves})}}
+    times = interleaved_ms(fns, args.rep_ms, args.rounds)
+    pre_splits = min(sorted({splits, own_waves}), key=lambda n: median(times[f"pre_{n}"]))
+    free, pre = median(times["free"]), median(times[f"pre_{pre_splits}"])
     result = {
         "position_free_ms": free,
-        "prerotated_ms": pre_by_splits[pre_splits],
-        "overhead_pct": 100.0 * (free / pre_by_splits[pre_splits] - 1.0),
+        "prerotated_ms": pre,
+        "overhead_pct": 100.0 * (free / pre - 1.0),
+        "noise_pct": spread_pct(times),
+        "rounds": times,
     }
     kv_bytes = batch_size * context * args.kv_heads * 2 * args.head_dim * dtype.itemsize
     result.update(
@@ -173,57 +206,113 @@ def extend_cases(prefill_lens: list[int]) -> dict[str, list]:
 
 
 def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) -> dict:
-    """Position-free is the engine's path: keys staged (rotated once into a workspace, timed with it) where the
-    engine would stage them, else rotated in-kernel; `in_kernel_ms` also times in-kernel rotation for every case."""
-    from sglang_pic.kernels.stage_keys import should_stage_keys
+    """One layer's attention work for the new tokens, as the engine runs it: store their k/v, then attend. The
+    position-free step stores keys unrotated and, where the engine stages keys (many query rows per key), writes
+    the new keys' rotated copies to the staging workspace in the same store, stages the cached keys and runs the
+    kernel on the workspace; elsewhere the kernel rotates keys itself. The pre-rotated step rotates keys in the
+    store and attends over a pool of rotated keys. `overhead_pct` compares the steps; `attention_overhead_pct` the
+    attention alone where no work moved into the store (in-kernel rotation); `in_kernel_ms` times the step with
+    in-kernel rotation also where the engine stages; `stage_ms` the staging pass alone."""
+    from sglang_pic.kernels.stage_keys import should_stage_keys, stage_keys
+    from sglang_pic.kernels.store_kv import store_kv, store_kv_rotated
 
     batch = _make_batch(args, specs, seed=len(name))
     out = batch.poisoned_output()
+    staged = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer, batch.query_rows())
+    pre_k = batch.k_buffer.clone()  # the baseline's pool: the store rotates its new keys, the rest stay as they are
+    new_kv = (batch.out_cache_loc, batch.k_new, batch.v_new)
 
-    def variant(keys_rotated: bool) -> Callable[[], object]:
-        return lambda: batch.run_extend(keys_rotated, out=out, config=config)
+    def store_free() -> None:
+        store_kv(batch.k_buffer, batch.v_buffer, *new_kv, batch.kernel_cos_sin)
 
-    result = pair(variant, args.rep_ms)
-    result["staged"] = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer, batch.query_rows())
-    result["stage_ms"] = graph_time_ms(batch.stage_keys, args.rep_ms) if result["staged"] else 0.0
-    in_kernel = graph_time_ms(lambda: batch.run_extend(False, out=out, config=config, stage=False), args.rep_ms)
-    result["in_kernel_ms"] = in_kernel
-    result["in_kernel_overhead_pct"] = 100.0 * (in_kernel / result["prerotated_ms"] - 1.0)
+    def free_step() -> None:
+        if staged:  # the store writes the new keys' rotated copies to the workspace
+            batch.run_extend(False, out=out, config=config, stage=True)
+        else:
+            store_free()
+            batch.run_extend(False, out=out, config=config, stage=False)
+
+    def pre_step() -> None:
+        store_kv_rotated(pre_k, batch.v_buffer, *new_kv, batch.positions, batch.kernel_cos_sin)
+        batch.run_extend(True, k_buffer=pre_k, out=out, config=config)
+
+    def in_kernel_step() -> None:
+        store_free()
+        batch.run_extend(False, out=out, config=config, stage=False)
+
+    fns = {"free": free_step, "pre": pre_step}
+    if staged:
+        fns["in_kernel"] = in_kernel_step
+    else:
+        fns["free_attention"] = lambda: batch.run_extend(False, out=out, config=config, stage=False)
+        fns["pre_attention"] = lambda: batch.run_extend(True, k_buffer=pre_k, out=out, config=config)
+    times = interleaved_ms(fns, args.rep_ms, args.rounds)
+    ms = {name: median(t) for name, t in times.items()}
+    assert not out.isnan().any(), "extend left NaN in its output"
+    in_kernel = ms.get("in_kernel", ms["free"])
     pairs = sum(p - lo + 1 for s in specs for p, lo in zip(s.positions, s.attn_lo))
     flops = 4 * args.heads * args.head_dim * pairs  # q.k and p.v over visible pairs
-    result.update(
-        case=name,
-        requests=len(specs),
-        new_tokens=sum(batch.extend_seq_lens_cpu),
-        visible_pairs=pairs,
-        position_free_tflops=flops / result["position_free_ms"] / 1e9,
-        prerotated_tflops=flops / result["prerotated_ms"] / 1e9,
-    )
-    assert not out.isnan().any(), "extend left NaN in its output"
+    result = {
+        "case": name,
+        "requests": len(specs),
+        "new_tokens": sum(batch.extend_seq_lens_cpu),
+        "visible_pairs": pairs,
+        "staged": staged,
+        "position_free_ms": ms["free"],
+        "prerotated_ms": ms["pre"],
+        "overhead_pct": 100.0 * (ms["free"] / ms["pre"] - 1.0),
+        "noise_pct": spread_pct(times),
+        "in_kernel_ms": in_kernel,
+        "in_kernel_overhead_pct": 100.0 * (in_kernel / ms["pre"] - 1.0),
+        "position_free_tflops": flops / ms["free"] / 1e9,
+        "prerotated_tflops": flops / ms["pre"] / 1e9,
+        "rounds": times,
+    }
+    result["stage_ms"] = 0.0  # a prefill's keys all come through the store: no staging pass
+    if staged and sum(batch.seq_lens_cpu) > sum(batch.extend_seq_lens_cpu):
+
+        def stage_only() -> None:
+            lens = (batch.seq_lens, batch.extend_start_loc, batch.extend_seq_lens, batch.positions)
+            rows = (batch.req_to_token, batch.req_pool_indices)
+            stage_keys(batch.staged, batch.k_buffer, *rows, *lens, batch.kernel_cos_sin, max(batch.seq_lens_cpu))
+
+        result["stage_ms"] = graph_time_ms(stage_only, args.rep_ms)
+    if not staged:
+        result["attention_overhead_pct"] = 100.0 * (ms["free_attention"] / ms["pre_attention"] - 1.0)
     return result
 
 
 def bench_store(args: argparse.Namespace, tokens: int) -> dict:
+    """The store of a prefill's k/v: unrotated (position-free), unrotated plus the rotated copies of the keys in a
+    staging workspace (position-free, keys staged) and rotated (the baseline pays rotation at store time)."""
     from sglang_pic.kernels.paged_batch import prefill
+    from sglang_pic.kernels.stage_keys import alloc_staged_keys
     from sglang_pic.kernels.store_kv import store_kv, store_kv_rotated
 
     batch = _make_batch(args, [prefill(tokens)], seed=tokens)
-    k, v, loc = batch.k_new, batch.v_new, batch.out_cache_loc
-
-    def variant(rotated: bool) -> Callable[[], object]:
-        k_buf, v_buf, table = batch.k_buffer, batch.v_buffer, batch.cos_sin_cache
-        if rotated:  # the baseline pays rotation at store time
-            return lambda: store_kv_rotated(k_buf, v_buf, loc, k, v, batch.positions, table)
-        return lambda: store_kv(k_buf, v_buf, loc, k, v, table)
-
-    result = pair(variant, args.rep_ms)
+    k, v, loc, pos = batch.k_new, batch.v_new, batch.out_cache_loc, batch.positions
+    k_buf, v_buf, table = batch.k_buffer, batch.v_buffer, batch.kernel_cos_sin
+    staged = alloc_staged_keys(k_buf, batch.seq_lens, batch.extend_start_loc, batch.extend_seq_lens, pos, tokens)
+    fns = {
+        "free": lambda: store_kv(k_buf, v_buf, loc, k, v, table),
+        "free_staged": lambda: store_kv(k_buf, v_buf, loc, k, v, table, staged, pos),
+        "pre": lambda: store_kv_rotated(k_buf, v_buf, loc, k, v, pos, table),
+    }
+    times = interleaved_ms(fns, args.rep_ms, args.rounds)
+    ms = {name: median(t) for name, t in times.items()}
     moved = 2 * (k.numel() + v.numel()) * k.element_size()
-    result.update(
-        tokens=tokens,
-        position_free_gbps=moved / result["position_free_ms"] / 1e6,
-        prerotated_gbps=moved / result["prerotated_ms"] / 1e6,
-    )
-    return result
+    return {
+        "tokens": tokens,
+        "position_free_ms": ms["free"],
+        "position_free_staged_ms": ms["free_staged"],
+        "prerotated_ms": ms["pre"],
+        "overhead_pct": 100.0 * (ms["free"] / ms["pre"] - 1.0),
+        "staged_overhead_pct": 100.0 * (ms["free_staged"] / ms["pre"] - 1.0),
+        "noise_pct": spread_pct(times),
+        "position_free_gbps": moved / ms["free"] / 1e6,
+        "prerotated_gbps": moved / ms["pre"] / 1e6,
+        "rounds": times,
+    }
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:
@@ -264,7 +353,8 @@ def _log_row(row: dict) -> None:
     cfg = row.get("config", "")
     print(
         f"  {row['kind']:7s} {shape:32s} free {row['position_free_ms']:8.4f} ms  "
-        f"pre {row['prerotated_ms']:8.4f} ms  overhead {row['overhead_pct']:+6.1f}%  {cfg}",
+        f"pre {row['prerotated_ms']:8.4f} ms  overhead {row['overhead_pct']:+6.1f}%  noise {row['noise_pct']:4.1f}%  "
+        f"{cfg}",
         flush=True,
     )
 
@@ -326,24 +416,33 @@ def main(argv: list[str] | None = None) -> int:
 def print_summary(report: dict) -> None:
     roof = report["ceilings"]
     roofs = f"copy {roof['copy_gbps']:.0f} GB/s, bf16 matmul {roof['bf16_matmul_tflops']:.0f} TFLOP/s"
-    print(f"\n{report['meta']['device']}: {roofs}")
-    print(f"{'decode':>14s} {'free ms':>9s} {'pre ms':>9s} {'free GB/s':>10s} {'pre GB/s':>9s} {'overhead':>9s}")
+    print(f"\n{report['meta']['device']}: {roofs}; noise: the largest spread of one variant's rounds")
+    print(f"{'decode':>14s} {'free ms':>9s} {'pre ms':>9s} {'free GB/s':>10s} {'pre GB/s':>9s} {'overhead':>9s} noise")
     for r in report["decode"]:
         shape = f"b{r['batch']} x {r['context']}"
         times = f"{r['position_free_ms']:9.4f} {r['prerotated_ms']:9.4f}"
         rates = f"{r['position_free_gbps']:10.0f} {r['prerotated_gbps']:9.0f}"
-        print(f"{shape:>14s} {times} {rates} {r['overhead_pct']:+8.1f}%")
-    head = f"{'free ms':>9s} {'pre ms':>9s} {'free TF/s':>10s} {'pre TF/s':>9s} {'overhead':>9s}"
-    print(f"{'extend':>34s} {head} {'stage ms':>9s} {'in-kernel rotation':>19s}")
+        print(f"{shape:>14s} {times} {rates} {r['overhead_pct']:+8.1f}% {r['noise_pct']:4.1f}%")
+    head = f"{'free ms':>9s} {'pre ms':>9s} {'free TF/s':>10s} {'pre TF/s':>9s} {'overhead':>9s} noise"
+    print(f"{'extend (store + attention)':>34s} {head} {'stage ms':>9s} {'in-kernel rotation':>19s} {'attn only':>9s}")
     for r in report["extend"]:
         times = f"{r['position_free_ms']:9.3f} {r['prerotated_ms']:9.3f}"
         rates = f"{r['position_free_tflops']:10.0f} {r['prerotated_tflops']:9.0f}"
         in_kernel = f"{r['in_kernel_ms']:9.3f} {r['in_kernel_overhead_pct']:+8.1f}%"
         stage = f"{r['stage_ms']:9.4f}" if r["staged"] else f"{'-':>9s}"
-        print(f"{r['case']:>34s} {times} {rates} {r['overhead_pct']:+8.1f}% {stage} {in_kernel}")
-    if report["decode"]:
-        geo = math.exp(sum(math.log1p(r["overhead_pct"] / 100) for r in report["decode"]) / len(report["decode"]))
-        print(f"decode overhead, geometric mean: {100 * (geo - 1):+.1f}%")
+        attention = f"{r['attention_overhead_pct']:+8.1f}%" if "attention_overhead_pct" in r else f"{'-':>9s}"
+        overhead = f"{r['overhead_pct']:+8.1f}% {r['noise_pct']:4.1f}%"
+        print(f"{r['case']:>34s} {times} {rates} {overhead} {stage} {in_kernel} {attention}")
+    for r in report["store"]:
+        print(
+            f"store {r['tokens']} tokens: free {r['position_free_ms']:.4f} ms, free + staged keys "
+            f"{r['position_free_staged_ms']:.4f} ms, pre {r['prerotated_ms']:.4f} ms"
+        )
+    for kind in ("decode", "extend"):
+        if report[kind]:
+            rows = report[kind]
+            geo = math.exp(sum(math.log1p(r["overhead_pct"] / 100) for r in rows) / len(rows))
+            print(f"{kind} overhead, geometric mean: {100 * (geo - 1):+.1f}%")
     best: dict[str, dict] = {}
     for r in report.get("sweep", []):
         shape = r.get("case") or f"decode b{r['batch']} x {r['context']}"

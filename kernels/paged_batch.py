@@ -88,7 +88,7 @@ class PagedBatch:
     page_size: int = 1
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
-    key_row_start: torch.Tensor | None = None  # staging rows (stage_keys), built by the first staged run
+    staged: "StagedKeys | None" = None  # the key-staging workspace (NaN at first), built by the first staged run
 
     def attention_args(self) -> tuple:
         """Positional arguments shared by attention_reference and paged_attention_torch."""
@@ -160,19 +160,34 @@ class PagedBatch:
         return out
 
     def stage_keys(self, k_buffer: torch.Tensor | None = None) -> StagedKeys:
-        """This batch's keys rotated once into a workspace (stage_keys), as the engine stages an extend's keys."""
-        from sglang_pic.kernels.stage_keys import key_row_starts, stage_keys
+        """This batch's keys rotated once into a workspace, as the engine stages an extend's keys: the store writes
+        the new tokens' keys there as it writes the pool (the same values again here), the staging pass the cached
+        ones. The workspace and its row indices are built once per batch, as the engine builds them once per
+        forward, and poisoned then, so a key neither pass writes reads as NaN."""
+        from sglang_pic.kernels.stage_keys import alloc_staged_keys, stage_keys
+        from sglang_pic.kernels.store_kv import store_kv
 
-        if self.key_row_start is None:  # once per batch, as the engine does once per forward
-            self.key_row_start = key_row_starts(self.seq_lens)
+        k_buffer = self.k_buffer if k_buffer is None else k_buffer
+        if self.staged is None:
+            self.staged = alloc_staged_keys(
+                k_buffer, self.seq_lens, self.extend_start_loc, self.extend_seq_lens, self.positions,
+                sum(self.seq_lens_cpu),
+            )
+            self.staged.workspace.fill_(float("nan"))
+        table, new_kv = self.kernel_cos_sin, (self.out_cache_loc, self.k_new, self.v_new)
+        store_kv(k_buffer, self.v_buffer, *new_kv, table, self.staged, self.positions)
+        if sum(self.seq_lens_cpu) == sum(self.extend_seq_lens_cpu):  # a prefill: the store wrote every key
+            return self.staged
         return stage_keys(
-            self.k_buffer if k_buffer is None else k_buffer,
+            self.staged,
+            k_buffer,
             self.req_to_token,
             self.req_pool_indices,
             self.seq_lens,
-            self.key_row_start,
-            self.kernel_cos_sin,
-            sum(self.seq_lens_cpu),
+            self.extend_start_loc,
+            self.extend_seq_lens,
+            self.positions,
+            table,
             max(self.seq_lens_cpu),
         )
 

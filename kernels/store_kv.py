@@ -1,7 +1,9 @@
 """Fused write of new keys and values into their KV-pool slots.
 
-The position-free engine stores keys unrotated (`store_kv`). `store_kv_rotated` rotates keys by their positions
-first, as standard engines do; it exists only so benchmarks can price what position-free keys cost.
+The position-free engine stores keys unrotated (`store_kv`); for an extend whose keys are staged it also writes
+each new key, rotated by its position, to its row of the staging workspace (kernels/stage_keys.py), so that no
+second pass reads it back from the pool. `store_kv_rotated` rotates keys by their positions first, as standard
+engines do; it exists only so benchmarks can price what position-free keys cost.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import triton
 import triton.language as tl
 
 from sglang_pic.kernels.rope import HeadSplit, check_dense_heads, copy_key_rows
+from sglang_pic.kernels.stage_keys import StagedKeys
 
 
 # The slot and position tensors may be views at any offset of a batch's packed upload: their alignment is not
-# specialized, so the startup warm-up (TritonAttnBackend.warm_up) compiles the one variant traffic uses.
-@triton.jit(do_not_specialize_on_alignment=["loc_ptr", "positions_ptr"])
+# specialized, nor is the per-batch count of staged tokens, so the startup warm-up (TritonAttnBackend.warm_up)
+# compiles the variants traffic uses.
+@triton.jit(
+    do_not_specialize=["num_staged"], do_not_specialize_on_alignment=["loc_ptr", "positions_ptr", "ws_rows_ptr"]
+)
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -24,11 +30,15 @@ def _store_kv_kernel(
     loc_ptr,
     positions_ptr,
     cos_sin_ptr,
+    ws_ptr,
+    ws_rows_ptr,
+    num_staged,
     stride_kt,
     stride_vt,
     stride_kbs,
     stride_vbs,
     stride_cs,
+    stride_ws,
     NUM_KV_HEADS: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -39,8 +49,10 @@ def _store_kv_kernel(
     V_DIM: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ROTATE_KEYS: tl.constexpr,
+    STAGE: tl.constexpr,
 ):
-    """One program per token: copies its [heads, dims] key and value tiles to slot loc[t]."""
+    """One program per token: copies its [heads, dims] key and value tiles to slot loc[t]; with STAGE, tokens
+    t < num_staged also write their key rotated by positions[t] to workspace row ws_rows[t] unless it is -1."""
     t = tl.program_id(0)
     slot = tl.load(loc_ptr + t)
     offs_h = tl.arange(0, BLOCK_HEADS)
@@ -51,6 +63,13 @@ def _store_kv_kernel(
     copy_key_rows(
         k_row, kb_row, head_mask, pos, cos_sin_ptr, stride_cs, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL
     )
+    if STAGE:
+        ws_row = tl.load(ws_rows_ptr + t, mask=t < num_staged, other=-1)
+        if ws_row >= 0:
+            ws_head = ws_ptr + ws_row * stride_ws + offs_h[:, None] * HEAD_DIM
+            copy_key_rows(
+                k_row, ws_head, head_mask, pos, cos_sin_ptr, stride_cs, True, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL
+            )
 
     offs_v = tl.arange(0, BLOCK_V)
     v_mask = head_mask[:, None] & (offs_v[None, :] < V_DIM)
@@ -59,12 +78,13 @@ def _store_kv_kernel(
     tl.store(vb_ptrs, v.to(v_buf_ptr.dtype.element_ty), mask=v_mask)
 
 
-def store_kernel_params(num_kv_heads: int, split: HeadSplit, rotate: bool) -> dict:
+def store_kernel_params(num_kv_heads: int, split: HeadSplit, rotate: bool, stage: bool = False) -> dict:
     """Constexprs and launch options of the store kernel (the sm_90 build test compiles these)."""
     return {
         "NUM_KV_HEADS": num_kv_heads,
         "BLOCK_HEADS": triton.next_power_of_2(num_kv_heads),
         "ROTATE_KEYS": rotate,
+        "STAGE": stage,
         "num_warps": 1 if num_kv_heads * split.head_dim <= 512 else 4,
         **split.constexprs(),
     }
@@ -79,12 +99,14 @@ def _launch(
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     rotate: bool,
+    staged: StagedKeys | None = None,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     check_dense_heads(k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer)
     if num_tokens == 0:
         return
     split = HeadSplit(head_dim, cos_sin_cache.shape[-1], v.shape[-1])
+    ws, ws_rows = (staged.workspace, staged.token_rows) if staged is not None else (k_buffer, loc)
     _store_kv_kernel[(num_tokens,)](
         k,
         v,
@@ -93,12 +115,16 @@ def _launch(
         loc,
         positions,
         cos_sin_cache,
+        ws,
+        ws_rows,
+        ws_rows.shape[0] if staged is not None else 0,
         k.stride(0),
         v.stride(0),
         k_buffer.stride(0),
         v_buffer.stride(0),
         cos_sin_cache.stride(0),
-        **store_kernel_params(num_kv_heads, split, rotate),
+        ws.stride(0),
+        **store_kernel_params(num_kv_heads, split, rotate, staged is not None),
     )
 
 
@@ -109,9 +135,15 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     cos_sin_cache: torch.Tensor,
+    staged: StagedKeys | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
-    """k_buffer[loc] = k, v_buffer[loc] = v, k/v [T, Hkv, D] unrotated. cos_sin_cache only sizes the rotary tiles."""
-    _launch(k_buffer, v_buffer, loc, k, v, loc, cos_sin_cache, rotate=False)
+    """k_buffer[loc] = k, v_buffer[loc] = v, k/v [T, Hkv, D] unrotated. With `staged`, the first
+    len(staged.token_rows) tokens' keys also go, rotated by `positions` (cos_sin_cache in the pool's dtype, as
+    stage_keys gets it), to their workspace rows; else cos_sin_cache only sizes the rotary tiles."""
+    if staged is not None and positions is None:
+        raise ValueError("store_kv needs the new tokens' positions to stage their keys")
+    _launch(k_buffer, v_buffer, loc, k, v, loc if positions is None else positions, cos_sin_cache, False, staged)
 
 
 def store_kv_rotated(

@@ -131,20 +131,21 @@ def _child_main() -> None:
             "dtype": "float32",
             "nan": bool(outs[0].isnan().any()),
             "vs_torch_native": relative_errors(*outs),
-            "staged": batches[0].attn_metadata.get("key_row_start") is not None,
+            "staged": batches[0].attn_metadata.get("staged") is not None,
         }
 
-    def graph_padding_case():
+    def graph_padding_case(spec, padded: int):
         """A one-request extend padded as its CUDA graph replays it: the backend is sized for a long context and
-        the padded count, the live rows keep their output and the padded rows write only the dummy slot 0."""
+        the padded count, the live rows keep their output and the padded rows write only the dummy slot 0 (and,
+        when the keys are staged, no workspace row: they would overwrite the new keys' rotated copies)."""
         from sglang_pic.layers.attention_backend import create_attention_backend
         from sglang_pic.layers.radix_attention import RadixAttention
         from sglang_pic.layers.rotary_embedding import RotaryEmbedding
         from sglang_pic.model_executor.cuda_graph_runner import StaticInputs
         from sglang_pic.model_executor.forward_batch import ForwardMode
 
-        hq, hkv, dim, padded, context_len = 4, 2, 32, 32, 4096
-        batch = pb.make_paged_batch([pb.spans(50, [(8, 20)], 4)], hq, hkv, dim, torch.float32, "cpu", page_size=16)
+        hq, hkv, dim, context_len = 4, 2, 32, 4096
+        batch = pb.make_paged_batch([spec], hq, hkv, dim, torch.float32, "cpu", page_size=16)
         layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=RotaryEmbedding(dim, context_len))
         q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
         native = pb.forward_batch_for(batch, create_attention_backend("torch_native"), decode=False)
@@ -171,6 +172,7 @@ def _child_main() -> None:
             "vs_torch_native": relative_errors(out[:rows], expected),
             "writes_only_own_and_dummy_slots": written <= set(batch.out_cache_loc.tolist()) | {0},
             "key_splits": graph_batch.attn_metadata["max_seq_len"] == context_len,
+            "staged": graph_batch.attn_metadata.get("staged") is not None,
         }
 
     def stage_decision_case():
@@ -424,6 +426,8 @@ def _child_main() -> None:
             [E(90, 4), E(33, 1), P(20)], 4, 2, 32, "bfloat16", extend_splits=5
         ),
         "spans_staged_keys_page16_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16, stage=True),
+        # a prefill's keys all come through the store, which writes their rotated copies: no staging pass runs
+        "prefill_staged_keys_fp32": lambda: attention_case([P(37), P(70)], 4, 2, 32, "float32", page=16, stage=True),
         "extend_staged_keys_splits3_partial_rotary_bf16": lambda: attention_case(
             [E(90, 40), P(33), S(50, [(8, 20)], 4)], 4, 2, 32, "bfloat16", extend_splits=3, stage=True, rotary_dim=16
         ),
@@ -464,7 +468,9 @@ def _child_main() -> None:
         "backend_decode_page1": lambda: backend_case(decode=True, page=1),
         "backend_mixed_page16": lambda: backend_case(decode=False, page=16, mixed=True),
         "backend_mixed_shared_decode_page16": lambda: backend_case(decode=False, page=16, mixed=True, shared=True),
-        "backend_graph_padded_extend": graph_padding_case,
+        "backend_graph_padded_extend": lambda: graph_padding_case(pb.spans(50, [(8, 20)], 4), 32),
+        # 150 new tokens x 2 query heads per kv head: past FEW_QUERY_ROWS, so keys are staged
+        "backend_graph_padded_staged_prefill": lambda: graph_padding_case(pb.prefill(150), 256),
         "stage_decision": stage_decision_case,
         "kivi_gqa_fp32": lambda: kivi_case("float32", 4, 32, 32),
         "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),
@@ -592,6 +598,7 @@ ATTENTION_CASES = [
     "spans_key_splits3_fp32",
     "extend_key_splits5_bf16",
     "spans_staged_keys_page16_fp32",
+    "prefill_staged_keys_fp32",
     "extend_staged_keys_splits3_partial_rotary_bf16",
     "decode_splits_gqa_page16_fp32",
     "decode_splits_mqa_dim16_page1_bf16",
@@ -633,7 +640,7 @@ BACKEND_CASES = [
     "backend_mixed_page16",
     "backend_mixed_shared_decode_page16",
 ]
-GRAPH_CASES = ["backend_graph_padded_extend", "stage_decision"]
+GRAPH_CASES = ["backend_graph_padded_extend", "backend_graph_padded_staged_prefill", "stage_decision"]
 WARM_UP_CASES = ["warm_up", "warm_up_coverage"]
 KIVI_CASES = ["kivi_gqa_fp32", "kivi_group3_partial_rotary_vdim16_bf16"]
 KIVI_ENGINE_CASES = ["kivi_engine"]
@@ -700,10 +707,12 @@ def test_shared_decode_static_plan_keeps_the_live_rows(report: dict) -> None:
     assert entry["padded_zero"]
 
 
-def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict) -> None:
-    entry = _entry(report, "backend_graph_padded_extend")
-    _assert_close("padded extend", "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
+@pytest.mark.parametrize("name", ["backend_graph_padded_extend", "backend_graph_padded_staged_prefill"])
+def test_padded_extend_graph_inputs_keep_the_live_rows(report: dict, name: str) -> None:
+    entry = _entry(report, name)
+    _assert_close(name, "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
     assert entry["writes_only_own_and_dummy_slots"] and entry["key_splits"]
+    assert entry["staged"] == (name == "backend_graph_padded_staged_prefill")
 
 
 def test_keys_are_staged_while_the_workspace_fits(report: dict) -> None:

@@ -1,6 +1,7 @@
 """GPU attention backend: fused store of unrotated k/v, then Triton extend or flash-decoding kernels with RoPE
-applied inside attention from logical positions. Extends first stage their keys, rotated once, in a per-call
-workspace (kernels/stage_keys.py) when it fits its bound; decodes rotate each key in-kernel.
+applied inside attention from logical positions. Extends first stage their keys, rotated once, in a per-forward
+workspace (kernels/stage_keys.py) when it fits its bound: the store writes the new keys there, a staging pass the
+cached ones. Decodes rotate each key in-kernel.
 
 Per-batch sizes come from the host-side lists of the ForwardBatch, so `forward` never synchronizes. In decode
 the grid depends only on the batch size and the pool's kv-head count (see `num_kv_splits`), which keeps a captured
@@ -16,7 +17,7 @@ import torch
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, decode_attention_fwd, num_kv_splits
 from sglang_pic.kernels.extend_attention import extend_attention_fwd, extend_variants
 from sglang_pic.kernels.shared_decode import alloc_shared_buffers, shared_decode_attention_fwd
-from sglang_pic.kernels.stage_keys import StagedKeys, key_row_starts, should_stage_keys, stage_keys
+from sglang_pic.kernels.stage_keys import StagedKeys, alloc_staged_keys, should_stage_keys, stage_keys
 from sglang_pic.kernels.store_kv import store_kv
 from sglang_pic.layers.attention_backend import AttentionBackend
 
@@ -55,7 +56,8 @@ class TritonAttnBackend(AttentionBackend):
             meta["max_extend_len"] = max(forward_batch.extend_seq_lens_cpu[:extends], default=0)
             meta["max_seq_len"] = max(seq_lens, default=0)
             meta["total_keys"] = sum(seq_lens)
-            meta["key_row_start"] = None  # computed by the first staging layer (inside a graph capture if any)
+            meta["cached_keys"] = meta["total_keys"] > sum(forward_batch.extend_seq_lens_cpu[:extends])
+            meta["staged"] = None  # key-staging workspace, allocated by the first layer (inside a graph capture if any)
 
     def forward(
         self,
@@ -67,19 +69,28 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         cos_sin = layer.rotary.kernel_table(k_buf.dtype)
-        store_kv(
-            k_buf,
-            v_buf,
-            forward_batch.out_cache_loc,
-            k.view(-1, layer.num_kv_heads, layer.head_dim),
-            v.view(-1, layer.num_kv_heads, layer.v_head_dim),
-            cos_sin,
-        )
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
         fb = forward_batch
         decodes = fb.num_decodes
         extends, rows = fb.batch_size - decodes, q3.shape[0] - decodes
+        staged = self._staging(fb, extends, rows, k_buf, layer.num_heads // layer.num_kv_heads) if extends else None
+        store_kv(
+            k_buf,
+            v_buf,
+            fb.out_cache_loc,
+            k.view(-1, layer.num_kv_heads, layer.head_dim),
+            v.view(-1, layer.num_kv_heads, layer.v_head_dim),
+            cos_sin,
+            staged,
+            fb.positions,
+        )
+        if staged is not None and fb.attn_metadata["cached_keys"]:  # a prefill's keys all came through the store
+            stage_keys(
+                staged, k_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices[:extends], fb.seq_lens[:extends],
+                fb.extend_start_loc[:extends], fb.extend_seq_lens[:extends], fb.positions[:rows], cos_sin,
+                fb.attn_metadata["max_seq_len"],
+            )
         if extends:
             # A mixed batch's decodes go to the decode kernel below: in extend tiles each would fill one row.
             extend_attention_fwd(
@@ -98,7 +109,7 @@ class TritonAttnBackend(AttentionBackend):
                 fb.attn_metadata["max_extend_len"],
                 max_seq_len=fb.attn_metadata["max_seq_len"],
                 num_sms=self.sm_count(q.device),
-                staged_keys=self._staged_keys(fb, extends, k_buf, cos_sin, layer.num_heads // layer.num_kv_heads),
+                staged_keys=staged,
             )
         if decodes and fb.shared_decode is not None:
             if fb.attn_metadata["shared_buffers"] is None:  # allocated by the first layer, shared by all
@@ -148,10 +159,13 @@ class TritonAttnBackend(AttentionBackend):
             v = torch.zeros((tokens, layer.num_kv_heads, layer.v_head_dim), dtype=dtype, device=device)
             zeros = torch.zeros(tokens, dtype=torch.int64, device=device)  # slots written; lowest visible keys
             lens = torch.full((1,), tokens, dtype=torch.int64, device=device)
-            store_kv(k_buf, v_buf, zeros, k, v, cos_sin)
-            staged = stage_keys(k_buf, table, request, lens, zero, cos_sin, tokens, tokens) if stage else None
+            positions = torch.arange(tokens, device=device)
+            staged = alloc_staged_keys(k_buf, lens, zero, lens, positions, tokens) if stage else None
+            store_kv(k_buf, v_buf, zeros, k, v, cos_sin, staged, positions)
+            if staged is not None:
+                stage_keys(staged, k_buf, table, request, lens, zero, lens, positions, cos_sin, tokens)
             extend_attention_fwd(
-                q, k_buf, v_buf, out, table, request, zero, lens, torch.arange(tokens, device=device), zeros, cos_sin,
+                q, k_buf, v_buf, out, table, request, zero, lens, positions, zeros, cos_sin,
                 layer.scaling, tokens, num_splits=splits, max_seq_len=tokens, num_sms=self.sm_count(device),
                 staged_keys=staged,
             )
@@ -160,26 +174,22 @@ class TritonAttnBackend(AttentionBackend):
         return len(variants) + 1
 
     @staticmethod
-    def _staged_keys(
-        forward_batch: "ForwardBatch", extends: int, k_buf: torch.Tensor, cos_sin: torch.Tensor, group: int
+    def _staging(
+        forward_batch: "ForwardBatch", extends: int, rows: int, k_buf: torch.Tensor, group: int
     ) -> StagedKeys | None:
-        """The extends' keys rotated once into a workspace (see stage_keys), or None when the kernel rotates them
-        itself (few query rows per request, or a workspace past its bound). `group`: query heads per kv head."""
+        """The workspace the extends' keys are staged in, rotated once (see stage_keys), shared by every layer of
+        the forward; None when the kernel rotates them itself (few query rows per request, or a workspace past its
+        bound). `rows`: the extends' new tokens; `group`: query heads per kv head."""
         meta = forward_batch.attn_metadata
         if not should_stage_keys(meta["total_keys"], k_buf, meta["max_extend_len"] * group):
             return None
-        if meta["key_row_start"] is None:
-            meta["key_row_start"] = key_row_starts(forward_batch.seq_lens[:extends])
-        return stage_keys(
-            k_buf,
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices[:extends],
-            forward_batch.seq_lens[:extends],
-            meta["key_row_start"],
-            cos_sin,
-            meta["total_keys"],
-            meta["max_seq_len"],
-        )
+        if meta["staged"] is None:
+            fb = forward_batch
+            meta["staged"] = alloc_staged_keys(
+                k_buf, fb.seq_lens[:extends], fb.extend_start_loc[:extends], fb.extend_seq_lens[:extends],
+                fb.positions[:rows], meta["total_keys"],
+            )
+        return meta["staged"]
 
     @staticmethod
     def _decode_buffers(
