@@ -218,9 +218,8 @@ def _extend_attention_kernel(
             base = cos_sin_ptr + start_n * stride_cs + offs_r
             b_cos = tl.load(base, mask=half_mask, other=1.0)[None, :]
             b_sin = tl.load(base + HALF, mask=half_mask, other=0.0)[None, :]
-            # angle addition: (t_cos, t_sin) rotated by the block's first position
-            b_cos = tl.broadcast_to(b_cos, t_cos.shape)
-            k_cos, k_sin = rotate_keys(t_cos, t_sin, b_cos, tl.broadcast_to(b_sin, t_sin.shape))
+            k_cos = b_cos * t_cos - b_sin * t_sin
+            k_sin = b_sin * t_cos + b_cos * t_sin
             k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
         qk = key_scores(q1, q2, q_tail, k1, k2, k_rows, n_mask, dtype, HALF, TAIL, BLOCK_TAIL, DOT_DTYPE, DOT_PRECISION)
 
