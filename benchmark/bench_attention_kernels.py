@@ -213,7 +213,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
     store and attends over a pool of rotated keys. `overhead_pct` compares the steps; `attention_overhead_pct` the
     attention alone where no work moved into the store (in-kernel rotation); `in_kernel_ms` times the step with
     in-kernel rotation also where the engine stages; `stage_ms` the staging pass alone."""
-    from sglang_pic.kernels.stage_keys import should_stage_keys, stage_keys
+    from sglang_pic.kernels.stage_keys import has_cached_keys, should_stage_keys, stage_keys
     from sglang_pic.kernels.store_kv import store_kv, store_kv_rotated
 
     batch = _make_batch(args, specs, seed=len(name))
@@ -222,25 +222,18 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
     pre_k = batch.k_buffer.clone()  # the baseline's pool: the store rotates its new keys, the rest stay as they are
     new_kv = (batch.out_cache_loc, batch.k_new, batch.v_new)
 
-    def store_free() -> None:
+    def in_kernel_step() -> None:
         store_kv(batch.k_buffer, batch.v_buffer, *new_kv, batch.kernel_cos_sin)
+        batch.run_extend(False, out=out, config=config, stage=False)
 
-    def free_step() -> None:
-        if staged:  # the store writes the new keys' rotated copies to the workspace
-            batch.run_extend(False, out=out, config=config, stage=True)
-        else:
-            store_free()
-            batch.run_extend(False, out=out, config=config, stage=False)
+    def staged_step() -> None:  # the store inside writes the new keys' rotated copies to the workspace
+        batch.run_extend(False, out=out, config=config, stage=True)
 
     def pre_step() -> None:
         store_kv_rotated(pre_k, batch.v_buffer, *new_kv, batch.positions, batch.kernel_cos_sin)
         batch.run_extend(True, k_buffer=pre_k, out=out, config=config)
 
-    def in_kernel_step() -> None:
-        store_free()
-        batch.run_extend(False, out=out, config=config, stage=False)
-
-    fns = {"free": free_step, "pre": pre_step}
+    fns = {"free": staged_step if staged else in_kernel_step, "pre": pre_step}
     if staged:
         fns["in_kernel"] = in_kernel_step
     else:
@@ -269,7 +262,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
         "rounds": times,
     }
     result["stage_ms"] = 0.0  # a prefill's keys all come through the store: no staging pass
-    if staged and sum(batch.seq_lens_cpu) > sum(batch.extend_seq_lens_cpu):
+    if staged and has_cached_keys(batch.seq_lens_cpu, batch.extend_seq_lens_cpu):
 
         def stage_only() -> None:
             lens = (batch.seq_lens, batch.extend_start_loc, batch.extend_seq_lens, batch.positions)

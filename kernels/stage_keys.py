@@ -39,6 +39,12 @@ def should_stage_keys(total_keys: int, k_buffer: torch.Tensor, query_rows: int) 
     return query_rows > FEW_QUERY_ROWS and 0 < workspace <= STAGE_MAX_BYTES
 
 
+def has_cached_keys(seq_lens: list[int], extend_seq_lens: list[int]) -> bool:
+    """Whether an extend batch (host-side lengths) has keys the store does not write, for stage_keys to stage: a
+    prefill has none."""
+    return sum(seq_lens) > sum(extend_seq_lens)
+
+
 @dataclass
 class StagedKeys:
     """Request b's key j, rotated by j, is workspace[row_start[b] + j] ([rows, Hkv, D]). The store writes extend

@@ -17,7 +17,13 @@ import torch
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, decode_attention_fwd, num_kv_splits
 from sglang_pic.kernels.extend_attention import extend_attention_fwd, extend_variants
 from sglang_pic.kernels.shared_decode import alloc_shared_buffers, shared_decode_attention_fwd
-from sglang_pic.kernels.stage_keys import StagedKeys, alloc_staged_keys, should_stage_keys, stage_keys
+from sglang_pic.kernels.stage_keys import (
+    StagedKeys,
+    alloc_staged_keys,
+    has_cached_keys,
+    should_stage_keys,
+    stage_keys,
+)
 from sglang_pic.kernels.store_kv import store_kv
 from sglang_pic.layers.attention_backend import AttentionBackend
 
@@ -56,7 +62,7 @@ class TritonAttnBackend(AttentionBackend):
             meta["max_extend_len"] = max(forward_batch.extend_seq_lens_cpu[:extends], default=0)
             meta["max_seq_len"] = max(seq_lens, default=0)
             meta["total_keys"] = sum(seq_lens)
-            meta["cached_keys"] = meta["total_keys"] > sum(forward_batch.extend_seq_lens_cpu[:extends])
+            meta["cached_keys"] = has_cached_keys(seq_lens, forward_batch.extend_seq_lens_cpu[:extends])
             meta["staged"] = None  # key-staging workspace, allocated by the first layer (inside a graph capture if any)
 
     def forward(
@@ -85,7 +91,7 @@ class TritonAttnBackend(AttentionBackend):
             staged,
             fb.positions,
         )
-        if staged is not None and fb.attn_metadata["cached_keys"]:  # a prefill's keys all came through the store
+        if staged is not None and fb.attn_metadata["cached_keys"]:
             stage_keys(
                 staged, k_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices[:extends], fb.seq_lens[:extends],
                 fb.extend_start_loc[:extends], fb.extend_seq_lens[:extends], fb.positions[:rows], cos_sin,

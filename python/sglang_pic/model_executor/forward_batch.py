@@ -1,9 +1,10 @@
 """What one model forward needs to know about its batch: token rows, logical positions and KV addressing.
 
-A request contributes `extend_seq_len` new tokens. They need not be contiguous in the request: cached spans may sit
-between them. Every new token carries its logical position (its index in the request) and `attn_lo`, the lowest
-key index it may see (0 for prefix, PDEP and decode tokens, the span's start for span tokens). A query at position p
-sees keys j with attn_lo <= j <= p, read through req_to_token[req_pool_index, j] and rotated by j.
+A request contributes `extend_seq_len` new tokens, in increasing position order. They need not be contiguous in the
+request: cached spans may sit between them. Every new token carries its logical position (its index in the request)
+and `attn_lo`, the lowest key index it may see (0 for prefix, PDEP and decode tokens, the span's start for span
+tokens). A query at position p sees keys j with attn_lo <= j <= p, read through req_to_token[req_pool_index, j] and
+rotated by j.
 """
 
 from __future__ import annotations
