@@ -10,7 +10,9 @@ position-free keys move work between the two: for extends with many queries per 
 staging pass the cached ones (`stage_ms` alone); `in_kernel_ms` times in-kernel rotation as well.
 
 Variants are timed in `--rounds` interleaved rounds whose order reverses every round, and the median is kept;
-`noise_pct` is the largest spread of one variant's rounds, below which differences are noise.
+`noise_pct` is the largest spread of one variant's rounds, below which differences are noise. Each case also
+records the GPU's lowest SM clock, highest power and whether it throttled under load while it ran (nvidia-smi,
+gpu_telemetry.py): at its 700 W cap an H200 slows the variant that does more work per byte more.
 
 Cases: decode (flash-decoding, batch x context grid), extend (prefill, prefix extends, span prefills), and the
 KV store. Each call is captured in a CUDA graph and timed by triton.testing.do_bench on its replays (L2 flushed
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from gpu_telemetry import Telemetry
 
 DEVICE = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -347,9 +350,15 @@ def _log_row(row: dict) -> None:
     print(
         f"  {row['kind']:7s} {shape:32s} free {row['position_free_ms']:8.4f} ms  "
         f"pre {row['prerotated_ms']:8.4f} ms  overhead {row['overhead_pct']:+6.1f}%  noise {row['noise_pct']:4.1f}%  "
-        f"{cfg}",
+        f"{_throttle_note(row)}{cfg}",
         flush=True,
     )
+
+
+def _throttle_note(row: dict) -> str:
+    """'capped, SM >= N MHz' for a case measured while the GPU throttled under load; '' otherwise."""
+    t = row.get("telemetry", {})
+    return f"capped, SM >= {t['min_sm_mhz']} MHz " if t.get("throttled") else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,26 +386,34 @@ def main(argv: list[str] | None = None) -> int:
             "head_dim": args.head_dim,
             "page_size": args.page_size,
             "timing": "CUDA-graph replay, triton.testing.do_bench median, L2 flushed before each replay",
+            "telemetry": "per case: nvidia-smi samples every 100 ms (gpu_telemetry.py), lowest SM clock, highest "
+            "power, whether a power or thermal throttle reason was active",
         },
         "ceilings": ceilings(args.rep_ms),
     }
     print(f"ceilings: {report['ceilings']}", flush=True)
 
-    report["decode"] = []
-    for batch_size, context in decode_grid:
-        row = {"kind": "decode", **bench_decode(args, batch_size, context)}
-        report["decode"].append(row)
-        _log_row(row)
-        torch.cuda.empty_cache()
-    report["extend"] = []
-    for name, specs in extend_cases(args.prefill).items():
-        row = {"kind": "extend", **bench_extend(args, name, specs)}
-        report["extend"].append(row)
-        _log_row(row)
-    report["store"] = [{"kind": "store", **bench_store(args, STORE_TOKENS)}]
-    _log_row(report["store"][0])
-    if args.sweep:
-        report["sweep"] = sweep(args)
+    spans: list[tuple[dict, float, float]] = []  # each row and when it was measured, for its telemetry window
+    with Telemetry() as telemetry:
+
+        def measured(kind: str, bench: Callable[..., dict], *bench_args) -> dict:
+            start = time.time()
+            row = {"kind": kind, **bench(args, *bench_args)}
+            spans.append((row, start, time.time()))
+            _log_row(row)
+            return row
+
+        report["decode"] = []
+        for batch_size, context in decode_grid:
+            report["decode"].append(measured("decode", bench_decode, batch_size, context))
+            torch.cuda.empty_cache()
+        cases = extend_cases(args.prefill).items()
+        report["extend"] = [measured("extend", bench_extend, name, specs) for name, specs in cases]
+        report["store"] = [measured("store", bench_store, STORE_TOKENS)]
+        if args.sweep:
+            report["sweep"] = sweep(args)
+    for row, start, end in spans:
+        row["telemetry"] = telemetry.window(start, end)
     report["meta"]["wall_s"] = time.time() - started
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -415,7 +432,7 @@ def print_summary(report: dict) -> None:
         shape = f"b{r['batch']} x {r['context']}"
         times = f"{r['position_free_ms']:9.4f} {r['prerotated_ms']:9.4f}"
         rates = f"{r['position_free_gbps']:10.0f} {r['prerotated_gbps']:9.0f}"
-        print(f"{shape:>14s} {times} {rates} {r['overhead_pct']:+8.1f}% {r['noise_pct']:4.1f}%")
+        print(f"{shape:>14s} {times} {rates} {r['overhead_pct']:+8.1f}% {r['noise_pct']:4.1f}% {_throttle_note(r)}")
     head = f"{'free ms':>9s} {'pre ms':>9s} {'free TF/s':>10s} {'pre TF/s':>9s} {'overhead':>9s} noise"
     print(f"{'extend (store + attention)':>34s} {head} {'stage ms':>9s} {'in-kernel rotation':>19s} {'attn only':>9s}")
     for r in report["extend"]:
@@ -425,7 +442,7 @@ def print_summary(report: dict) -> None:
         stage = f"{r['stage_ms']:9.4f}" if r["staged"] else f"{'-':>9s}"
         attention = f"{r['attention_overhead_pct']:+8.1f}%" if "attention_overhead_pct" in r else f"{'-':>9s}"
         overhead = f"{r['overhead_pct']:+8.1f}% {r['noise_pct']:4.1f}%"
-        print(f"{r['case']:>34s} {times} {rates} {overhead} {stage} {in_kernel} {attention}")
+        print(f"{r['case']:>34s} {times} {rates} {overhead} {stage} {in_kernel} {attention} {_throttle_note(r)}")
     for r in report["store"]:
         print(
             f"store {r['tokens']} tokens: free {r['position_free_ms']:.4f} ms, free + staged keys "
@@ -436,6 +453,10 @@ def print_summary(report: dict) -> None:
             rows = report[kind]
             geo = math.exp(sum(math.log1p(r["overhead_pct"] / 100) for r in rows) / len(rows))
             print(f"{kind} overhead, geometric mean: {100 * (geo - 1):+.1f}%")
+    rows = [r for kind in ("decode", "extend", "store") for r in report[kind] if r.get("telemetry", {}).get("samples")]
+    if rows:
+        capped = sum(r["telemetry"]["throttled"] for r in rows)
+        print(f"cases measured while the GPU throttled under load (power or thermal): {capped} of {len(rows)}")
     best: dict[str, dict] = {}
     for r in report.get("sweep", []):
         shape = r.get("case") or f"decode b{r['batch']} x {r['context']}"
