@@ -29,11 +29,11 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from statistics import median
 from typing import Callable
 
 import torch
@@ -115,10 +115,6 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rep_ms: int, rounds: in
         for name in list(graphs)[:: 1 if r % 2 == 0 else -1]:
             times[name].append(replay_ms(graphs[name], rep_ms))
     return times
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 def spread_pct(times: dict[str, list[float]]) -> float:
