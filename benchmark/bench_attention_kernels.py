@@ -50,6 +50,7 @@ QUICK = {"batches": [1, 32, 256], "contexts": [1024, 8192, 32768], "prefill": [1
 SWEEP_DECODE_SHAPES = [(1, 32768), (64, 8192), (256, 2048)]  # (batch, context)
 SWEEP_PREFILL_LEN = 8192
 STORE_TOKENS = 8192
+KINDS = ("decode", "extend", "store")
 PRE_ROTATED_PROGRAMS_PER_SM = 3  # the pre-rotated decode split kernel's shared memory fits 3 per H200 SM
 
 
@@ -69,12 +70,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-kv-tokens", type=int, default=8 * 2**20, help="skip decode cases with batch x context above")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurements of each variant (median kept)")
+    p.add_argument("--kinds", type=_kinds, default=KINDS, help="cases to run, comma-separated: decode,extend,store")
     args = p.parse_args(argv)
     grid = QUICK if args.quick else FULL
     args.batches = args.batches or grid["batches"]
     args.contexts = args.contexts or grid["contexts"]
     args.prefill = args.prefill or grid["prefill"]
     return args
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in text.split(",") if k)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"unknown case kinds {unknown}; choose from {','.join(KINDS)}")
+    return kinds
 
 
 def _ints(text: str) -> list[int]:
@@ -360,11 +370,14 @@ def _throttle_note(row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     decode_grid = [(b, c) for b in args.batches for c in args.contexts if b * c <= args.max_kv_tokens]
+    decode_grid = decode_grid if "decode" in args.kinds else []
+    cases = extend_cases(args.prefill) if "extend" in args.kinds else {}
     if not torch.cuda.is_available():
+        store = ", the store" if "store" in args.kinds else ""
         extra = " and a config sweep" if args.sweep else ""
         print(
-            f"no CUDA device; would run {len(decode_grid)} decode cases, {len(extend_cases(args.prefill))} extend "
-            f"cases, the store{extra}; results to {args.out}"
+            f"no CUDA device; would run {len(decode_grid)} decode cases, {len(cases)} extend cases{store}{extra}; "
+            f"results to {args.out}"
         )
         return 0
     import triton
@@ -403,9 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch_size, context in decode_grid:
             report["decode"].append(measured("decode", bench_decode, batch_size, context))
             torch.cuda.empty_cache()
-        cases = extend_cases(args.prefill).items()
-        report["extend"] = [measured("extend", bench_extend, name, specs) for name, specs in cases]
-        report["store"] = [measured("store", bench_store, STORE_TOKENS)]
+        report["extend"] = [measured("extend", bench_extend, name, specs) for name, specs in cases.items()]
+        report["store"] = [measured("store", bench_store, STORE_TOKENS)] if "store" in args.kinds else []
         if args.sweep:
             report["sweep"] = sweep(args)
     for row, start, end in spans:
