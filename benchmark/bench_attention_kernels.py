@@ -83,7 +83,8 @@ def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k for k in text.split(",") if k)
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
-        raise argparse.ArgumentTypeError(f"unknown case kinds {unknown}; choose from {','.join(KINDS)}")
+        named = f"unknown case kinds {unknown}" if unknown else "no case kinds given"
+        raise argparse.ArgumentTypeError(f"{named}; choose from {','.join(KINDS)}")
     return kinds
 
 
