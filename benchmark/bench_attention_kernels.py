@@ -173,9 +173,10 @@ def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config
         buffers = alloc_decode_buffers(batch_size, args.heads, args.head_dim, n, batch.q.device)
         return lambda: batch.run_decode(n, keys_rotated, out=out, buffers=buffers, config=config)
 
-    fns = {"free": launch(False, splits), **{f"pre_{n}": launch(True, n) for n in sorted({splits, own_waves})}}
+    pre_counts = sorted({splits, own_waves})
+    fns = {"free": launch(False, splits), **{f"pre_{n}": launch(True, n) for n in pre_counts}}
     times = interleaved_ms(fns, args.rep_ms, args.rounds)
-    pre_splits = min(sorted({splits, own_waves}), key=lambda n: median(times[f"pre_{n}"]))
+    pre_splits = min(pre_counts, key=lambda n: median(times[f"pre_{n}"]))
     free, pre = median(times["free"]), median(times[f"pre_{pre_splits}"])
     result = {
         "position_free_ms": free,
@@ -223,7 +224,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
     store and attends over a pool of rotated keys. `overhead_pct` compares the steps; `attention_overhead_pct` the
     attention alone where no work moved into the store (in-kernel rotation); `in_kernel_ms` times the step with
     in-kernel rotation also where the engine stages; `stage_ms` the staging pass alone."""
-    from sglang_pic.kernels.stage_keys import has_cached_keys, should_stage_keys, stage_keys
+    from sglang_pic.kernels.stage_keys import has_cached_keys, should_stage_keys
     from sglang_pic.kernels.store_kv import store_kv, store_kv_rotated
 
     batch = _make_batch(args, specs, seed=len(name))
@@ -232,23 +233,29 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
     pre_k = batch.k_buffer.clone()  # the baseline's pool: the store rotates its new keys, the rest stay as they are
     new_kv = (batch.out_cache_loc, batch.k_new, batch.v_new)
 
+    def free_attention() -> None:  # keys rotated in-kernel
+        batch.run_extend(False, out=out, config=config, stage=False)
+
+    def pre_attention() -> None:
+        batch.run_extend(True, k_buffer=pre_k, out=out, config=config)
+
     def in_kernel_step() -> None:
         store_kv(batch.k_buffer, batch.v_buffer, *new_kv, batch.kernel_cos_sin)
-        batch.run_extend(False, out=out, config=config, stage=False)
+        free_attention()
 
     def staged_step() -> None:  # the store inside writes the new keys' rotated copies to the workspace
         batch.run_extend(False, out=out, config=config, stage=True)
 
     def pre_step() -> None:
         store_kv_rotated(pre_k, batch.v_buffer, *new_kv, batch.positions, batch.kernel_cos_sin)
-        batch.run_extend(True, k_buffer=pre_k, out=out, config=config)
+        pre_attention()
 
     fns = {"free": staged_step if staged else in_kernel_step, "pre": pre_step}
     if staged:
         fns["in_kernel"] = in_kernel_step
     else:
-        fns["free_attention"] = lambda: batch.run_extend(False, out=out, config=config, stage=False)
-        fns["pre_attention"] = lambda: batch.run_extend(True, k_buffer=pre_k, out=out, config=config)
+        fns["free_attention"] = free_attention
+        fns["pre_attention"] = pre_attention
     times = interleaved_ms(fns, args.rep_ms, args.rounds)
     ms = {name: median(t) for name, t in times.items()}
     assert not out.isnan().any(), "extend left NaN in its output"
@@ -273,13 +280,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
     }
     result["stage_ms"] = 0.0  # a prefill's keys all come through the store: no staging pass
     if staged and has_cached_keys(batch.seq_lens_cpu, batch.extend_seq_lens_cpu):
-
-        def stage_only() -> None:
-            lens = (batch.seq_lens, batch.extend_start_loc, batch.extend_seq_lens, batch.positions)
-            rows = (batch.req_to_token, batch.req_pool_indices)
-            stage_keys(batch.staged, batch.k_buffer, *rows, *lens, batch.kernel_cos_sin, max(batch.seq_lens_cpu))
-
-        result["stage_ms"] = graph_time_ms(stage_only, args.rep_ms)
+        result["stage_ms"] = graph_time_ms(batch.stage_cached_keys, args.rep_ms)
     if not staged:
         result["attention_overhead_pct"] = 100.0 * (ms["free_attention"] / ms["pre_attention"] - 1.0)
     return result
@@ -462,7 +463,7 @@ def print_summary(report: dict) -> None:
             rows = report[kind]
             geo = math.exp(sum(math.log1p(r["overhead_pct"] / 100) for r in rows) / len(rows))
             print(f"{kind} overhead, geometric mean: {100 * (geo - 1):+.1f}%")
-    rows = [r for kind in ("decode", "extend", "store") for r in report[kind] if r.get("telemetry", {}).get("samples")]
+    rows = [r for kind in KINDS for r in report[kind] if r.get("telemetry", {}).get("samples")]
     if rows:
         capped = sum(r["telemetry"]["throttled"] for r in rows)
         print(f"cases measured while the GPU throttled under load (power or thermal): {capped} of {len(rows)}")

@@ -164,7 +164,7 @@ class PagedBatch:
         the new tokens' keys there as it writes the pool (the same values again here), the staging pass the cached
         ones. The workspace and its row indices are built once per batch, as the engine builds them once per
         forward, and poisoned then, so a key neither pass writes reads as NaN."""
-        from sglang_pic.kernels.stage_keys import alloc_staged_keys, has_cached_keys, stage_keys
+        from sglang_pic.kernels.stage_keys import alloc_staged_keys, has_cached_keys
         from sglang_pic.kernels.store_kv import store_kv
 
         k_buffer = self.k_buffer if k_buffer is None else k_buffer
@@ -174,20 +174,26 @@ class PagedBatch:
                 sum(self.seq_lens_cpu),
             )
             self.staged.workspace.fill_(float("nan"))
-        table, new_kv = self.kernel_cos_sin, (self.out_cache_loc, self.k_new, self.v_new)
-        store_kv(k_buffer, self.v_buffer, *new_kv, table, self.staged, self.positions)
+        new_kv = (self.out_cache_loc, self.k_new, self.v_new)
+        store_kv(k_buffer, self.v_buffer, *new_kv, self.kernel_cos_sin, self.staged, self.positions)
         if not has_cached_keys(self.seq_lens_cpu, self.extend_seq_lens_cpu):
             return self.staged
+        return self.stage_cached_keys(k_buffer)
+
+    def stage_cached_keys(self, k_buffer: torch.Tensor | None = None) -> StagedKeys:
+        """The staging pass alone: the cached keys into the workspace stage_keys built (benchmarks time it)."""
+        from sglang_pic.kernels.stage_keys import stage_keys
+
         return stage_keys(
             self.staged,
-            k_buffer,
+            self.k_buffer if k_buffer is None else k_buffer,
             self.req_to_token,
             self.req_pool_indices,
             self.seq_lens,
             self.extend_start_loc,
             self.extend_seq_lens,
             self.positions,
-            table,
+            self.kernel_cos_sin,
             max(self.seq_lens_cpu),
         )
 
