@@ -58,8 +58,8 @@ class SpanPrefillPlanner:
         # a cache hit for it), every other request that uses the span reused it.
         self.owner: dict[tuple, str] = {}
         # rid -> the span jobs a queued request still waits for ([] = none). Its spans are looked up in the tree
-        # once, and again only when admission finds one missing (evicted), so a long queue costs no tree lookups
-        # per step; finished jobs just leave the list.
+        # once, so a long queue costs no tree lookups per step; finished jobs just leave the list. A span evicted
+        # after its job finished is computed by the request itself (claimed, so that others wait for it).
         self.blocked_on: dict[str, list[Req]] = {}
         self.held: dict[str, tuple[tuple, ...]] = {}  # rid -> the span ids of a waiting request
         # span id -> [waiting requests holding it, those of them blocked on its job, its tokens]: kept up to date as
@@ -78,10 +78,6 @@ class SpanPrefillPlanner:
         job = make_span_job(sid, f"span-job-{self._next_id}", arrival_step)
         self.jobs[sid] = job
         return job, True
-
-    def recheck(self, req: Req) -> None:
-        """Admission found one of `req`'s spans uncached after all: look its spans up again next step."""
-        self._block(req.rid, None)
 
     def computed_for(self, req: Req) -> list[ReqSegment]:
         """The spans that jobs computed on `req`'s behalf (forgets them: asked once, at admission)."""
@@ -125,8 +121,6 @@ class SpanPrefillPlanner:
                 continue
             jobs = self.blocked_on.get(req.rid)
             if jobs is not None and any(job.finished() for job in jobs):
-                # A finished job's span is cached; were it evicted again before admission, admission finds it
-                # missing and calls recheck(), which brings back the full lookup below.
                 jobs = self._block(req.rid, [job for job in jobs if not job.finished()])
             if jobs is None:
                 jobs = []

@@ -226,6 +226,8 @@ class Scheduler:
         updated, self.finished_early = self.finished_early, []
         if not plan:
             self._commit_inflight(updated)
+            if not updated and self.waiting and not self.running and self.chunked is None:
+                self._refuse_stalled(updated)
             return updated
         start = time.perf_counter()
         launched = self._launch(plan, updated)
@@ -318,12 +320,9 @@ class Scheduler:
                 self._finish_span_job(req)
                 self.finished_early.append(req)
                 continue
-            if self.kv.waits_for_inflight_span(req) or self.kv.waits_for_inflight_prefix(req) or (
-                self.isps and not req.warmup and not self.planner.under_pressure
-                and self.kv.has_shareable_uncached_span(req)
-            ):
-                self.kv.release(req)  # its span or prefix is being computed elsewhere: match again next step
-                self.planner.recheck(req)
+            req.waiting_on = self.kv.inflight_owner(req)
+            if req.waiting_on is not None:
+                self.kv.release(req)  # its span or prefix is being computed in that request: match again next step
                 continue
             reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
             need = self.kv.slots_needed(req, [len(s.tokens) - s.done for s in req.segments])
@@ -371,8 +370,23 @@ class Scheduler:
             self.jumping.pop(0)
         return entries
 
+    def _refuse_stalled(self, updated: list[Req]) -> None:
+        """Requests wait, yet nothing ran, nothing is running and nothing finished: no later step would differ, so
+        they are refused rather than left waiting forever. Admission never leaves such a state (a queued request
+        waits only on a request in this step's prefill, on room that running requests hold, or on a span job in the
+        queue); this is the guarantee that a flaw there shows as an error, not a hang."""
+        logger.error("no request could be scheduled; refusing %d waiting: %s",
+                     len(self.waiting), ", ".join(r.rid for r in self.waiting))
+        for req in self.waiting:
+            self.planner.forget(req)
+            self.kv.release(req)
+            req.finished_reason = FinishReason("abort", message="the scheduler could not schedule this request")
+        updated += self.waiting
+        self.waiting = []
+
     def _reject_oversized(self, req: Req) -> None:
         self.waiting.remove(req)
+        self.planner.forget(req)
         req.finished_reason = FinishReason("abort", message="request needs more KV memory than the whole pool")
         self.finished_early.append(req)
 
@@ -444,10 +458,12 @@ class Scheduler:
         return entry
 
     def _count_admission(self, req: Req) -> None:
-        if req.matched_once or req.warmup:
+        if req.warmup:
+            return
+        owned = self.planner.computed_for(req)  # also on readmission (retracted, preempted): it drops the records
+        if req.matched_once:
             return
         req.matched_once = True
-        owned = self.planner.computed_for(req)
         req.cached_span_tokens -= sum(seg.cached for seg in owned)
         self.stats.prompt_tokens += req.prompt_len
         self.stats.cached_prefix_tokens += req.cached_prefix_tokens

@@ -31,8 +31,9 @@ class ReqKVManager:
         self.tree = tree
         self.page_size = allocator.page_size
         self.disable_cache = tree.disable
-        # Spans being computed right now: (extra_key, tokens) -> rid. Others needing them wait instead of recomputing.
-        self.inflight_spans: dict[tuple, str] = {}
+        # Spans being computed right now: (extra_key, tokens) -> the request computing them. Others needing them
+        # wait instead of recomputing.
+        self.inflight_spans: dict[tuple, Req] = {}
         # Requests whose prompt is being computed right now (admitted, prefill not complete): rid -> request. A
         # request that would compute the same prefix or PDEP tokens (n > 1 samples, concurrent prompts sharing an
         # uncached system prompt or history) waits for them instead.
@@ -95,9 +96,6 @@ class ReqKVManager:
             if s.kind == "span" and len(s.tokens) - s.done >= self.page_size and req.reuses_whole(s)
         ]
 
-    def has_shareable_uncached_span(self, req: Req) -> bool:
-        return bool(self._shareable_uncached_spans(req))
-
     def uncached_span_segments(self, req: Req) -> list[ReqSegment]:
         """Spans of a queued request that still have whole pages to compute (looked up without locking)."""
         if self.disable_cache:
@@ -110,19 +108,24 @@ class ReqKVManager:
                     out.append(seg)
         return out
 
-    def waits_for_inflight_span(self, req: Req) -> bool:
-        return any(
-            self.inflight_spans.get(self._span_id(s), req.rid) != req.rid for s in self._shareable_uncached_spans(req)
-        )
+    def inflight_owner(self, req: Req) -> Req | None:
+        """The request in prefill that is computing KV `req` would compute too, for `req` to wait on (it then finds
+        that KV in the tree); None: `req` computes its own. Only requests in prefill are named here, and they run
+        each step until their prefill is launched, so a request never waits on nothing."""
+        if self.inflight_spans:
+            for seg in self._shareable_uncached_spans(req):
+                owner = self.inflight_spans.get(self._span_id(seg))
+                if owner is not None and owner is not req:
+                    return owner
+        return self._inflight_prefix_owner(req)
 
-    def waits_for_inflight_prefix(self, req: Req) -> bool:
-        """Whether a request in prefill is computing the next SHARED_PREFIX_MIN tokens of one of `req`'s prefix or
-        PDEP segments (after what `req` matched): same namespace, same place, same tokens, so the same KV, which
-        `req` will find in the tree once it is computed."""
-        others = [other for other in self.inflight_prefixes.values() if other is not req]
-        computing = [s for other in others for s in self._prompt_segments(other)]
+    def _inflight_prefix_owner(self, req: Req) -> Req | None:
+        """A request in prefill computing the next SHARED_PREFIX_MIN tokens of one of `req`'s prefix or PDEP
+        segments (after what `req` matched): same namespace, same place, same tokens, so the same KV."""
+        computing = [(other, s) for other in self.inflight_prefixes.values() if other is not req
+                     for s in self._prompt_segments(other)]
         if not computing:
-            return False
+            return None
         tail = next((s for s in reversed(req.segments) if s.tokens), None)
         for seg in self._prompt_segments(req):
             lo = seg.done
@@ -130,10 +133,10 @@ class ReqKVManager:
             if hi > len(seg.tokens) - (seg is tail):  # the prompt's last token is computed by req itself
                 continue
             want = seg.tokens[lo:hi]
-            same_place = (o for o in computing if o.extra_key == seg.extra_key and o.start == seg.start)
-            if any(o.tokens[lo:hi] == want for o in same_place):
-                return True
-        return False
+            for other, o in computing:
+                if o.extra_key == seg.extra_key and o.start == seg.start and o.tokens[lo:hi] == want:
+                    return other
+        return None
 
     @staticmethod
     def _prompt_segments(req: Req) -> list[ReqSegment]:
@@ -147,18 +150,22 @@ class ReqKVManager:
         if self.disable_cache:
             return
         for s in self._shareable_uncached_spans(req):
-            self.inflight_spans.setdefault(self._span_id(s), req.rid)
+            self.inflight_spans.setdefault(self._span_id(s), req)
         if any(len(s.tokens) - s.done > SHARED_PREFIX_MIN for s in self._prompt_segments(req)):
             self.inflight_prefixes[req.rid] = req
 
     def prefill_done(self, req: Req) -> None:
-        """`req`'s prefill is launched to its end: its prompt is no longer being computed."""
+        """`req`'s prefill is launched to its end: its prompt and spans are no longer being computed (a request
+        waiting for them finds in the tree what `req` inserted, and computes the rest itself)."""
         self.inflight_prefixes.pop(req.rid, None)
+        for seg in req.segments:
+            if seg.kind == "span":
+                self._unclaim(req, seg)
 
     def _unclaim(self, req: Req, seg: ReqSegment) -> None:
         if not self.inflight_spans:  # the usual case, and it saves hashing the span's tokens
             return
-        if self.inflight_spans.get(self._span_id(seg)) == req.rid:
+        if self.inflight_spans.get(self._span_id(seg)) is req:
             del self.inflight_spans[self._span_id(seg)]
 
     @staticmethod
