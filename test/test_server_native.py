@@ -222,10 +222,22 @@ def test_profile_routes(server, tmp_path):
     assert stopped.status_code == 200
     assert [p.name for p in tmp_path.glob("*.trace.json.gz")] and str(tmp_path) in stopped.text
     assert server.post("/stop_profile").status_code == 400
-    for body, needle in (({"bogus": 1}, "may hold only"), ({"activities": ["TPU"]}, "activities")):
+    for body, needle in (
+        ({"bogus": 1}, "unknown field: bogus"),
+        ({"activities": ["TPU"]}, "activities"),
+        ({"profile_by_stage": True}, "unsupported field: profile_by_stage"),
+    ):
         refused = server.post("/start_profile", json=body)
-        assert refused.status_code == 400 and needle in refused.text
+        assert refused.status_code == 400 and needle in refused.json()["error"]["message"], refused.text
     assert server.post("/start_profile", data=b"{not json").status_code == 400
+    # What `bench_serving --profile` sends: SGLang's other ProfileReqInput fields at their defaults.
+    bench_body = {
+        "output_dir": str(tmp_path / "bench"), "activities": ["CPU"], "num_steps": None, "profile_by_stage": False,
+        "profile_stages": None, "profile_prefix": None,
+    }
+    assert server.post("/start_profile", json=bench_body).status_code == 200
+    server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY})
+    assert server.post("/stop_profile").status_code == 200
 
 
 def test_concurrent_non_streaming_requests(server):
@@ -278,7 +290,85 @@ def test_tokenize_and_detokenize(server, engine):
     ]
     for path, body, named in bad:
         reply = server.post(path, json=body)
-        assert reply.status_code == 400 and named in reply.json()["message"], (body, reply.text)
+        assert reply.status_code == 400 and named in reply.json()["error"]["message"], (body, reply.text)
+
+
+# What `python -m sglang.bench_serving --backend sglang` (0.5.9) sends besides the prompt, and more of SGLang's
+# GenerateReqInput fields at their defaults.
+SGLANG_NEUTRAL = {
+    "lora_path": None,
+    "return_logprob": False,
+    "return_routed_experts": False,
+    "logprob_start_len": -1,
+    "return_hidden_states": False,
+    "custom_logit_processor": None,
+    "bootstrap_host": None,
+    "session_params": None,
+    "image_data": None,
+    "log_metrics": True,
+    "top_logprobs_num": None,
+}
+
+
+def test_sglang_fields_at_neutral_values_are_accepted(server):
+    plain = server.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY}).json()
+    body = {"text": PROMPTS[0], "sampling_params": {**GREEDY, "stream_interval": None}, **SGLANG_NEUTRAL}
+    reply = server.post("/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["output_ids"] == plain["output_ids"]
+    batch = {"text": PROMPTS, "sampling_params": GREEDY, "lora_path": [None, None], "return_hidden_states": [False] * 2}
+    assert [o["output_ids"] for o in server.post("/generate", json=batch).json()][0] == plain["output_ids"]
+
+
+def test_sglang_fields_asking_for_more_are_refused_by_name(server):
+    cases = [
+        ({"lora_path": "my-adapter"}, ["unsupported field: lora_path", "LoRA"]),
+        ({"return_routed_experts": True}, ["unsupported field: return_routed_experts"]),
+        ({"lora_path": [None, "my-adapter"]}, ["lora_path"]),
+        ({"temprature": 0}, ["unknown field: temprature"]),
+        ({"return_hidden_states": True, "session_params": {"id": "s"}, "lora_pth": None},
+         ["return_hidden_states", "session_params", "unknown field: lora_pth"]),
+        ({"sampling_params": {"stream_interval": 4, "max_tokens": 3}},
+         ["unsupported sampling parameter: stream_interval", "unknown sampling parameter: max_tokens"]),
+    ]
+    for extra, needles in cases:
+        reply = server.post("/generate", json={"text": PROMPTS[0], **extra})
+        assert reply.status_code == 400, (extra, reply.text)
+        message = reply.json()["error"]["message"]
+        assert all(n in message for n in needles), (extra, message)
+
+
+def test_admin_routes_take_sglang_bodies(server):
+    abort = {"rid": "no-such-request", "abort_all": False, "finished_reason": None, "abort_message": None}
+    assert server.post("/abort_request", json=abort).status_code == 200
+    refused = server.post("/abort_request", json={"rid": "x", "abort_message": "bye", "abort_al": True})
+    message = refused.json()["error"]["message"]
+    assert refused.status_code == 400 and "abort_message" in message and "abort_al" in message
+    kept = server.post("/update_weights_from_disk", json={"model_path": "/nowhere", "flush_cache": False})
+    assert kept.status_code == 400 and "flush_cache" in kept.json()["message"]
+    typo = server.post("/warm_spans", json={"spans": ["a"], "span": ["b"]})
+    assert typo.status_code == 400 and "unknown field: span" in typo.json()["error"]["message"]
+
+
+def test_unknown_routes_and_methods_answer_in_each_apis_shape(server):
+    """Native paths answer SGLang's {"error": {"message"}}, /v1 paths OpenAI's {"error": {message, type, param,
+    code}}, never FastAPI's {"detail": ...}."""
+    for method, path, status, needles in (
+        ("post", "/no_such_route", 404, ["Not Found", "/no_such_route"]),
+        ("get", "/generate", 405, ["Method Not Allowed", "POST"]),
+    ):
+        reply = getattr(server, method)(path)
+        assert reply.status_code == status and set(reply.json()) == {"error"}, reply.text
+        assert set(reply.json()["error"]) == {"message"} and all(n in reply.json()["error"]["message"] for n in needles)
+    for method, path, status, err_type in (
+        ("post", "/v1/no_such_route", 404, "NotFoundError"),
+        ("get", "/v1/completions", 405, "MethodNotAllowedError"),
+    ):
+        reply = getattr(server, method)(path)
+        assert reply.status_code == status and set(reply.json()) == {"error"}, reply.text
+        err = reply.json()["error"]
+        assert err == {"message": err["message"], "type": err_type, "param": None, "code": status}
+        assert path in err["message"]
 
 
 def test_stream_interval_on_the_server(tiny_llama):

@@ -183,6 +183,29 @@ def test_openai_errors_are_400(client):
     assert "messages" in str(err.value)
 
 
+def test_sglang_extensions_at_neutral_values_are_accepted(client):
+    neutral = {"lora_path": None, "return_hidden_states": False, "session_params": None, "custom_params": {"k": 1}}
+    comp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body=neutral)
+    assert comp.choices[0].finish_reason in ("length", "stop")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={**neutral, "stream_reasoning": True, "reasoning_effort": "medium"},
+    )
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_sglang_extensions_asking_for_more_are_refused_by_name(client, server):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"lora_path": "adapter"})
+    assert "unsupported field: lora_path" in str(err.value)
+    body = {"prompt": PROMPT, "return_hidden_states": True, "max_tokns": 2}
+    reply = server.post("/v1/completions", json=body)
+    assert reply.status_code == 400 and set(reply.json()) == {"error"}, reply.text
+    err = reply.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400
+    assert "return_hidden_states" in err["message"] and "unknown field: max_tokns" in err["message"]
+
+
 def test_chat_template_sources(tmp_path):
     from sglang_pic.entrypoints.openai_api import BUILTIN_CHAT_TEMPLATES, load_chat_template
 

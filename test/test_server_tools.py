@@ -109,11 +109,11 @@ def test_forced_tool_calls_follow_the_tool_schema(server, stream):
 
 def test_bad_tool_requests_are_refused_with_the_reason(server):
     unknown = chat(server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "launch"}})
-    assert unknown.status_code == 400 and "not among the tools" in unknown.json()["message"]
+    assert unknown.status_code == 400 and "not among the tools" in unknown.json()["error"]["message"]
     bad = chat(server, tools=[{"type": "function", "function": {"description": "nameless"}}])
-    assert bad.status_code == 400 and "name" in bad.json()["message"]
+    assert bad.status_code == 400 and "name" in bad.json()["error"]["message"]
     both = chat(server, tools=FORECAST, tool_choice="required", response_format={"type": "json_object"})
-    assert both.status_code == 400 and "only one output constraint" in both.json()["message"]
+    assert both.status_code == 400 and "only one output constraint" in both.json()["error"]["message"]
 
 
 def test_response_format_json_schema(server):
@@ -172,4 +172,4 @@ def test_tokenize_chat_messages_counts_what_the_chat_route_runs(server):
         kinds = [s["kind"] for s in counted["segments"]]
         assert kinds == (["prefix", "span", "span", "span", "pdep"] if extra.get("tool_spans") else ["prefix"])
     both = server.post("/tokenize", json={"messages": USER, "prompt": "hi"})
-    assert both.status_code == 400 and "either prompt or messages" in both.json()["message"]
+    assert both.status_code == 400 and "either prompt or messages" in both.json()["error"]["message"]

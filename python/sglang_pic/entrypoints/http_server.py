@@ -1,7 +1,8 @@
 """The FastAPI app: SGLang's native HTTP API (/generate and the admin routes), /metrics, and the OpenAI routes.
 
 Bodies are parsed by hand rather than by FastAPI's models so that every bad input (malformed JSON, wrong types,
-unknown fields, out-of-range values) gets SGLang's 400 body naming the problem instead of FastAPI's 422.
+unknown fields, out-of-range values) gets SGLang's 400 body naming the problem instead of FastAPI's 422. Fields of
+SGLang's request types that have no effect here are accepted at their neutral values (sglang_fields).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -19,15 +20,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sglang_pic.entrypoints.errors import error_response, install_error_handlers, native_error
 from sglang_pic.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from sglang_pic.entrypoints.openai_api import OpenAIServing, error_response
+from sglang_pic.entrypoints.openai_api import OpenAIServing
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.profiler import PROFILE_FIELDS
 from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerBusy, ServerTokenizerManager
+from sglang_pic.sglang_fields import (
+    ABORT_FIELDS,
+    START_PROFILE_FIELDS,
+    UPDATE_WEIGHTS_FIELDS,
+    Ignored,
+    accept_fields,
+)
 
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+ABORT_REQUEST_FIELDS = frozenset({"rid", "abort_all"})
+UPDATE_WEIGHTS_REQUEST_FIELDS = frozenset({"model_path", "load_format"})
 HEALTH_CHECK_TIMEOUT_S = 20.0
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -36,16 +47,21 @@ def json_response(content: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS), status, media_type="application/json")
 
 
-def native_error(message: str, status: int = 400) -> Response:
-    return json_response({"error": {"message": message}}, status)
-
-
 async def read_json(request: Request) -> Any:
     raw = await request.body()
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ValueError(f"malformed JSON body: {e}") from None
+
+
+async def read_fields(request: Request, known: Collection[str], ignored: Mapping[str, Ignored]) -> dict[str, Any]:
+    """A JSON object body's fields in `known`; SGLang's `ignored` ones at neutral values are dropped (ValueError
+    names the rest). An empty body is an empty object, as for SGLang's routes whose fields all have defaults."""
+    body = await read_json(request) if await request.body() else {}
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    return accept_fields(body, known, ignored)
 
 
 class ApiKeyMiddleware:
@@ -60,7 +76,7 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                response = json_response({"error": {"message": "Unauthorized: invalid or missing API key"}}, 401)
+                response = error_response(scope["path"], "Unauthorized: invalid or missing API key", 401)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -82,15 +98,8 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
     app = FastAPI(lifespan=lifespan)
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    install_error_handlers(app)
     app.include_router(openai.router())
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path)
-        message = f"internal server error: {type(exc).__name__}: {exc}"
-        if request.url.path.startswith("/v1/"):
-            return error_response(message, 500, "InternalServerError")
-        return native_error(message, 500)
 
     # ---- generation ---------------------------------------------------------------------------------------
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -126,11 +135,10 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
+        """SGLang's AbortReq: {"rid": ..., "abort_all": ...}."""
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict) or set(body) - {"rid", "abort_all"}:
-                raise ValueError("the body must be an object with rid and/or abort_all")
-            rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+            body = await read_fields(request, ABORT_REQUEST_FIELDS, ABORT_FIELDS)
+            rid, abort_all = body.get("rid") or "", body.get("abort_all") or False
             if not isinstance(rid, str) or not isinstance(abort_all, bool):
                 raise ValueError("rid must be a string and abort_all a boolean")
         except ValueError as e:
@@ -214,44 +222,42 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
         """SGLang's: serve another checkpoint of the same model, {"model_path": ..., "load_format": ...}; requests
         in flight finish with the old weights, new ones wait and run with the new; the cache is dropped."""
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict) or "model_path" not in body or set(body) - {"model_path", "load_format"}:
-                raise ValueError('the body must be {"model_path": ..., "load_format": ...}')
-            if not isinstance(body["model_path"], str) or not isinstance(body.get("load_format") or "", str):
-                raise ValueError("model_path and load_format must be strings")
+            body = await read_fields(request, UPDATE_WEIGHTS_REQUEST_FIELDS, UPDATE_WEIGHTS_FIELDS)
+            if not isinstance(body.get("model_path"), str) or not isinstance(body.get("load_format") or "", str):
+                raise ValueError("model_path (a string) is required, and load_format must be a string or null")
         except ValueError as e:
-            return json_response({"success": False, "message": str(e)}, 400)
+            message = f'{e}; the body is {{"model_path": ..., "load_format": ...}}'
+            return json_response({"success": False, "message": message}, 400)
         success, message = await manager.update_weights_from_disk(body["model_path"], body.get("load_format"))
         return json_response({"success": success, "message": message}, 200 if success else 400)
 
     @app.api_route("/start_profile", methods=["GET", "POST"])
     async def start_profile(request: Request) -> Response:
         """SGLang's: torch.profiler over the coming steps; optional body {"output_dir", "num_steps", "activities":
-        ["CPU", "GPU"], "record_shapes"}. Answers with where each replica's Chrome trace goes."""
+        ["CPU", "GPU"], "record_shapes"} (ProfileReqInput's other fields at their defaults). Answers with where each
+        replica's Chrome trace goes."""
         try:
-            body = await read_json(request) if await request.body() else {}
-            if not isinstance(body, dict) or set(body) - PROFILE_FIELDS:
-                raise ValueError(f"the body may hold only {sorted(PROFILE_FIELDS)}")
+            body = await read_fields(request, PROFILE_FIELDS, START_PROFILE_FIELDS)
         except ValueError as e:
-            return PlainTextResponse(f"{e}\n", status_code=400)
-        success, messages = await manager.profile(True, body)
+            return native_error(str(e))
+        success, messages = await manager.profile(True, {k: v for k, v in body.items() if v is not None})
         if not success:
-            return PlainTextResponse("; ".join(messages) + "\n", status_code=400)
+            return native_error("; ".join(messages))
         return PlainTextResponse(f"Start profiling. Traces go to {', '.join(messages)}\n")
 
     @app.api_route("/stop_profile", methods=["GET", "POST"])
     async def stop_profile() -> Response:
         success, messages = await manager.profile(False)
         if not success:
-            return PlainTextResponse("; ".join(messages) + "\n", status_code=400)
+            return native_error("; ".join(messages))
         return PlainTextResponse(f"Stop profiling. Traces written to {', '.join(messages)}\n")
 
     @app.post("/warm_spans")
     async def warm_spans(request: Request) -> Response:
         """Prefill spans into the cache without generating: {"spans": [text, ...]}."""
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict) or set(body) != {"spans"} or not isinstance(body["spans"], list):
+            body = await read_fields(request, ("spans",), {})
+            if not isinstance(body.get("spans"), list):
                 raise ValueError('the body must be {"spans": [text, ...]}')
             return json_response(await manager.warm_spans(body["spans"]))
         except ValueError as e:

@@ -35,7 +35,6 @@ from sglang_pic.entrypoints.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
-    ErrorResponse,
     FunctionCall,
     ModelCard,
     ModelList,
@@ -44,9 +43,10 @@ from sglang_pic.entrypoints.openai_protocol import (
     ToolCallItem,
     TopLogprob,
     UsageInfo,
-    describe_validation_error,
+    describe_errors,
 )
 from sglang_pic.entrypoints.chat_reply import ChatReplyReader
+from sglang_pic.entrypoints.errors import error_response
 from sglang_pic.entrypoints.reasoning import REASONING_PARSERS, ReasoningStream
 from sglang_pic.entrypoints.tool_calls import (
     CallDelta,
@@ -107,9 +107,12 @@ def generation_defaults(model_dir: str) -> dict[str, Any]:
     return {k: config[k] for k in CHAT_SAMPLING_DEFAULTS if k in config}
 
 
-def error_response(message: str, status: int = 400, err_type: str = "BadRequestError") -> Response:
-    body = ErrorResponse(message=message, type=err_type, code=status)
-    return Response(body.model_dump_json(), status_code=status, media_type="application/json")
+def _refusal(request: Request, exc: ValueError) -> Response:
+    """A 400 naming the problem; for pydantic's errors, OpenAI's `param` names the first offending field."""
+    if isinstance(exc, ValidationError):
+        message, param = describe_errors(exc.errors())
+        return error_response(request.url.path, message, 400, param)
+    return error_response(request.url.path, str(exc))
 
 
 def _sse(model: BaseModel, exclude_none: bool = False) -> str:
@@ -265,10 +268,8 @@ class OpenAIServing:
             else:
                 prompts = [body.prompt] if single else body.prompt
             cut = [self.manager.tokenizer_manager.tokenize(p, body.add_special_tokens) for p in prompts]
-        except ValidationError as e:
-            return error_response(describe_validation_error(e))
-        except ValueError as e:
-            return error_response(str(e))
+        except ValueError as e:  # pydantic's ValidationError too
+            return _refusal(request, e)
         tokens = [[t for seg in segments for t in seg.token_ids] for segments in cut]
         parts = [[{"kind": seg.kind, "count": len(seg.token_ids)} for seg in segments] for segments in cut]
 
@@ -291,10 +292,8 @@ class OpenAIServing:
                 self.manager.tokenizer_manager.detokenize(ids, body.skip_special_tokens)
                 for ids in ([body.tokens] if single else body.tokens)
             ]
-        except ValidationError as e:
-            return error_response(describe_validation_error(e))
-        except ValueError as e:
-            return error_response(str(e))
+        except ValueError as e:  # pydantic's ValidationError too
+            return _refusal(request, e)
         return Response(json.dumps({"text": texts[0] if single else texts}), media_type="application/json")
 
     async def _prepare(self, request: Request, model: Any, to_input: Any, rid_prefix: str) -> Any:
@@ -303,12 +302,10 @@ class OpenAIServing:
             body = model.model_validate_json(await request.body())
             rid = body.rid or f"{rid_prefix}-{uuid.uuid4().hex}"
             return body, rid, self.manager.prepare(to_input(body, rid))
-        except ValidationError as e:
-            return error_response(describe_validation_error(e))
-        except ValueError as e:
-            return error_response(str(e))
+        except ValueError as e:  # pydantic's ValidationError too
+            return _refusal(request, e)
         except ServerBusy as e:
-            return error_response(str(e), 503, "ServiceUnavailableError")
+            return error_response(request.url.path, str(e), 503)
 
     # ---- completions --------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -361,6 +358,7 @@ class OpenAIServing:
             return_text_in_logprobs=True,
             stream=body.stream,
             priority=body.priority,
+            data_parallel_rank=body.data_parallel_rank,
         )
 
     def _echo_texts(self, body: CompletionRequest) -> list[str]:
@@ -498,6 +496,7 @@ class OpenAIServing:
             return_text_in_logprobs=True,
             stream=body.stream,
             priority=body.priority,
+            data_parallel_rank=body.data_parallel_rank,
         )
 
     def render_chat(self, body: ChatCompletionRequest) -> str:

@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response models (field names and defaults as in SGLang's /v1 adapters).
 
 Requests are strict: unknown fields and wrong JSON types are rejected (with the field's name), never coerced, so a
-client's typo surfaces as a 400 instead of a silently ignored setting. Range checks on sampling fields are left to
-`SamplingParams`, which names the field too.
+client's typo surfaces as a 400 instead of a silently ignored setting; SGLang's extensions that have no effect here
+are accepted at their neutral values (sglang_fields). Range checks on sampling fields are left to `SamplingParams`,
+which names the field too.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
-    ValidationError,
     field_validator,
     model_serializer,
     model_validator,
 )
+
+from sglang_pic.sglang_fields import OPENAI_FIELDS, accept_fields
 
 MAX_TOP_LOGPROBS = 20
 
@@ -63,6 +65,16 @@ class _SamplingFields(_Request):
     json_schema: str | None = None
     stop_regex: str | list[str] | None = None
     priority: int | None = None  # with --enable-priority-scheduling
+    data_parallel_rank: int | None = None  # the replica to run on (a server with dp_size > 1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_extensions(cls, data: Any) -> Any:
+        """SGLang's other extensions are accepted at their neutral values (sglang_fields); every unsupported or
+        unknown field is named at once."""
+        if not isinstance(data, dict):
+            return data
+        return accept_fields(data, cls.model_fields, OPENAI_FIELDS)
 
     @field_validator("n")
     @classmethod
@@ -254,18 +266,20 @@ class ChatCompletionRequest(_SamplingFields):
         return None
 
 
-def describe_validation_error(err: ValidationError) -> str:
-    """One line naming each offending field once, e.g. `temperature: Input should be a valid number`."""
+def describe_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Pydantic's (or FastAPI's) errors as one line naming each offending field once, e.g. `temperature: Input
+    should be a valid number`, and the first offending field (OpenAI's `param`; None for the body as a whole)."""
     parts: dict[str, str] = {}
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"] if not _is_union_branch(x)) or "body"
+    for e in errors:
+        loc = ".".join(str(x) for x in e["loc"] if not _is_union_branch(x))
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             parts.setdefault(loc, f"unknown field {loc!r}")
         elif e["type"] == "json_invalid":
-            parts.setdefault("body", f"malformed JSON: {e['msg'].removeprefix('Invalid JSON: ')}")
+            parts.setdefault("", f"malformed JSON: {msg.removeprefix('Invalid JSON: ')}")
         else:
-            parts.setdefault(loc, f"{loc}: {e['msg'].removeprefix('Value error, ')}")
-    return "; ".join(parts.values())
+            parts.setdefault(loc, f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts.values()), next((loc for loc in parts if loc), None)
 
 
 def _is_union_branch(loc_part: object) -> bool:
@@ -324,12 +338,17 @@ class ModelList(BaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class ErrorResponse(BaseModel):
-    object: str = "error"
+class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
     code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body (vLLM's too): `type` names the SDK's exception (BadRequestError ...), `code` the status."""
+
+    error: ErrorInfo
 
 
 class PromptTokensDetails(BaseModel):

@@ -6,10 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# SGLang /generate fields that sglang-router forwards on every request: accepted, and ignored since they only
-# concern logging or routing; the flags are accepted while false, as this engine has no such outputs.
-IGNORED_FIELDS = ("model", "log_metrics", "no_logs")
-UNSUPPORTED_FLAGS = ("return_hidden_states", "return_entropy", "return_bytes", "background")
+from sglang_pic.sglang_fields import GENERATE_ALIASES, GENERATE_FIELDS, accept_fields
 
 
 @dataclass
@@ -29,17 +26,11 @@ class GenerateReqInput:
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateReqInput":
+        """SGLang's other fields are accepted at their neutral values (sglang_fields); null means the default."""
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
-        body = {k: v for k, v in body.items() if k not in IGNORED_FIELDS}
-        for flag in UNSUPPORTED_FLAGS:
-            if body.pop(flag, False):
-                raise ValueError(f"{flag} is not supported")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(body) - names)
-        if unknown:
-            raise ValueError(f"unknown fields: {', '.join(unknown)}")
-        return cls(**body)
+        fields = accept_fields(body, _FIELD_NAMES, GENERATE_FIELDS, GENERATE_ALIASES)
+        return cls(**{k: v for k, v in fields.items() if v is not None})
 
     @property
     def is_batch(self) -> bool:
@@ -88,3 +79,6 @@ class GenerateReqInput:
             "token_ids_logprob": pick(ids) if per_prompt else ids,
             "priority": pick(self.priority),
         }
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(GenerateReqInput))

@@ -12,6 +12,7 @@ from numbers import Integral, Real
 from typing import Any, Callable
 
 from sglang_pic.sampling.stop_conditions import StopConditions, StopTokenizer, check_stop_regex
+from sglang_pic.sglang_fields import SAMPLING_ALIASES, SAMPLING_FIELDS, accept_fields
 
 # Below this a temperature is treated as zero, i.e. greedy decoding (as in SGLang).
 SAMPLING_EPS = 1e-6
@@ -59,20 +60,13 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Build from a request's JSON object. A null value means the default, as in SGLang."""
+        """Build from a request's JSON object. A null value means the default, as in SGLang; SGLang's keys that have
+        no effect here are accepted at their neutral values (sglang_fields)."""
         if d is None:
             return cls()
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
-        d = dict(d)
-        alias = d.pop("sampling_seed", None)  # SGLang's name for `seed`
-        if alias is not None:
-            if d.get("seed") is not None and d["seed"] != alias:
-                raise ValueError("seed and sampling_seed disagree; give only one")
-            d["seed"] = alias
-        unknown = sorted(set(d) - _INIT_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        d = accept_fields(d, _INIT_FIELDS, SAMPLING_FIELDS, SAMPLING_ALIASES, noun="sampling parameter")
         return cls(**{k: v for k, v in d.items() if v is not None})
 
     @property
