@@ -1,6 +1,7 @@
 """The server under abuse: bad inputs get a 400 naming the problem and the server keeps serving; the API key
 guards every route but /health; 32 concurrent streaming clients, some leaving mid-stream, all get complete output
-and the KV pool returns to idle; SIGTERM stops every process; a dead child takes the server down."""
+and the KV pool returns to idle; SIGTERM stops every process; a dead child takes the server down and fails the
+requests in flight."""
 
 from __future__ import annotations
 
@@ -100,9 +101,12 @@ OPENAI_BAD = [
 def test_openai_bad_input_is_400(server, path, body, needle):
     resp = server.post(path, data=body, headers={"Content-Type": "application/json"})
     assert resp.status_code == 400, resp.text
-    err = resp.json()
-    assert err["object"] == "error" and err["code"] == 400 and err["type"] == "BadRequestError"
+    assert set(resp.json()) == {"error"}, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError" and "param" in err
     assert needle.lower() in err["message"].lower(), err["message"]
+    if needle == "temperature":
+        assert err["param"] == "temperature"
     ok = server.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
@@ -116,6 +120,11 @@ def test_api_key_guards_all_but_health(server):
             server.url + path, json=GOOD, headers={"Authorization": "Bearer nope"}, timeout=10
         )
         assert wrong.status_code == 401, path
+        err = resp.json()["error"]
+        if path.startswith("/v1/"):
+            assert err["type"] == "AuthenticationError" and err["code"] == 401 and "API key" in err["message"]
+        else:
+            assert set(err) == {"message"} and "API key" in err["message"]
     assert server.get("/get_model_info").status_code == 200
 
 
@@ -236,14 +245,37 @@ def test_sigterm_stops_every_process(server):
 
 
 def test_dead_child_takes_server_down(tiny_llama):
+    """Children start as [scheduler, detokenizer] (pids grow). Requests in flight when the scheduler dies get an
+    error (a stream: its end cut off), not a hang; the server logs which process died and exits non-zero, stopping
+    the detokenizer. (Any child's death takes the same path: launch_server.ChildWatcher.)"""
     srv = start_server(tiny_llama)
     try:
-        workers = [p for p in child_pids(srv.pid) if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        workers = sorted(
+            p for p in child_pids(srv.pid) if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()
+        )
         assert len(workers) == 2
+        long = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 230}
+        replies = []
+        # 9 requests of 235 tokens fit the 4096-token pool at once: the stream is not queued behind the batch.
+        batch = {"text": [f"Once upon a time {i}" for i in range(8)], "sampling_params": long}
+        waiter = threading.Thread(target=lambda: replies.append(srv.post("/generate", json=batch)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while srv.get("/get_load").json()[0]["num_reqs"] < 8:
+            assert time.monotonic() < deadline and waiter.is_alive(), replies
+            time.sleep(0.02)
+        stream = srv.post("/generate", json={"text": "Hello", "sampling_params": long, "stream": True}, stream=True)
+        events = (line for line in stream.iter_lines(decode_unicode=True) if line.startswith("data: "))
+        next(events)  # both requests are in flight now
         os.kill(workers[0], signal.SIGKILL)
+        with pytest.raises(requests.exceptions.ChunkedEncodingError):
+            list(events)  # the stream stops without its final output and [DONE]
+        waiter.join(60)
+        assert replies and replies[0].status_code == 500, replies
+        assert f"the scheduler process (pid {workers[0]}) exited unexpectedly" in replies[0].text
         srv.proc.wait(15)
         assert srv.proc.returncode != 0
-        assert "exited unexpectedly" in srv.log_tail()
+        assert f"the scheduler process (pid {workers[0]}) exited unexpectedly" in srv.log_path.read_text()
         deadline = time.monotonic() + 5
         while pid_alive(workers[1]) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -279,7 +311,7 @@ def test_full_queue_is_503_and_the_server_keeps_serving(tiny_llama):
             if all(r["meta_info"]["completion_tokens"] == 230 for r in results) and native.status_code == 503:
                 break
         assert native.status_code == 503 and "--max-queued-requests" in native.json()["error"]["message"]
-        assert openai_reply.status_code == 503 and "retry later" in openai_reply.json()["message"]
+        assert openai_reply.status_code == 503 and "retry later" in openai_reply.json()["error"]["message"]
         assert srv.post("/generate", json=GOOD).status_code == 200
     finally:
         stop_server(srv)

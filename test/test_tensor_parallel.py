@@ -61,7 +61,7 @@ def test_tp2_replicates_a_single_kv_head(tiny_model_root):
 
 def test_followers_stop_with_the_engine(tiny_llama):
     engine = Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=512, tp_size=2)
-    followers = list(engine._tp_followers)
+    followers = [f.process for f in engine._replica.followers]
     assert len(followers) == 1 and followers[0].is_alive()
     engine.generate("The quick brown fox", GREEDY)
     engine.shutdown()

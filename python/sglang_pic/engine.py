@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from sglang_pic.distributed.launch import FOLLOWER_STOP_S, start_local_replica, stop_followers
-from sglang_pic.distributed.parallel_state import destroy_tensor_parallel
+from sglang_pic.distributed.launch import FOLLOWER_STOP_S
+from sglang_pic.distributed.local_replica import LocalReplica
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req, stream_due
 from sglang_pic.managers.scheduler import Scheduler
@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 # Concurrent async_generate calls in flight at once; more wait for a worker (their requests join the batch then).
 ASYNC_WORKERS = 256
+# How long a failed step waits to see whether a tensor-parallel follower died (then the error names it).
+FOLLOWER_EXIT_WAIT_S = 2.0
 
 
 class Engine:
@@ -39,7 +41,8 @@ class Engine:
     waits drives it one step at a time under a lock, so their requests are batched together.
 
     With tp_size > 1 this process is tensor-parallel rank 0 and spawns ranks 1..tp_size-1 (torch.multiprocessing,
-    so the calling script needs the usual `if __name__ == "__main__":` guard); `shutdown()` stops them.
+    so the calling script needs the usual `if __name__ == "__main__":` guard); `shutdown()` stops them. A follower
+    that dies makes the constructor, or every call from then on, raise RuntimeError naming it.
     """
 
     def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
@@ -58,13 +61,16 @@ class Engine:
             self.tokenizer = load_tokenizer(
                 args.tokenizer_path if args.tokenizer_path != args.model_path else model_dir
             )
-        self._tp_followers = start_local_replica(args, model_dir) if args.tp_size > 1 else []
+        self._replica = LocalReplica.start(args, model_dir) if args.tp_size > 1 else None
         try:
             self.runner = ModelRunner(args, self.model_config)
-        except BaseException:
+            self.scheduler = Scheduler(args, self.runner, self.tokenizer)
+        except BaseException as e:
+            failure = self._follower_failure(e)
             self._stop_tensor_parallel(timeout=0)
+            if failure is not None:
+                raise RuntimeError(failure) from e
             raise
-        self.scheduler = Scheduler(args, self.runner, self.tokenizer)
         self.tokenizer_manager = TokenizerManager(args, self.tokenizer, self.model_config)
         self._lock = threading.Lock()
         self._incoming: deque[Req] = deque()  # submitted, not yet in the scheduler
@@ -132,7 +138,16 @@ class Engine:
     def _live(self) -> Scheduler:
         if self.scheduler is None:
             raise RuntimeError("the engine is shut down")
+        if self._replica is not None:
+            self._replica.check()
         return self.scheduler
+
+    def _follower_failure(self, error: BaseException) -> str | None:
+        """Why a tensor-parallel follower died, if one did and could have caused `error`: a collective reports a
+        lost peer as a RuntimeError. Any other error (a ValueError about the arguments) is this process's own."""
+        if self._replica is None or not isinstance(error, RuntimeError):
+            return None
+        return self._replica.failure(FOLLOWER_EXIT_WAIT_S)
 
     def _admit(self) -> None:
         """Hand queued requests to the scheduler (under the lock)."""
@@ -143,7 +158,13 @@ class Engine:
         with self._lock:
             scheduler = self._live()  # a thread may still be stepping when another shuts the engine down
             self._admit()
-            return scheduler.step()
+            try:
+                return scheduler.step()
+            except Exception as e:
+                failure = self._follower_failure(e)
+                if failure is not None:
+                    raise RuntimeError(failure) from e
+                raise
 
     def _abort_unfinished(self, reqs: list[Req]) -> None:
         with self._lock:
@@ -285,9 +306,10 @@ class Engine:
             self._admit()
         self._abort_unfinished(list(self.scheduler.waiting) + list(self.scheduler.running))
         self._async_workers.shutdown(wait=False)
-        if self._tp_followers:
+        if self._replica is not None:
             with self._lock:
-                self.runner.shutdown()
+                if self._replica.failure() is None:  # a dead follower hears nothing; the others are terminated
+                    self.runner.shutdown()
             self._stop_tensor_parallel()
         self._final_stats = self.get_stats()
         with self._lock:
@@ -297,9 +319,9 @@ class Engine:
             torch.cuda.empty_cache()
 
     def _stop_tensor_parallel(self, timeout: float = FOLLOWER_STOP_S) -> None:
-        stop_followers(self._tp_followers, timeout)
-        self._tp_followers = []
-        destroy_tensor_parallel()
+        if self._replica is not None:
+            self._replica.stop(timeout)
+            self._replica = None
 
     def __enter__(self) -> "Engine":
         return self

@@ -3,8 +3,8 @@
 The main process runs the HTTP server and the tokenizer manager; the scheduler (with the model) and the
 detokenizer run as spawned children. With --dp-size N there are N schedulers (model replicas); with --tp-size N
 each scheduler is rank 0 of its replica and N-1 tensor-parallel followers run beside it. The main process watches
-every child: if one dies, the server logs it, stops and exits non-zero. SIGTERM or Ctrl-C stops the HTTP server
-gracefully (bounded) and then the children.
+every child: if one dies, during start-up or later, the server logs which one and how, fails the requests in flight,
+stops and exits non-zero. SIGTERM or Ctrl-C stops the HTTP server gracefully (bounded) and then the children.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import multiprocessing as mp
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from sglang_pic.distributed.launch import ReplicaPlacement, free_init_method, tp_follower_processes
+from sglang_pic.distributed.launch import Follower, ReplicaPlacement, free_init_method, tp_follower_processes
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.utils_process import ModelFiles, configure_logging
+from sglang_pic.utils_process import ModelFiles, configure_logging, exit_status
 
 logger = logging.getLogger("sglang_pic.launch_server")
 
@@ -32,6 +33,7 @@ DEFAULT_MODEL_NAME = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 FLAG_ALIASES = {"model_path": ["--model"]}
 GRACEFUL_SHUTDOWN_S = 2
 CHILD_STOP_S = 3.0
+EXIT_CODE_WAIT_S = 5.0  # a dead child's sentinel closes a moment before its exit code can be collected
 
 
 # ---- command line ---------------------------------------------------------------------------------------------
@@ -64,12 +66,35 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 
 # ---- child processes ------------------------------------------------------------------------------------------
-class ChildWatcher:
-    """Stops the HTTP server, with exit code 1, as soon as any child process dies on its own."""
+class ExitReasons:
+    """How each child's death is told: a follower says whether it got to run and why it could not start."""
 
-    def __init__(self, children: list[BaseProcess], server) -> None:
+    def __init__(self, followers: list[Follower]) -> None:
+        self.followers = {f.process.pid: f for f in followers}
+
+    def __call__(self, p: BaseProcess) -> str:
+        p.join(EXIT_CODE_WAIT_S)
+        follower = self.followers.get(p.pid)
+        if follower is not None:
+            return follower.exit_reason()
+        return f"the {p.name} process (pid {p.pid}) exited unexpectedly ({exit_status(p.exitcode)})"
+
+
+class ChildWatcher:
+    """Once any child process dies on its own: log which and how, fail the requests in flight (`on_death` gets the
+    reason), and stop the HTTP server with exit code 1."""
+
+    def __init__(
+        self,
+        children: list[BaseProcess],
+        server,
+        describe: Callable[[BaseProcess], str],
+        on_death: Callable[[str], None],
+    ) -> None:
         self.children = children
         self.server = server
+        self.describe = describe
+        self.on_death = on_death
         self.exit_code = 0
         self.stopping = False
         self._thread = threading.Thread(target=self._watch, name="child-watcher", daemon=True)
@@ -81,26 +106,28 @@ class ChildWatcher:
         ended = wait([p.sentinel for p in self.children])
         if self.stopping:
             return
-        for p in self.children:
-            if p.sentinel in ended:
-                p.join(5)  # the sentinel closes a moment before the exit code can be collected
-                logger.error(
-                    "the %s process (pid %s) exited unexpectedly with code %s; shutting down the server",
-                    p.name, p.pid, p.exitcode,
-                )
+        reason = "; ".join(self.describe(p) for p in self.children if p.sentinel in ended)
+        logger.error("%s; shutting down the server", reason)
         self.exit_code = 1
+        self.on_death(reason)
         self.server.should_exit = True
 
 
-def wait_ready(conn: Connection, children: list[BaseProcess]):
-    """Block until the scheduler reports it is loaded; raise RuntimeError if it failed or a child died."""
+def wait_ready(
+    conn: Connection, scheduler: BaseProcess, children: list[BaseProcess], describe: Callable[[BaseProcess], str]
+):
+    """Block until `scheduler` reports it is loaded; raise RuntimeError naming it if it failed, or a child that
+    died."""
     while not conn.poll(0.5):
-        for p in children:
-            if not p.is_alive():
-                raise RuntimeError(f"the {p.name} process exited with code {p.exitcode} during start-up")
-    ready = conn.recv()
+        dead = next((p for p in children if not p.is_alive()), None)
+        if dead is not None:
+            raise RuntimeError(f"{describe(dead)} during start-up")
+    try:
+        ready = conn.recv()
+    except EOFError:  # it died before it could say anything
+        raise RuntimeError(f"{describe(scheduler)} during start-up") from None
     if ready.error is not None:
-        raise RuntimeError(f"the scheduler failed to start: {ready.error}")
+        raise RuntimeError(f"the {scheduler.name} process failed to start: {ready.error}")
     return ready
 
 
@@ -138,7 +165,7 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
     signal.signal(signal.SIGINT, _exit_on(130))
     names = IpcNames.in_new_tempdir()
     ctx = mp.get_context("spawn")
-    children, ready_readers, ready_writers = [], [], []
+    children, schedulers, followers, ready_readers, ready_writers = [], [], [], [], []
     for dp_rank in range(args.dp_size):
         placement = ReplicaPlacement(dp_rank, free_init_method() if args.tp_size > 1 else "")
         reader, writer = ctx.Pipe(duplex=False)
@@ -146,17 +173,20 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
         ready_writers.append(writer)
         name = "scheduler" if args.dp_size == 1 else f"scheduler-dp{dp_rank}"
         scheduler_args = (args, files, names.for_dp_rank(dp_rank), writer, placement)
-        children.append(ctx.Process(target=run_scheduler_process, args=scheduler_args, name=name))
-        children.extend(tp_follower_processes(ctx, args, files.model_dir, placement))
+        schedulers.append(ctx.Process(target=run_scheduler_process, args=scheduler_args, name=name))
+        replica_followers = tp_follower_processes(ctx, args, files.model_dir, placement)
+        followers.extend(replica_followers)
+        children.extend([schedulers[-1], *(f.process for f in replica_followers)])
     children.append(ctx.Process(target=run_detokenizer_process, args=(args, files, names), name="detokenizer"))
     watcher: ChildWatcher | None = None
     try:
         for p in children:
             p.start()
-        for writer in ready_writers:
+        for writer in [*ready_writers, *(f.sender for f in followers)]:
             writer.close()
+        describe = ExitReasons(followers)
         manager = ServerTokenizerManager(args, files, names)
-        readies = [wait_ready(reader, children) for reader in ready_readers]
+        readies = [wait_ready(r, s, children, describe) for r, s in zip(ready_readers, schedulers)]
         manager.scheduler_ready(min(readies, key=lambda r: r.max_total_num_tokens))  # the smallest replica's pool
         app = create_app(manager, client_model_path)
         config = uvicorn.Config(
@@ -169,7 +199,7 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
             timeout_keep_alive=5,
         )
         server = uvicorn.Server(config)
-        watcher = ChildWatcher(children, server)
+        watcher = ChildWatcher(children, server, describe, manager.fail_requests)
         watcher.start()
         logger.info("serving %s on http://%s:%d", client_model_path, args.host, args.port)
         server.run()
@@ -178,6 +208,8 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
         if watcher is not None:
             watcher.stopping = True
         stop_children(children)
+        for f in followers:
+            f.close()
         names.cleanup()
 
 

@@ -1,4 +1,5 @@
-"""What every server process shares: where the model files are, logging, and leaving when the parent is gone."""
+"""What every server process shares: where the model files are, logging, leaving when the parent is gone, and
+saying how a process ended."""
 
 from __future__ import annotations
 
@@ -44,3 +45,21 @@ def prepare_child(level: str) -> int:
 
 def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
+
+
+def check_parent(parent_pid: int) -> None:
+    """Raise RuntimeError once the process that started this one is gone (for waits that must not outlive it)."""
+    if not parent_alive(parent_pid):
+        raise RuntimeError(f"the parent process (pid {parent_pid}) is gone")
+
+
+def exit_status(exitcode: int | None) -> str:
+    """A process's end as people read it: `exit code 1`, `signal SIGKILL`."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -1,7 +1,8 @@
 """A tensor-parallel follower process: load this rank's shard, then run every batch rank 0 sends until it stops.
 
 Followers never schedule: their KV pool holds their own KV heads at the slot indices rank 0 chose. If rank 0 goes
-away, gloo reports the closed connection and the follower exits.
+away, gloo reports the closed connection and the follower exits. On its report pipe it says first that it runs,
+then, if starting fails, why (see launch.py); the pipe is closed once it has started.
 """
 
 from __future__ import annotations
@@ -10,32 +11,41 @@ import logging
 import os
 import sys
 import traceback
+from functools import partial
+from multiprocessing.connection import Connection
 
 import torch
 
-from sglang_pic.distributed.launch import ReplicaPlacement, join_replica
+from sglang_pic.distributed.launch import STARTED, ReplicaPlacement, join_replica
 from sglang_pic.distributed.parallel_state import destroy_tensor_parallel
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_executor.batch_broadcast import BatchReceiver, LoadWeights
 from sglang_pic.model_executor.model_runner import ModelRunner
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.utils_process import prepare_child
+from sglang_pic.utils_process import check_parent, prepare_child
 
 logger = logging.getLogger(__name__)
 
 
-def run_tp_follower(args: ServerArgs, model_dir: str, tp_rank: int, placement: ReplicaPlacement) -> None:
-    prepare_child(args.log_level)
+def run_tp_follower(
+    args: ServerArgs, model_dir: str, tp_rank: int, placement: ReplicaPlacement, report: Connection
+) -> None:
+    report.send(STARTED)
+    parent_pid = prepare_child(args.log_level)
     if args.resolved_device() == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))  # the ranks share the cores
     try:
-        join_replica(args, placement, tp_rank)
+        # The parent is rank 0 (offline Engine) or the server's main process, which stops every child when one dies.
+        join_replica(args, placement, tp_rank, partial(check_parent, parent_pid))
         config = ModelConfig.from_server_args(model_dir, args)
         runner = ModelRunner(args, config)
         receiver = BatchReceiver(runner)
-    except Exception:
+    except Exception as e:
         logger.error("tensor-parallel rank %d failed to start:\n%s", tp_rank, traceback.format_exc())
+        report.send(f"{type(e).__name__}: {e}")
         sys.exit(1)
+    finally:
+        report.close()
     try:
         while (msg := receiver.recv()) is not None:
             if isinstance(msg, LoadWeights):

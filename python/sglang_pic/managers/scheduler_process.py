@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 import traceback
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,7 @@ from sglang_pic.managers.ipc import (
 from sglang_pic.managers.req import FinishReason, Req, stream_due
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.speculative.spec_stats import SpecStats
-from sglang_pic.utils_process import ModelFiles, parent_alive, prepare_child
+from sglang_pic.utils_process import ModelFiles, check_parent, parent_alive, prepare_child
 
 if TYPE_CHECKING:
     from sglang_pic.managers.scheduler import Scheduler
@@ -57,7 +58,7 @@ PARENT_CHECK_S = 1.0
 
 class SchedulerLoop:
     def __init__(
-        self, server_args: ServerArgs, files: ModelFiles, names: IpcNames, placement: ReplicaPlacement
+        self, server_args: ServerArgs, files: ModelFiles, names: IpcNames, placement: ReplicaPlacement, parent_pid: int
     ) -> None:
         from sglang_pic.managers.scheduler import Scheduler
         from sglang_pic.model_config import ModelConfig
@@ -67,7 +68,9 @@ class SchedulerLoop:
         args = server_args
         model_config = ModelConfig.from_server_args(files.model_dir, args)
         tokenizer = load_tokenizer(files.tokenizer_dir)
-        join_replica(args, placement, 0)  # tensor-parallel rank 0 of its replica; a no-op without parallelism
+        # Tensor-parallel rank 0 of its replica (a no-op without parallelism). Its followers are the main process's
+        # children, which stops this process when one of them dies, so the rendezvous only has to watch the parent.
+        join_replica(args, placement, 0, partial(check_parent, parent_pid))
         self.runner = ModelRunner(args, model_config)
         self.scheduler = Scheduler(args, self.runner, tokenizer)
         self.scheduler.profiler.name = f"DP-{placement.dp_rank}-TP-0"
@@ -264,7 +267,7 @@ def run_scheduler_process(
     """
     parent_pid = prepare_child(server_args.log_level)
     try:
-        loop = SchedulerLoop(server_args, files, names, placement)
+        loop = SchedulerLoop(server_args, files, names, placement, parent_pid)
     except Exception as e:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         ready.send(SchedulerReady(error=f"{type(e).__name__}: {e}"))

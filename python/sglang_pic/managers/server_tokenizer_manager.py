@@ -4,7 +4,8 @@ hand each caller its outputs as the detokenizer produces them.
 Everything here runs on the HTTP server's event loop. A background task reads the one inbound socket (outputs
 from the detokenizer, control replies from the scheduler) and wakes the waiting callers. Outputs are cumulative, so
 a slow streaming client simply skips to the newest one. A caller that goes away aborts its requests, which frees
-their KV in the scheduler. With data parallelism there is one scheduler per replica (see dp_dispatcher).
+their KV in the scheduler. With data parallelism there is one scheduler per replica (see dp_dispatcher). When a
+server process dies (fail_requests) every caller waiting, and every later one, gets ServerFailed naming it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class ClientDisconnected(Exception):
 
 class ServerBusy(Exception):
     """--max-queued-requests requests are queued already: the caller should come back later (HTTP 503)."""
+
+
+class ServerFailed(RuntimeError):
+    """A server process died, so no request can finish any more; the server is shutting down."""
 
 
 class DisconnectProbe(Protocol):
@@ -122,6 +127,8 @@ class ServerTokenizerManager:
         self._dispatcher: DataParallelDispatcher | None = None
         self._inbox: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.failure: str | None = None  # why the server cannot serve any more; see fail_requests
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def scheduler_ready(self, ready: SchedulerReady) -> None:
@@ -130,6 +137,7 @@ class ServerTokenizerManager:
         self.max_total_num_tokens = ready.max_total_num_tokens
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._dispatcher = DataParallelDispatcher(
@@ -149,6 +157,30 @@ class ServerTokenizerManager:
         for ctx in (self._async_ctx, self._sync_ctx):
             if ctx is not None:
                 ctx.term()
+
+    def fail_requests(self, reason: str) -> None:
+        """A server process died (`reason` says which and how): fail every waiting caller and refuse new requests.
+        Safe to call from any thread."""
+        loop = self._loop
+        if loop is None:
+            self.failure = reason  # not serving yet: nobody waits
+            return
+        try:
+            loop.call_soon_threadsafe(self._fail, reason)
+        except RuntimeError:  # the event loop has already closed
+            self.failure = reason
+
+    def _fail(self, reason: str) -> None:
+        self.failure = reason
+        for state in self.states.values():
+            state.wake.set()
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(ServerFailed(reason))
+
+    def _check_serving(self) -> None:
+        if self.failure is not None:
+            raise ServerFailed(f"the server cannot serve requests: {self.failure}")
 
     async def _receive_loop(self) -> None:
         while True:
@@ -227,6 +259,7 @@ class ServerTokenizerManager:
         return reqs
 
     def _submit(self, reqs: list[Req], with_text: bool) -> list[ReqState]:
+        self._check_serving()
         wake = asyncio.Event()
         states = []
         for req in reqs:
@@ -278,13 +311,15 @@ class ServerTokenizerManager:
                 await watch.check()
                 continue
             wake.clear()
+            self._check_serving()
             await watch.check()
             return
 
     def _abort_unfinished(self, states: list[ReqState]) -> None:
         for state in states:
             if not state.finished and self.states.pop(state.rid, None) is not None:
-                self._dispatcher.to_owner(state.rid, AbortRequest(rid=state.rid))
+                if self.failure is None:  # a dead scheduler's socket would queue the message, or block
+                    self._dispatcher.to_owner(state.rid, AbortRequest(rid=state.rid))
                 self._dispatcher.release(state.rid)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -303,7 +338,7 @@ class ServerTokenizerManager:
         )
         task = asyncio.create_task(self.collect(self.prepare(obj, queue_limit=False)))
         try:
-            while time.time() < tic + timeout:
+            while time.time() < tic + timeout and self.failure is None:
                 if task.done() or self.last_receive_time > tic:
                     return True
                 await asyncio.sleep(0.05)
@@ -349,6 +384,7 @@ class ServerTokenizerManager:
 
     async def _control(self, make: Callable[[str], object], timeout: float | None = CONTROL_TIMEOUT_S) -> list[Any]:
         """Send a control message to every replica; their replies, in replica order."""
+        self._check_serving()
         loop = asyncio.get_running_loop()
         request_ids = [uuid.uuid4().hex for _ in range(self._dispatcher.dp_size)]
         futures = []
