@@ -48,9 +48,15 @@ def test_engine_without_main_guard_fails_fast(tmp_path, tiny_llama):
     assert "(process tp1" in errors[0] and 'if __name__ == "__main__":' in errors[0] and "script.py" in errors[0]
 
 
-def test_engine_follower_killed_mid_run_raises(tmp_path, tiny_llama):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_engine_follower_killed_mid_run_raises(tmp_path, tiny_llama, device):
     """A follower killed while a request streams: the stream, and every call after it, raises naming the follower;
-    shutdown still returns."""
+    shutdown still returns. On CUDA the NCCL group must be aborted, or the collectives would wait forever."""
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs 2 GPUs")
     result = run_script(
         tmp_path,
         f"""
@@ -69,7 +75,7 @@ def test_engine_follower_killed_mid_run_raises(tmp_path, tiny_llama):
 
         if __name__ == "__main__":
             engine = sglang_pic.Engine(
-                model_path={str(tiny_llama)!r}, dtype="float32", max_total_tokens=512, tp_size=2
+                model_path={str(tiny_llama)!r}, dtype="float32", max_total_tokens=512, tp_size=2, device={device!r}
             )
             params = {{"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}}
             follower = engine._replica.followers[0].process
