@@ -4,7 +4,8 @@
 Wikipedia paragraphs, two of them gold and eight distractors. Here the paragraphs are composed from sentence
 templates over name, place, date and film-title vocabularies (bios, films, towns), so they read like English and
 tokenize like it, and a few passages are far more popular than the rest (Zipf), as in real retrieval traffic.
-That popularity skew is what makes spans recur at different offsets behind different prefixes.
+That popularity skew is what makes spans recur at different offsets behind different prefixes. Each question
+carries its gold answer (`Gold`), derived from the facts the passages were written from.
 
 Prompts use SGLang's chatml roles with each passage wrapped in `span()`: `rag_program` is the SGLang frontend
 program (defined when `sglang` imports) and `rag_prompt` builds the identical text without SGLang, for the
@@ -109,10 +110,20 @@ class Passage:
 
 
 @dataclass(frozen=True)
+class Gold:
+    """A question's answer as the generated facts give it: a right answer says every phrase of `phrases`, and where
+    the question names `rivals` (a comparison's other side, "no" against "yes") it says a gold phrase first."""
+
+    phrases: tuple[str, ...]
+    rivals: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Sample:
     sid: int
     passage_ids: tuple[int, ...]
     question: str
+    gold: Gold
 
 
 @dataclass
@@ -398,31 +409,52 @@ class _QuestionWriter:
         self.facts = facts
         self.rng = rng
 
-    def _candidates(self, gold: int, others: list[int]) -> list[str]:
+    def _candidates(self, gold: int, others: list[int]) -> list[tuple[str, Gold]]:
+        """(question, answer) pairs about the gold passage."""
         fact = self.facts[gold]
         same_kind = [p for p in others if type(self.facts[p]) is type(fact)]
         out = []
         if isinstance(fact, _Film):
-            out += [f"Where was the director of the film {fact.title} born?",
-                    f"When did the director of the film {fact.title} die?"]
+            director = self.facts[fact.director]
+            out += [(f"Where was the director of the film {fact.title} born?", Gold((self.facts[director.town].name,))),
+                    (f"When did the director of the film {fact.title} die?", Gold((str(director.died[0]),)))]
             if same_kind:
                 other = self.facts[self.rng.choice(same_kind)]
-                out.append(f"Which film came out first, {fact.title} or {other.title}?")
+                out.append((f"Which film came out first, {fact.title} or {other.title}?",
+                            _first(fact.title, fact.year, other.title, other.year)))
         elif isinstance(fact, _Person):
-            out.append(f"In which country is the town where {fact.name} was born?")
+            country = self.facts[fact.town].country
+            out.append((f"In which country is the town where {fact.name} was born?", Gold((_bare(country),))))
             if same_kind:
                 other = self.facts[self.rng.choice(same_kind)]
-                out += [f"Who was born first, {fact.name} or {other.name}?",
-                        f"Are {fact.name} and {other.name} of the same nationality?"]
+                same = fact.nationality == other.nationality
+                out += [(f"Who was born first, {fact.name} or {other.name}?",
+                         _first(fact.name, fact.born, other.name, other.born)),
+                        (f"Are {fact.name} and {other.name} of the same nationality?",
+                         Gold(("yes",), ("no",)) if same else Gold(("no",), ("yes",)))]
         else:
-            out.append(f"Which river flows through the town of {fact.name}, and in which country is it?")
+            out.append((f"Which river flows through the town of {fact.name}, and in which country is it?",
+                        Gold((fact.river, _bare(fact.country)))))
         return out
 
-    def question(self, gold: int, others: list[int], count: CountTokens, max_tokens: int) -> str:
-        """A question about the gold passage, with an answer instruction added when it fits `max_tokens`."""
-        core = self.rng.choice(self._candidates(gold, others))
+    def question(self, gold: int, others: list[int], count: CountTokens, max_tokens: int) -> tuple[str, Gold]:
+        """A question about the gold passage and its answer, with an answer instruction added to the question when
+        it fits `max_tokens`."""
+        core, answer = self.rng.choice(self._candidates(gold, others))
         full = f"{core} Answer with a short phrase, then explain it in one sentence."
-        return full if count(question_block(full)) <= max_tokens else core
+        return (full if count(question_block(full)) <= max_tokens else core), answer
+
+
+def _first(a: str, a_key: object, b: str, b_key: object) -> Gold:
+    """Which of two comes first by key; a tie's right answer names both."""
+    if a_key == b_key:
+        return Gold((a, b))
+    return Gold((a,), (b,)) if a_key < b_key else Gold((b,), (a,))
+
+
+def _bare(country: str) -> str:
+    """A country without its article ("the Netherlands" is answered "Netherlands" as often)."""
+    return country.removeprefix("the ")
 
 
 def _zipf_weights(n: int, s: float) -> np.ndarray:
@@ -451,7 +483,7 @@ def build_workload(cfg: WorkloadConfig, count_tokens: CountTokens) -> RagWorkloa
         pool[np.isin(by_rank, chosen)] = 0.0
         extra = np_rng.choice(len(corpus), size=cfg.num_passages - len(chosen), replace=False, p=pool / pool.sum())
         chosen += [int(by_rank[r]) for r in extra]
-        question = questions.question(gold, chosen[1:], count_tokens, cfg.max_question_tokens)
+        question, answer = questions.question(gold, chosen[1:], count_tokens, cfg.max_question_tokens)
         order = np_rng.permutation(len(chosen))
-        samples.append(Sample(sid, tuple(chosen[i] for i in order), question))
+        samples.append(Sample(sid, tuple(chosen[i] for i in order), question, answer))
     return RagWorkload(cfg, corpus, samples)

@@ -1,0 +1,129 @@
+"""The span-quality benchmark end to end on a tiny model: every task x mode is reported with every field, a mode
+equal to dense agrees with dense exactly, and dense and span prompts are the same token ids.
+
+A random tiny model answers nothing right, so accuracies are only checked to be fractions; what is deterministic
+is the comparison machinery (agreement, KL, prefill counts) and the prompts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+
+import bench_span_quality as bench  # noqa: E402
+from rag_workload import Gold  # noqa: E402
+from span_quality_tasks import TASKS, TaskSizes, ToolGold, judge  # noqa: E402
+
+from sglang_pic.entrypoints.tool_calls import ToolCall  # noqa: E402
+from sglang_pic.frontend_lang import SSEP_MARKER, strip_markers  # noqa: E402
+
+# The Hermes layout Qwen2.5's template uses: one JSON line per tool inside <tools>, then the system message.
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if m.role == 'system' and tools %}\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
+    "{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SIZES = ["--qa-docs", "3", "--qa-pool", "5", "--rag-passages", "3", "--rag-corpus", "8", "--rag-passage-tokens",
+         "24,40", "--num-tools", "3", "--needle-spans", "4", "--needle-pool", "6", "--needle-passage-tokens", "24,40"]
+MODES = ["dense", "naive", "dense_again"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
+    from tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("span_quality")
+    model = build_tiny_model(root, "qwen2", name="qwen2_4k", max_position_embeddings=4096)
+    template = root / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    return model, template, root / "out" / "span_quality_cpu.json"
+
+
+@pytest.fixture(scope="module")
+def run(setup) -> dict:
+    model, template, output = setup
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(bench.MODES, "dense_again", bench.Mode("dense"))  # a mode that must equal dense
+        bench.main(["--model-path", str(model), "--chat-template", str(template), "--samples", "3",
+                    "--batch-size", "2", "--modes", ",".join(MODES), "--output", str(output), *SIZES])
+    return json.loads(output.read_text())
+
+
+def test_every_task_and_mode_is_reported(run, setup):
+    assert setup[2].with_suffix(".png").stat().st_size > 0
+    assert list(run["results"]) == list(TASKS)
+    assert list(run["modes"]) == MODES
+    for task, by_mode in run["results"].items():
+        assert list(by_mode) == MODES, task
+        for mode, r in by_mode.items():
+            assert r["samples"] == 3, (task, mode)
+            assert 0 <= r["accuracy"] <= 1, (task, mode)
+            for key in ("agreement_with_dense", "first_token_top1_agreement", "first_token_kl",
+                        "extra_prefill_tokens_per_request"):
+                assert r[key] is not None, (task, mode, key)
+            assert 0 < r["computed_prefill_tokens_per_request"] <= r["prompt_tokens_per_request"], (task, mode)
+            assert r["wall_s"] > 0 and len(r["examples"]) == 3, (task, mode)
+            assert (r["accuracy_by_depth"] is not None) == (task == "needle"), (task, mode)
+        assert 0 < run["tasks"][task]["reference_topk_mass"] <= 1 + 1e-6, task
+    for mode in MODES:
+        assert run["modes"][mode]["wall_s"] > 0 and run["modes"][mode]["computed_prefill_tokens"] > 0
+
+
+def test_dense_agrees_with_itself(run):
+    for task, by_mode in run["results"].items():
+        for mode in ("dense", "dense_again"):
+            r = by_mode[mode]
+            assert r["agreement_with_dense"] == 1.0, (task, mode)
+            assert r["first_token_top1_agreement"] == 1.0, (task, mode)
+            assert r["first_token_kl"] == pytest.approx(0.0, abs=1e-5), (task, mode)
+            assert r["accuracy"] == by_mode["dense"]["accuracy"], (task, mode)
+
+
+def test_spans_compute_no_more_than_dense(run):
+    for task, by_mode in run["results"].items():
+        assert by_mode["naive"]["extra_prefill_tokens_per_request"] == 0.0, task
+        assert by_mode["dense"]["extra_prefill_tokens_per_request"] >= 0, task
+        assert by_mode["dense"]["first_token_kl"] == 0.0, task
+
+
+def test_dense_and_span_prompts_are_the_same_ids(setup):
+    model, template, _ = setup
+    builder = bench.PromptBuilder(str(model), str(model), str(template))
+
+    def count(text: str) -> int:
+        return len(builder.tokenizer.encode(text, add_special_tokens=False))
+
+    sizes = bench.parse_args(SIZES).sizes
+    for task in TASKS.values():
+        for item in task.make(2, 0, sizes, count):
+            prompt = builder.build(item)
+            assert SSEP_MARKER in prompt.marked, task.name  # documents (and tools) are spans
+            segments = builder.tokenizer_manager.tokenize(prompt.marked)
+            assert [t for s in segments for t in s.token_ids] == prompt.ids, task.name
+            assert builder.tokenizer.decode(prompt.ids) == strip_markers(prompt.marked), task.name
+            if not item.tools:  # documents end in a newline, so tokenizing the plain text whole cuts them alike
+                assert prompt.plain_ids_match, task.name
+
+
+def test_judging():
+    assert judge(Gold(("1987",), ("1990",)), "It was founded in 1987.", []) == (True, "1987")
+    assert judge(Gold(("1987",), ("1990",)), "1990, not 1987", [])[0] is False
+    assert judge(Gold(("no",), ("yes",)), "No, they are not.", [])[0] is True
+    assert judge(Gold(("Ebro", "Italy")), "The Ebro, in Spain.", [])[0] is False
+    assert judge(Gold(("United States",)), "the United States.", [])[0] is True
+    weather = ToolGold("get_weather", ("city",))
+    assert judge(weather, "", [ToolCall("get_weather", '{"city": "Oslo"}')]) == (True, 'get_weather({"city": "Oslo"})')
+    assert judge(weather, "", [ToolCall("get_weather", '{"town": "Oslo"}')])[0] is False
+    assert judge(weather, "It is sunny.", []) == (False, "text: it is sunny")
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="qa_pool"):
+        TaskSizes(qa_docs=5, qa_pool=3)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--modes", "dense,nope"])
