@@ -41,6 +41,7 @@ def tiny_count(tiny_llama):
     return lambda text: len(tok.encode(text, add_special_tokens=False))
 
 
+@pytest.mark.slow  # the benchmark over every mode
 def test_every_mode_serves_every_sample(rag_run):
     result, out = rag_run
     assert list(result["modes"]) == list(bench_rag_spans.MODES)
@@ -57,6 +58,7 @@ def test_every_mode_serves_every_sample(rag_run):
     assert all(h["samples_per_s"] > 0 for h in result["hf_reference"])
 
 
+@pytest.mark.slow  # the benchmark over every mode
 def test_prefill_work_shrinks_with_each_cache(rag_run):
     modes = rag_run[0]["modes"]
     none, prefix, barrier, isps = (modes[m] for m in bench_rag_spans.MODES)
@@ -137,6 +139,7 @@ def test_poisson_arrivals_serve_every_sample(tiny_llama, tmp_path):
     assert barrier["computed_prefill_tokens"] < result["modes"]["prefix_cache"]["computed_prefill_tokens"]
 
 
+@pytest.mark.slow  # the benchmark over every mode
 def test_repeats_interleave_modes_and_report_the_median_run(tiny_llama, tmp_path):
     modes = ["pic_barrier", "pic_isps"]
     bench_rag_spans.main(["--quick", "--model-path", str(tiny_llama), "--out", str(tmp_path), "--hf-subset", "0",

@@ -54,6 +54,7 @@ def run(setup) -> dict:
     return json.loads(output.read_text())
 
 
+@pytest.mark.slow  # the benchmark's run over every task and mode
 def test_every_task_and_mode_is_reported(run, setup):
     assert setup[2].with_suffix(".png").stat().st_size > 0
     assert list(run["results"]) == list(TASKS)
@@ -74,6 +75,7 @@ def test_every_task_and_mode_is_reported(run, setup):
         assert run["modes"][mode]["wall_s"] > 0 and run["modes"][mode]["computed_prefill_tokens"] > 0
 
 
+@pytest.mark.slow  # the benchmark's run over every task and mode
 def test_dense_agrees_with_itself(run):
     for task, by_mode in run["results"].items():
         for mode in ("dense", "dense_again"):
@@ -84,6 +86,7 @@ def test_dense_agrees_with_itself(run):
             assert r["accuracy"] == by_mode["dense"]["accuracy"], (task, mode)
 
 
+@pytest.mark.slow  # the benchmark's run over every task and mode
 def test_spans_compute_no_more_than_dense(run):
     for task, by_mode in run["results"].items():
         assert by_mode["naive"]["extra_prefill_tokens_per_request"] == 0.0, task

@@ -387,6 +387,7 @@ def tiny_llama_1k(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_model(tmp_path_factory.mktemp("long"), "llama", name="llama_1k", max_position_embeddings=1024)
 
 
+@pytest.mark.slow  # a long run under memory pressure
 def test_isps_under_memory_pressure_reuses_spans_from_the_host(tiny_llama_1k):
     """A pool that holds the spans of only a few requests: without the host tier evicted spans are computed again
     (ISPS falls back to requests computing their own spans, like FCFS); with it, each span is computed about once

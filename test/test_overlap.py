@@ -259,6 +259,7 @@ def test_a_step_reports_each_request_once(tiny_llama):
         assert_idle_accounting(engine)
 
 
+@pytest.mark.slow  # a long mixed workload, run twice
 def test_mixed_workload_under_retraction_matches_committed_run(tiny_llama):
     """Spans, chunked prefills, retractions under a small pool with pages of 4, and every sampling feature at once:
     the same tokens, logprobs and finish reasons as committing every step first, and exact idle accounting."""

@@ -221,6 +221,7 @@ def test_priority_field_checks(tiny_llama):
         Engine(model_path=str(tiny_llama), priority_scheduling_preemption_threshold=-1)
 
 
+@pytest.mark.slow
 def test_server_preempts_for_urgent_requests_on_both_apis(tiny_llama):
     """One request served at a time: urgent native and OpenAI requests finish while a long one waits, the long one
     still gets all its tokens, and /metrics counts the preemptions; a non-integer priority is a 400."""

@@ -116,7 +116,8 @@ def worker_pids(server_pid: int) -> list[int]:
 
 @pytest.mark.parametrize(
     "flags,victim,name",
-    [(("--dp-size", "2"), 1, "the scheduler-dp1 process"), (("--tp-size", "2"), 1, "(process tp1")],
+    [(("--dp-size", "2"), 1, "the scheduler-dp1 process"),
+     pytest.param(("--tp-size", "2"), 1, "(process tp1", marks=pytest.mark.slow)],
     ids=["dp-scheduler", "tp-follower"],
 )
 def test_server_child_dying_at_start_up_stops_the_server(tiny_llama, flags, victim, name):

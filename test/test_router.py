@@ -23,6 +23,8 @@ import sglang_router  # noqa: F401  (the package under test: fail loudly if it i
 from server_utils import ServerProcess, free_port, spawn_server, stop_server, wait_healthy
 from sglang_pic.frontend_lang import span
 
+pytestmark = pytest.mark.slow  # a tp 2 server, a dp 2 server and two routers
+
 ROUTER_START_S = 60.0
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PREFIX = "Once upon a time there was a little town by the sea where fishermen told stories every night."

@@ -235,7 +235,7 @@ def assert_idle(engine: Engine) -> None:
     assert pool.available_size() == pool.size
 
 
-FAST_LANE = {"fcfs-p1", "isps-p1-chunk", "isps-p16-small"}  # the rest run with -m slow (and in CI)
+FAST_LANE = {"fcfs-p1", "isps-p16-small"}  # the rest run with -m slow (and in CI)
 
 
 @pytest.mark.parametrize(

@@ -371,6 +371,7 @@ def test_unknown_routes_and_methods_answer_in_each_apis_shape(server):
         assert path in err["message"]
 
 
+@pytest.mark.slow  # its own server
 def test_stream_interval_on_the_server(tiny_llama):
     """The scheduler sends a stream's tokens every --stream-interval tokens (the first at once, then the end); the
     main process may merge updates that arrive together, so each event holds one of those counts."""

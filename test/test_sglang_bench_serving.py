@@ -35,8 +35,14 @@ def server(tiny_llama):
     stop_server(srv)
 
 
-@pytest.mark.parametrize("dataset", list(DATASETS))
-@pytest.mark.parametrize("backend", ["sglang", "sglang-oai"])
+@pytest.mark.parametrize(
+    "backend,dataset",
+    [
+        # the fast lane runs each backend and each dataset once
+        pytest.param(b, d, marks=() if i == j else pytest.mark.slow, id=f"{b}-{d}")
+        for j, d in enumerate(DATASETS) for i, b in enumerate(("sglang", "sglang-oai"))
+    ],
+)
 def test_bench_serving_completes_every_request(server, tiny_llama, tmp_path, backend, dataset):
     flags, expected = DATASETS[dataset]
     result_file = tmp_path / "result.jsonl"

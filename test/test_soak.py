@@ -48,6 +48,7 @@ def test_idle_scheduler_uses_no_cpu(server):
     assert soak.cpu_s(scheduler) - before < IDLE_CPU_LIMIT_S
 
 
+@pytest.mark.slow  # a 20 s soak
 def test_soak_short(server):
     config = soak.SoakConfig(
         url=server.url, clients=32, duration_s=20.0, request_timeout_s=120.0, drain_timeout_s=120.0,

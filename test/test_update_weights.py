@@ -95,6 +95,7 @@ def test_failed_update_of_dummy_weights_restores_them(checkpoints):
         assert e.generate(PROMPT, GREEDY)["output_ids"] == before
 
 
+@pytest.mark.slow  # a server and a long request: most of a minute
 def test_server_update_waits_for_running_requests_and_holds_new_ones(checkpoints):
     """A long request in flight finishes with the old weights; a request sent while the update waits runs with the
     new; bad bodies and wrong checkpoints are 400s with the reason."""

@@ -1,0 +1,509 @@
+"""The Triton interpreter kernel cases: each builds a small batch or engine, runs a kernel path on CPU and returns
+a JSON-able dict of measurements (errors against a float64 reference or torch_native, flags) that
+test_kernels_triton.py asserts on. Imported only by the interpreter worker (triton_worker.py), which sets
+TRITON_INTERPRET=1 before triton is first imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from sglang_pic.kernels import paged_batch as pb
+from sglang_pic.kernels.reference import attention_reference, relative_errors, store_reference
+from sglang_pic.kernels.torch_native import paged_attention_torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@functools.cache
+def tiny_llama() -> Path:
+    """The tiny llama checkpoint the engine cases share, built once per worker."""
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(Path(tempfile.mkdtemp()), "llama")
+
+
+def attention_case(
+    specs: list[pb.RequestSpec],
+    hq: int,
+    hkv: int,
+    dim: int,
+    dtype: str,
+    *,
+    page: int = 1,
+    decode: bool = False,
+    keys_rotated: bool = False,
+    splits: int = 4,
+    extend_splits: int | None = None,
+    stage: bool = False,
+    shares: list | None = None,
+    members: int = 2,
+    **kw,
+) -> dict:
+    batch = pb.make_paged_batch(specs, hq, hkv, dim, DTYPES[dtype], "cpu", page_size=page, **kw)
+    if keys_rotated:
+        batch.k_buffer = batch.rotated_pool()
+    if shares is not None:  # decodes holding the same slots at different offsets, through the shared kernel
+        from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings
+
+        settings = SharedDecodeSettings(members=members, min_chunk=8, target_items=12, max_read=1.0)
+        out = batch.run_shared_decode(batch.share_keys(shares), settings)
+    elif decode:
+        out = batch.run_decode(splits, keys_rotated=keys_rotated)
+    else:
+        out = batch.run_extend(keys_rotated=keys_rotated, num_splits=extend_splits, stage=stage)
+    args = batch.attention_args()
+    return {
+        "dtype": dtype,
+        "nan": bool(out.isnan().any()),
+        "vs_reference": relative_errors(out, attention_reference(*args, keys_rotated=keys_rotated)),
+        "vs_torch_native": relative_errors(out, paged_attention_torch(*args, keys_rotated=keys_rotated)),
+    }
+
+
+def store_case(dtype: str, rotate: bool, page: int) -> dict:
+    specs = [pb.prefill(19), pb.extend(40, 7), pb.spans(30, [(4, 9)], 2)]
+    batch = pb.make_paged_batch(specs, 4, 2, 32, DTYPES[dtype], "cpu", page_size=page)
+    k_buf, v_buf = batch.run_store(rotate)
+    k_exp = torch.full_like(k_buf, float("nan"))
+    v_exp = torch.full_like(v_buf, float("nan"))
+    loc = batch.out_cache_loc
+    rotation = (batch.positions, batch.cos_sin_cache) if rotate else ()
+    store_reference(k_exp, v_exp, loc, batch.k_new, batch.v_new, *rotation)
+    untouched = torch.ones(k_buf.shape[0], dtype=torch.bool)
+    untouched[loc] = False
+    return {
+        "dtype": dtype,
+        "nan": bool(k_buf[loc].isnan().any() or v_buf[loc].isnan().any()),
+        "others_untouched": bool(k_buf[untouched].isnan().all() and v_buf[untouched].isnan().all()),
+        "v_exact": bool(torch.equal(v_buf[loc], v_exp[loc])),
+        "k_exact": bool(torch.equal(k_buf[loc], k_exp[loc])),
+        "vs_reference": relative_errors(k_buf[loc], k_exp[loc]),
+    }
+
+
+def backend_case(
+    decode: bool, page: int, mixed: bool = False, long_prefill: bool = False, shared: bool = False
+) -> dict:
+    """`long_prefill` adds a 160-token prefill: 320 query rows per kv head, past FEW_QUERY_ROWS, so the backend
+    stages the batch's keys; the other extend batches have few rows and rotate keys in-kernel. `shared`: the
+    riding decodes hold a run of the same slots and the batch carries a shared decode plan."""
+    from sglang_pic.layers.attention_backend import create_attention_backend
+    from sglang_pic.layers.radix_attention import RadixAttention
+    from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+
+    hq, hkv, dim = 4, 2, 32
+    specs = [pb.decode(n) for n in (3, 40, 77)] if decode else [pb.extend(30, 9), pb.spans(50, [(8, 20)], 4)]
+    if long_prefill:
+        specs.append(pb.prefill(160))
+    decode_tail = 3 if mixed else 0
+    if mixed:  # running decodes riding along with prefills: the backend gives them to the decode kernel
+        specs += [pb.decode(n) for n in (5, 64, 33)]
+    batch = pb.make_paged_batch(specs, hq, hkv, dim, torch.float32, "cpu", page_size=page)
+    plan = None
+    if shared:
+        from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings, plan_shared_decode
+
+        first = len(specs) - decode_tail
+        runs = batch.share_keys([(first + 1, 16, 16, [(first + 2, 10)])])[first:]
+        rows = batch.req_pool_indices.tolist()[first:]
+        settings = SharedDecodeSettings(members=2, min_chunk=8, target_items=8, max_read=1.0)
+        plan = plan_shared_decode(rows, batch.seq_lens_cpu[first:], runs, settings, "cpu")
+    rotary = RotaryEmbedding(dim, batch.cos_sin_cache.shape[0])
+    layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=rotary)
+    q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
+    outs, batches = [], []
+    for name in ("triton", "torch_native"):
+        backend = create_attention_backend(name)
+        batches.append(pb.forward_batch_for(batch, backend, decode, decode_tail))
+        batches[-1].shared_decode = plan
+        backend.init_forward_metadata(batches[-1])
+        outs.append(layer(q, k, v, batches[-1]))
+    return {
+        "dtype": "float32",
+        "nan": bool(outs[0].isnan().any()),
+        "vs_torch_native": relative_errors(*outs),
+        "staged": batches[0].attn_metadata.get("staged") is not None,
+    }
+
+
+def graph_padding_case(spec: pb.RequestSpec, padded: int) -> dict:
+    """A one-request extend padded as its CUDA graph replays it: the backend is sized for a long context and
+    the padded count, the live rows keep their output and the padded rows write only the dummy slot 0 (and,
+    when the keys are staged, no workspace row: they would overwrite the new keys' rotated copies)."""
+    from sglang_pic.layers.attention_backend import create_attention_backend
+    from sglang_pic.layers.radix_attention import RadixAttention
+    from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+    from sglang_pic.model_executor.cuda_graph_runner import StaticInputs
+    from sglang_pic.model_executor.forward_batch import ForwardMode
+
+    hq, hkv, dim, context_len = 4, 2, 32, 4096
+    batch = pb.make_paged_batch([spec], hq, hkv, dim, torch.float32, "cpu", page_size=16)
+    layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=RotaryEmbedding(dim, context_len))
+    q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
+    native = pb.forward_batch_for(batch, create_attention_backend("torch_native"), decode=False)
+    native.attn_backend.init_forward_metadata(native)
+    expected = layer(q, k, v, native)
+
+    live = pb.forward_batch_for(batch, create_attention_backend("triton"), decode=False)
+    static = StaticInputs.allocate(padded, 1, live.req_to_token_pool.padding_row, torch.device("cpu"))
+    static.load(live, padded, live.req_to_token_pool.padding_row)
+    graph_batch = static.batch(
+        ForwardMode.EXTEND, padded, context_len, live.req_to_token_pool, live.token_to_kv_pool, live.attn_backend
+    )
+    graph_batch.attn_backend.init_forward_metadata(graph_batch)
+    rows = q.shape[0]
+    garbage = [torch.randn(padded - rows, t.shape[1]) for t in (q, k, v)]
+    k_pool = live.token_to_kv_pool.k_buffer[0]
+    before = k_pool.clone()
+    out = layer(*(torch.cat([t, g]) for t, g in zip((q, k, v), garbage)), graph_batch)
+    same = (k_pool == before) | (k_pool.isnan() & before.isnan())
+    written = set((~same.flatten(1).all(1)).nonzero().flatten().tolist())
+    return {
+        "dtype": "float32",
+        "nan": bool(out[:rows].isnan().any()),
+        "vs_torch_native": relative_errors(out[:rows], expected),
+        "writes_only_own_and_dummy_slots": written <= set(batch.out_cache_loc.tolist()) | {0},
+        "key_splits": graph_batch.attn_metadata["max_seq_len"] == context_len,
+        "staged": graph_batch.attn_metadata.get("staged") is not None,
+    }
+
+
+def stage_decision_case() -> dict:
+    from sglang_pic.kernels.stage_keys import FEW_QUERY_ROWS, STAGE_MAX_BYTES, should_stage_keys
+
+    key = torch.empty((1, 8, 128), dtype=torch.bfloat16, device="meta")  # rows of 8 kv heads x 128 dims
+    bound = STAGE_MAX_BYTES // (8 * 128 * 2)
+    many = FEW_QUERY_ROWS + 1
+    return {
+        "no_keys": should_stage_keys(0, key, many),
+        "prefill_8k": should_stage_keys(8192, key, many),
+        "at_bound": should_stage_keys(bound, key, many),
+        "over_bound": should_stage_keys(bound + 1, key, many),
+        "few_queries": should_stage_keys(8192, key, FEW_QUERY_ROWS),
+    }
+
+
+def warm_up_case() -> dict:
+    """The backend's startup warm-up on CPU tensors: one launch per extend variant plus decode, writing only
+    the dummy slot 0 of the pool."""
+    from sglang_pic.kernels.extend_attention import extend_variants
+    from sglang_pic.layers.radix_attention import RadixAttention
+    from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+    from sglang_pic.layers.triton_backend import TritonAttnBackend
+    from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    torch.manual_seed(3)
+    pool = MHATokenToKVPool(64, 1, torch.float32, 2, 32, 1, "cpu")
+    k_buf, v_buf = pool.get_kv_buffer(0)
+    k_buf.normal_(), v_buf.normal_()
+    before = k_buf.clone(), v_buf.clone()
+    layer = RadixAttention(8, 32, 32**-0.5, 2, layer_id=0, rotary=RotaryEmbedding(32, 512))
+    launches = TritonAttnBackend().warm_up(layer, pool, ReqToTokenPool(4, 512, "cpu"))
+    variants = extend_variants(4, 32, torch.float32, torch.device("cpu"))
+    # one kv head per query head and a 200-token context: no request reaches the 257 rows that staging needs
+    mha = RadixAttention(2, 32, 32**-0.5, 2, layer_id=0, rotary=RotaryEmbedding(32, 200))
+    return {
+        "short_context_launches": TritonAttnBackend().warm_up(mha, pool, ReqToTokenPool(4, 200, "cpu")),
+        "launches": launches,
+        "variants": len(variants),
+        "staged_variants": sum(staged for _, staged, _ in variants),
+        "only_dummy_slot_written": bool(k_buf[1:].equal(before[0][1:]) and v_buf[1:].equal(before[1][1:])),
+    }
+
+
+def warm_up_coverage_case() -> dict:
+    """Every extend kernel variant a GPU batch can launch (any new-token count up to 4096, keys staged or
+    rotated in-kernel, key range split or not) has the constexprs of one the warm-up launches."""
+    from sglang_pic.kernels.extend_attention import extend_kernel_params, extend_variants
+    from sglang_pic.kernels.rope import HeadSplit
+    from sglang_pic.kernels.stage_keys import FEW_QUERY_ROWS
+
+    cuda = torch.device("cuda")  # only picks the GPU tiles; nothing runs there
+    missing = []
+    for hq, hkv, dim, dtype in [(32, 8, 128, "bfloat16"), (14, 2, 64, "bfloat16"), (8, 8, 128, "float16"),
+                                (64, 8, 128, "bfloat16"), (32, 8, 256, "bfloat16"), (16, 4, 64, "float32")]:
+        dt, group = DTYPES[dtype], hq // hkv
+
+        def params(tokens: int, staged: bool, splits: int) -> str:
+            p = extend_kernel_params(hq, hkv, HeadSplit(dim, dim, dim), dt, cuda, False, split_keys=splits > 1,
+                                     keys_staged=staged, max_extend_len=tokens)
+            return repr(sorted(p.items()))
+
+        warm = {params(*v) for v in extend_variants(group, dim, dt, cuda)}
+        for tokens in range(1, 4097):
+            for staged in (False, True) if tokens * group > FEW_QUERY_ROWS else (False,):
+                for splits in (1, 2):
+                    if params(tokens, staged, splits) not in warm:
+                        missing.append([hq, hkv, dim, dtype, tokens, staged, splits])
+    return {"missing": missing[:10], "num_missing": len(missing)}
+
+
+def kivi_case(dtype: str, hq: int, rotary_dim: int, v_dim: int) -> dict:
+    """One draft step over KIVI caches (quantized prefixes of 0, 64 and 160 tokens, then exact rows): the fused
+    kernel against the torch path that dequantizes the prefix. Each query's own k/v is stored first."""
+    from sglang_pic.layers.radix_attention import RadixAttention
+    from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+    from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+    from sglang_pic.speculative.compress_kivi import (
+        KiviCompressor, KiviDraftBackend, KiviPrefix, KiviTritonDraftBackend, quantize_layers
+    )
+    from sglang_pic.speculative.draft_cache import DraftBatch, DraftCache
+    from sglang_pic.layers.triton_backend import TritonAttnBackend
+
+    torch.manual_seed(7)
+    hkv, dim, dt = 2, 32, DTYPES[dtype]
+    prefixes, rows = [0, 64, 160], [5, 40, 17]  # rows include the query's own slot
+    pool = MHATokenToKVPool(256, 1, dt, hkv, dim, 1, "cpu", v_dim)
+    pool.k_buffer[0].normal_()
+    pool.v_buffer[0].normal_()
+    free = torch.randperm(255) + 1
+    drafts, scratch, start = [], [], 0
+    for n_prefix, n_rows in zip(prefixes, rows):
+        prefix = KiviPrefix(1, torch.device("cpu"))
+        k, v = torch.randn(n_prefix, hkv, dim) * 2, torch.randn(n_prefix, hkv, v_dim)
+        prefix.extend([quantize_layers(k[None], v[None])] if n_prefix else [])
+        slots = free[start : start + n_rows]
+        start += n_rows
+        drafts.append(DraftCache.from_rows(slots[:-1], covered=n_prefix + n_rows - 1, pos_offset=n_prefix,
+                                           prefix=prefix))
+        scratch.append(slots[-1:])
+    batch = DraftBatch.build(drafts, scratch, torch.device("cpu"))
+    rotary = RotaryEmbedding(dim, 512, rotary_dim=rotary_dim)
+    layer = RadixAttention(hq, dim, dim**-0.5, hkv, layer_id=0, rotary=rotary, v_head_dim=v_dim)
+    q, k_new, v_new = torch.randn(3, hq * dim), torch.randn(3, hkv * dim), torch.randn(3, hkv * v_dim)
+    outs = []
+    fused = KiviCompressor().draft_backend(TritonAttnBackend(), batch, pool)
+    assert isinstance(fused, KiviTritonDraftBackend)
+    for backend in (fused, KiviDraftBackend(pool, batch)):
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=3,
+            input_ids=torch.zeros(3, dtype=torch.int64),
+            positions=torch.tensor([p + r - 1 for p, r in zip(prefixes, rows)]),
+            attn_lo=torch.zeros(3, dtype=torch.int64),
+            out_cache_loc=torch.cat(scratch),
+            req_pool_indices=torch.arange(3),
+            seq_lens=torch.tensor(rows),
+            extend_seq_lens=torch.ones(3, dtype=torch.int64),
+            extend_start_loc=torch.arange(3),
+            seq_lens_cpu=rows,
+            extend_seq_lens_cpu=[1, 1, 1],
+            req_to_token_pool=None,
+            token_to_kv_pool=pool,
+            attn_backend=backend,
+            attn_metadata={"draft_rows": [0, 1, 2]},
+        )
+        backend.init_forward_metadata(fb)
+        outs.append(layer(q.to(dt), k_new.to(dt), v_new.to(dt), fb).float())
+    return {"dtype": dtype, "nan": bool(outs[0].isnan().any()), "vs_torch_native": relative_errors(*outs)}
+
+
+def kivi_engine_case() -> dict:
+    """VeriCache KIVI through the Triton backend in the engine: drafts over the static draft tables (the tables
+    CUDA graphs replay), the fused kernel, refreshes from the draft rows; greedy tokens equal plain decoding's."""
+    from sglang_pic.engine import Engine
+
+    common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=2048, device="cpu")
+    prompt = "Once upon a time there was a little town by the sea where fishermen told stories every night. " * 2
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(**common) as plain:
+        expected = plain.generate(prompt, params)["output_ids"]
+    # 94 prompt tokens: 64 quantized and 30 exact rows, moved into the prefix again once they reach 8 + 32 (after
+    # 10 new tokens)
+    spec = dict(speculative_algorithm="vericache", speculative_num_draft_tokens=8, vericache_compressor="kivi",
+                vericache_budget=8)
+    with Engine(attention_backend="triton", **common, **spec) as e:
+        got = e.generate(prompt, params)["output_ids"]
+        worker = e.scheduler.spec_worker
+        return {
+            "dtype": "float32",
+            "nan": False,
+            "identical": got == expected,
+            "static_kivi_backend": type(worker.draft_runner.backend).__name__,
+            "refreshed": worker.stats.draft_builds > 1,
+            "drafts_accepted_and_rejected": 0 < worker.stats.accepted_drafts < worker.stats.draft_tokens,
+        }
+
+
+def shared_decode_static_plan_case() -> dict:
+    """A step's plan loaded into a CUDA graph's static plan (more item rows than live ones, a padded request)
+    gives the plan's own outputs, and zeros for the padded request."""
+    from sglang_pic.kernels.shared_decode import shared_decode_attention_fwd
+    from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings, StaticSharedPlan, plan_shared_decode
+
+    lens, padded = [40, 77, 64], 4
+    batch = pb.make_paged_batch([pb.decode(n) for n in lens], 4, 2, 32, torch.float32, "cpu", page_size=16)
+    runs = batch.share_keys([(1, 10, 20, [(0, 0), (2, 40)])])
+    settings = SharedDecodeSettings(members=2, min_chunk=8, target_items=12, max_read=1.0)
+    plan = plan_shared_decode(batch.req_pool_indices.tolist(), lens, runs, settings, "cpu")
+    static = StaticSharedPlan.allocate(8, settings.members, torch.device("cpu"))  # a runner's, up to 8 requests
+    static.load(plan, len(lens), padded)
+    q = torch.cat([batch.q, torch.randn(padded - len(lens), 4, 32)])
+    out = torch.full((padded, 4, 32), float("nan"))
+    shared_decode_attention_fwd(q, batch.k_buffer, batch.v_buffer, out, batch.req_to_token, static.view(padded),
+                                batch.kernel_cos_sin, batch.sm_scale)
+    return {
+        "dtype": "float32",
+        "nan": bool(out.isnan().any()),
+        "fits": static.fits(plan, padded),
+        "spare_rows": static.view(padded).items.shape[0] - plan.items.shape[0],
+        "vs_reference": relative_errors(out[: len(lens)], attention_reference(*batch.attention_args())),
+        "padded_zero": bool((out[len(lens) :] == 0).all()),
+    }
+
+
+def _engine_outputs(backends: dict[str, dict], prompts: list[str]) -> tuple[dict, dict]:
+    """Greedy output ids and stats of each named engine configuration over the tiny llama: a first one-token
+    request caches the prompts[0] text (its spans, or its whole prefix), so the batch of all prompts finds it."""
+    from sglang_pic.engine import Engine
+
+    common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=2048, device="cpu")
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    outs, stats = {}, {}
+    for name, kw in backends.items():
+        with Engine(**common, **kw) as e:
+            e.generate(prompts[:1], {**params, "max_new_tokens": 1})
+            outs[name] = [o["output_ids"] for o in e.generate(prompts, params)]
+            stats[name] = e.get_stats()
+    return outs, stats
+
+
+def _span_prompts() -> list[str]:
+    """Requests holding the same two cached spans at different offsets (other prefaces, the spans swapped)."""
+    from sglang_pic.frontend_lang import pdep, span
+
+    docs = ["The capital of France is Paris, the capital of Japan is Tokyo. " * 2,
+            "A serving engine batches requests and streams tokens back to each client. " * 2]
+    prefaces = ["Read.", "Please read these two documents carefully.", "Hi", "Another preface, a longer one."]
+    return [pre + span(docs[i % 2]) + span(docs[1 - i % 2]) + pdep(f"Question {i}?") for i, pre in enumerate(prefaces)]
+
+
+def shared_decode_engine_case() -> dict:
+    """Requests holding the same cached spans at different offsets decode through the shared kernel in the
+    engine (Triton backend); greedy tokens equal torch_native's and the per-request kernel's."""
+    outs, stats = _engine_outputs(
+        {"torch_native": {}, "shared": dict(attention_backend="triton"),
+         "per_request": dict(attention_backend="triton", disable_shared_decode=True)},
+        _span_prompts(),
+    )
+    return {
+        "dtype": "float32",
+        "nan": False,
+        "identical": outs["shared"] == outs["torch_native"] == outs["per_request"],
+        "shared_steps": stats["shared"]["shared_decode_steps"],
+        "keys_saved": stats["shared"]["decode_keys_saved"],
+        "per_request_shared_steps": stats["per_request"]["shared_decode_steps"],
+    }
+
+
+def shared_decode_tp2_engine_case() -> dict:
+    """The shared decode plan travels to the tensor-parallel follower: tp_size 2 gives torch_native's tokens."""
+    outs, stats = _engine_outputs(
+        {"torch_native": {}, "tp2": dict(attention_backend="triton", tp_size=2)}, _span_prompts()
+    )
+    return {
+        "dtype": "float32",
+        "nan": False,
+        "identical": outs["tp2"] == outs["torch_native"],
+        "shared_steps": stats["tp2"]["shared_decode_steps"],
+    }
+
+
+def shared_decode_common_prefix_engine_case() -> dict:
+    """No markers: a common system prompt before different questions is one tree node all of them hold, and
+    their decodes share it through the shared kernel."""
+    system = "You answer questions about the sea, the town by it and the fishermen who live there. " * 2
+    prompts = [system + q for q in ("Who fishes?", "Where is the town?", "When do the boats leave in the morning?")]
+    outs, stats = _engine_outputs({"torch_native": {}, "shared": dict(attention_backend="triton")}, prompts)
+    return {
+        "dtype": "float32",
+        "nan": False,
+        "identical": outs["shared"] == outs["torch_native"],
+        "shared_steps": stats["shared"]["shared_decode_steps"],
+    }
+
+
+P, E, D, S = pb.prefill, pb.extend, pb.decode, pb.spans
+span_specs = [S(60, [(5, 15), (30, 36)], 10), S(45, [(0, 20)], 1), P(9), S(80, [(40, 70)], 3)]
+CASES: dict[str, Callable[[], dict]] = {
+    "prefill_ragged_gqa_page1_fp32": lambda: attention_case([P(37), P(5), P(64), P(1)], 4, 2, 32, "float32"),
+    "extend_prefix_mqa_dim16_page16_fp32": lambda: attention_case(
+        [E(50, 10), E(33, 1), E(70, 70)], 4, 1, 16, "float32", page=16
+    ),
+    "spans_gqa_page16_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16),
+    "spans_gqa_page1_bf16": lambda: attention_case(span_specs, 4, 2, 32, "bfloat16"),
+    "spans_group3_page16_fp16": lambda: attention_case(span_specs, 6, 2, 32, "float16", page=16),
+    "spans_partial_rotary_vdim16_fp32": lambda: attention_case(
+        span_specs, 4, 2, 32, "float32", page=16, rotary_dim=16, v_head_dim=16
+    ),
+    "spans_baseline_rotated_keys_fp32": lambda: attention_case(
+        span_specs, 4, 2, 32, "float32", page=16, keys_rotated=True
+    ),
+    "spans_key_splits3_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16, extend_splits=3),
+    "extend_key_splits5_bf16": lambda: attention_case(
+        [E(90, 4), E(33, 1), P(20)], 4, 2, 32, "bfloat16", extend_splits=5
+    ),
+    "spans_staged_keys_page16_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16, stage=True),
+    # a prefill's keys all come through the store, which writes their rotated copies: no staging pass runs
+    "prefill_staged_keys_fp32": lambda: attention_case([P(37), P(70)], 4, 2, 32, "float32", page=16, stage=True),
+    "extend_staged_keys_splits3_partial_rotary_bf16": lambda: attention_case(
+        [E(90, 40), P(33), S(50, [(8, 20)], 4)], 4, 2, 32, "bfloat16", extend_splits=3, stage=True, rotary_dim=16
+    ),
+    "decode_splits_gqa_page16_fp32": lambda: attention_case(
+        [D(n) for n in (1, 17, 100, 250, 64)], 4, 2, 32, "float32", page=16, decode=True, splits=4
+    ),
+    "decode_splits_mqa_dim16_page1_bf16": lambda: attention_case(
+        [D(n) for n in (130, 2, 48)], 4, 1, 16, "bfloat16", decode=True, splits=8
+    ),
+    "decode_group3_partial_rotary_fp16": lambda: attention_case(
+        [D(n) for n in (90, 33)], 6, 2, 32, "float16", page=16, decode=True, splits=3, rotary_dim=16
+    ),
+    "decode_one_split_fp32": lambda: attention_case(
+        [D(n) for n in (70, 5)], 4, 2, 32, "float32", decode=True, splits=1
+    ),
+    "decode_baseline_rotated_keys_fp32": lambda: attention_case(
+        [D(n) for n in (1, 80, 200)], 4, 2, 32, "float32", page=16, decode=True, keys_rotated=True
+    ),
+    # (source request, first key, length, [(request, first key)]): runs shared at other offsets
+    "shared_decode_gqa_page16_fp32": lambda: attention_case(
+        [D(n) for n in (40, 77, 64, 23, 90)], 4, 2, 32, "float32", page=16,
+        shares=[(1, 10, 20, [(0, 0), (2, 40), (4, 60)]), (4, 0, 12, [(3, 5)])],
+    ),
+    "shared_decode_many_members_mqa_dim16_bf16": lambda: attention_case(
+        [D(n) for n in (50, 51, 60, 75, 33, 90, 41)], 4, 1, 16, "bfloat16", members=16,
+        shares=[(0, 2, 30, [(1, 0), (2, 20), (3, 40), (5, 1), (6, 11)])],
+    ),
+    "shared_decode_group3_partial_rotary_fp16": lambda: attention_case(
+        [D(n) for n in (90, 33, 61)], 6, 2, 32, "float16", rotary_dim=16,
+        shares=[(0, 50, 25, [(1, 8), (2, 36)]), (2, 0, 30, [(0, 0)])],
+    ),
+    "store_kv_fp32": lambda: store_case("float32", rotate=False, page=16),
+    "store_kv_bf16": lambda: store_case("bfloat16", rotate=False, page=1),
+    "store_kv_rotated_fp32": lambda: store_case("float32", rotate=True, page=16),
+    "store_kv_rotated_bf16": lambda: store_case("bfloat16", rotate=True, page=1),
+    "backend_extend_page16": lambda: backend_case(decode=False, page=16),
+    "backend_long_prefill_page16": lambda: backend_case(decode=False, page=16, long_prefill=True),
+    "backend_decode_page1": lambda: backend_case(decode=True, page=1),
+    "backend_mixed_page16": lambda: backend_case(decode=False, page=16, mixed=True),
+    "backend_mixed_shared_decode_page16": lambda: backend_case(decode=False, page=16, mixed=True, shared=True),
+    "backend_graph_padded_extend": lambda: graph_padding_case(pb.spans(50, [(8, 20)], 4), 32),
+    # 150 new tokens x 2 query heads per kv head: past FEW_QUERY_ROWS, so keys are staged
+    "backend_graph_padded_staged_prefill": lambda: graph_padding_case(pb.prefill(150), 256),
+    "stage_decision": stage_decision_case,
+    "kivi_gqa_fp32": lambda: kivi_case("float32", 4, 32, 32),
+    "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),
+    "kivi_engine": kivi_engine_case,
+    "shared_decode_engine": shared_decode_engine_case,
+    "shared_decode_tp2_engine": shared_decode_tp2_engine_case,
+    "shared_decode_common_prefix_engine": shared_decode_common_prefix_engine_case,
+    "shared_decode_static_plan": shared_decode_static_plan_case,
+    "warm_up": warm_up_case,
+    "warm_up_coverage": warm_up_coverage_case,
+}

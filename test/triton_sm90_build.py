@@ -1,0 +1,85 @@
+"""Builds the kernels' GPU configurations for sm_90 without a GPU (not under the interpreter): catches what the
+interpreter cannot, such as layouts, tl.dot shape rules and loop-carried types. Run as a script by
+test_kernels_triton.py; prints one JSON line {variant: null or the error}."""
+
+from __future__ import annotations
+
+import json
+import traceback
+
+
+def main() -> None:
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang_pic.kernels import decode_attention as da
+    from sglang_pic.kernels import extend_attention as ea
+    from sglang_pic.kernels import kivi_decode as kd
+    from sglang_pic.kernels import shared_decode as sd
+    from sglang_pic.kernels import stage_keys as st
+    from sglang_pic.kernels import store_kv as sk
+    from sglang_pic.kernels.rope import HeadSplit
+
+    cuda = torch.device("cuda")
+    float_ptrs = {"q_ptr", "k_ptr", "v_ptr", "k_buf_ptr", "v_buf_ptr", "out_ptr", "ws_ptr"}
+    fp32_ptrs = {"cos_sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
+
+    def build(kernel, params: dict, dtype: str) -> None:
+        consts = dict(params)
+        options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages", 1)}
+
+        def arg_type(name: str) -> str:
+            if name in consts:
+                return "constexpr"
+            if name in float_ptrs:
+                return "*" + dtype
+            if name in fp32_ptrs:
+                return "*fp32"
+            return "*i64" if name.endswith("_ptr") else ("fp32" if name == "qk_scale" else "i32")
+
+        names = kernel.arg_names
+        signature = {n: arg_type(n) for n in names}
+        # Torch tensors and these strides are 16-aligned; the JIT would specialize on that the same way.
+        aligned = [i for i, n in enumerate(names) if signature[n][0] == "*" or n.startswith("stride")]
+        attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+        src = ASTSource(kernel, signature, constexprs=consts, attrs=attrs)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+    report = {}
+    split = HeadSplit(128, 128, 128)
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for rotated in (False, True):
+            ext = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, rotated)
+            dec, merge = da.decode_kernel_params(32, 8, split, torch_dtype, cuda, rotated)
+            variants = {
+                "extend": (ea._extend_attention_kernel, ext),
+                "decode": (da._decode_split_kernel, dec),
+                "decode_merge": (da._decode_merge_kernel, merge),
+                "store_kv": (sk._store_kv_kernel, sk.store_kernel_params(8, split, rotate=rotated)),
+            }
+            if not rotated:
+                staged = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, keys_staged=True)
+                variants["extend_staged"] = (ea._extend_attention_kernel, staged)
+                variants["stage_keys"] = (st._stage_keys_kernel, st.stage_kernel_params(split))
+                kivi = kd.kivi_kernel_params(32, 8, 128, 128, 128, 32, 32, torch_dtype, cuda)[0]
+                variants["kivi_decode"] = (kd._kivi_split_kernel, kivi)
+                shared, shared_merge = sd.shared_decode_kernel_params(32, 8, split, torch_dtype, cuda)
+                variants["shared_decode"] = (sd._shared_decode_kernel, shared)
+                variants["shared_decode_merge"] = (sd._merge_partials_kernel, shared_merge)
+                for tokens in (9, 60):  # both few-query tiles (x 4 heads: up to 128 rows, up to 256)
+                    few = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, max_extend_len=tokens)
+                    variants[f"extend_{tokens}_tokens"] = (ea._extend_attention_kernel, few)
+            for name, (kernel, params) in variants.items():
+                key = f"{name}_{dtype}_{'prerotated' if rotated else 'position_free'}"
+                try:
+                    build(kernel, params, dtype)
+                    report[key] = None
+                except Exception:
+                    report[key] = traceback.format_exc()[-3000:]
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
