@@ -108,8 +108,6 @@ class Req:
     # The output grammar's matcher (sampling/grammar.py), built by the scheduler: it has accepted the output so far.
     grammar: Any = field(default=None, repr=False, compare=False)
     arrival_step: int = 0
-    # While queued: the request in prefill computing KV this one needs (mem_cache/req_kv.inflight_owner).
-    waiting_on: Req | None = field(default=None, repr=False)
 
     # ---- derived views -------------------------------------------------------------------------------------
     @property

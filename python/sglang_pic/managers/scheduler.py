@@ -320,8 +320,7 @@ class Scheduler:
                 self._finish_span_job(req)
                 self.finished_early.append(req)
                 continue
-            req.waiting_on = self.kv.inflight_owner(req)
-            if req.waiting_on is not None:
+            if self.kv.inflight_owner(req) is not None:
                 self.kv.release(req)  # its span or prefix is being computed in that request: match again next step
                 continue
             reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
