@@ -242,6 +242,7 @@ def test_sigterm_stops_every_process(server):
     assert server.proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_dead_child_takes_server_down(tiny_llama):
     """Children start as [scheduler, detokenizer] (pids grow). Requests in flight when the scheduler dies get an
     error (a stream: its end cut off), not a hang; the server logs which process died and exits non-zero, stopping
