@@ -381,7 +381,7 @@ class Scheduler:
             self.kv.release(req)
             req.finished_reason = FinishReason("abort", message="the scheduler could not schedule this request")
         updated += self.waiting
-        self.waiting = []
+        self.waiting.clear()
 
     def _reject_oversized(self, req: Req) -> None:
         self.waiting.remove(req)
