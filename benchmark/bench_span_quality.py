@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from bench_rag_spans import resolve_paths  # noqa: E402
 from span_quality_tasks import TASKS, Item, TaskSizes, judge  # noqa: E402
 
 from sglang_pic import Engine  # noqa: E402
@@ -315,18 +316,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     args.output = args.output or RESULTS / f"span_quality_{args.device}.json"
     return args
-
-
-def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
-    from sglang_pic.model_loader.loader import resolve_model_path
-
-    if args.model_path is None:
-        from sglang_pic.model_loader.default_model import default_model_path
-
-        model_dir = default_model_path()
-    else:
-        model_dir = resolve_model_path(args.model_path, args.load_format)
-    return model_dir, args.tokenizer_path or model_dir
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
