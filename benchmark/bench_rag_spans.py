@@ -170,6 +170,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-hierarchical-cache", action="store_true",
                    help="keep KV the cache evicts in host memory (sized by --hicache-ratio)")
     p.add_argument("--hicache-ratio", type=float, default=2.0)
+    p.add_argument("--span-anchor", help="the server's --span-anchor for the span modes (default: its default)")
+    p.add_argument("--span-head-tokens", type=int,
+                   help="the server's --span-head-tokens for the span modes (default: its default)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="commit each step's tokens before launching the next")
     p.add_argument("--disable-shared-decode", action="store_true",
@@ -202,6 +205,10 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
         kwargs["disable_overlap_schedule"] = True
     if args.disable_shared_decode:
         kwargs["disable_shared_decode"] = True
+    if args.span_anchor is not None:
+        kwargs["span_anchor"] = args.span_anchor
+    if args.span_head_tokens is not None:
+        kwargs["span_head_tokens"] = args.span_head_tokens
     return kwargs
 
 
@@ -250,7 +257,7 @@ def serve_arrivals(
                 i = len(reqs)
                 req = tm.build_requests(GenerateReqInput(text=prompts[i], sampling_params=params, rid=f"{desc}-{i}"))[0]
                 reqs.append(req)
-                jobs = sched.add_span_jobs(tm.span_keys(spans[i])) if spans is not None else []
+                jobs = sched.add_span_jobs(tm.span_segments(spans[i])) if spans is not None else []
                 held.append((req, jobs))
             for item in [h for h in held if all(job.finished() for job in h[1])]:
                 held.remove(item)

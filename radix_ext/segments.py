@@ -2,9 +2,16 @@
 
 A prompt is an optional prefix, then spans and PDEP (prompt-dependent) segments. The KV of each kind depends on:
   prefix  its own tokens only (causal)          -> namespace None, shared with plain prompts
-  span    its own tokens only (attends inside)  -> namespace "span", shared whatever precedes it
+  span    its own tokens (and its anchor's)     -> namespace "span" (or "span@<sha256 of the anchor>"), shared
+                                                   whatever precedes it
   pdep    the whole marker-aware prompt before  -> namespace "pdep:<sha256 of that structure>"
 so each segment is keyed by exactly what its KV depends on. Generated tokens are cached under `tail_key`.
+
+A span may carry the quality settings a request chose for it (span_policy.py): an `anchor`, tokens it was
+prefilled behind (its KV then comes from a span job, never from a request's own row), and `head`, how many of
+its first tokens the request recomputes with full attention, which are exact for the structure before them and
+so keyed like PDEP text there. Both are part of the structure later PDEP keys hash, since the KV after a span
+depends on them.
 """
 
 from __future__ import annotations
@@ -21,27 +28,44 @@ SegmentKind = Literal["prefix", "span", "pdep"]
 SPAN_NAMESPACE = "span"
 PDEP_NAMESPACE_PREFIX = "pdep:"
 _KINDS = ("prefix", "span", "pdep")
-_HASH_TAG = b"sglang_pic.segments.v1\0"
+_HASH_TAG = b"sglang_pic.segments.v2\0"
 
 
 @dataclass(frozen=True)
 class Segment:
     kind: SegmentKind
     token_ids: tuple[int, ...]
+    anchor: tuple[int, ...] = ()  # spans only: the tokens the span is prefilled behind
+    head: int = 0  # spans only: leading tokens each request recomputes with full attention
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"unknown segment kind {self.kind!r}; expected one of {_KINDS}")
+        if self.kind != "span" and (self.anchor or self.head):
+            raise ValueError(f"a {self.kind} segment has no anchor or head; only spans do")
+        if self.head < 0:
+            raise ValueError(f"a span's head must be >= 0, got {self.head}")
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "anchor", tuple(self.anchor))
+
+    @property
+    def from_job(self) -> bool:
+        """Whether a span's KV can only come from a span job: an anchor is not in any request's row, and the
+        shared tail after a recomputed head was computed behind the span's own head, not the request's."""
+        return bool(self.anchor) or self.head > 0
 
 
 def canonicalize(segments: Sequence[Segment]) -> list[Segment]:
     """Rewrite segments into their one canonical form: [prefix] (span [pdep])*, with no empty segment.
 
     PDEP text with no span before it sees only causal text, so its KV is plain prefix KV: it joins the prefix.
-    Adjacent PDEP segments attend exactly like one, and an empty prefix or PDEP carries nothing. Equal prompts thus
-    get equal keys however their markers were written.
+    Adjacent PDEP segments attend exactly like one, and an empty prefix or PDEP carries nothing. A span whose head
+    covers it is recomputed whole with full attention: it is PDEP text. A prompt that ends in a span from a job
+    ends in PDEP text one token long, since the request computes its last token itself (its logits give the first
+    output token) and cannot do so behind the span's anchor. Equal prompts thus get equal keys however their
+    markers were written.
     """
+    segments = _last_token_own(segments)
     out: list[Segment] = []
     for i, seg in enumerate(segments):
         if seg.kind == "prefix" and i != 0:
@@ -50,6 +74,8 @@ def canonicalize(segments: Sequence[Segment]) -> list[Segment]:
             raise ValueError(f"segment {i} is an empty span; a span needs at least one token")
         if not seg.token_ids:
             continue
+        if seg.kind == "span" and seg.head >= len(seg.token_ids):
+            seg = Segment("pdep", seg.token_ids)
         if seg.kind == "span":
             out.append(seg)
         elif not out:
@@ -61,20 +87,34 @@ def canonicalize(segments: Sequence[Segment]) -> list[Segment]:
     return out
 
 
+def _last_token_own(segments: Sequence[Segment]) -> list[Segment]:
+    """`segments` with a trailing span from a job cut before its last token, which becomes PDEP text."""
+    out = list(segments)
+    last = max((i for i, s in enumerate(out) if s.token_ids), default=None)
+    if last is not None and out[last].kind == "span" and out[last].from_job:
+        seg = out[last]
+        rest = [Segment("span", seg.token_ids[:-1], seg.anchor, seg.head)] if len(seg.token_ids) > 1 else []
+        out[last : last + 1] = [*rest, Segment("pdep", seg.token_ids[-1:])]
+    return out
+
+
 def _check_canonical(segments: Sequence[Segment]) -> None:
     for i, seg in enumerate(segments):
         prev = segments[i - 1].kind if i else None
         ok = bool(seg.token_ids) and (
-            (seg.kind == "prefix" and i == 0) or seg.kind == "span" or (seg.kind == "pdep" and prev == "span")
+            (seg.kind == "prefix" and i == 0)
+            or (seg.kind == "span" and seg.head < len(seg.token_ids))
+            or (seg.kind == "pdep" and prev == "span")
         )
         if not ok:
             raise ValueError(f"segment {i} ({seg.kind}) is not in canonical form; call canonicalize() first")
 
 
 def _encode(seg: Segment) -> bytes:
-    """Kind, length, then tokens as little-endian int64: self-delimiting, so a sequence of records is unambiguous."""
-    n = len(seg.token_ids)
-    return struct.pack(f"<BQ{n}q", _KINDS.index(seg.kind), n, *seg.token_ids)
+    """Kind, length, tokens, then anchor length, anchor and head, as little-endian int64: self-delimiting, so a
+    sequence of records is unambiguous."""
+    n, m = len(seg.token_ids), len(seg.anchor)
+    return struct.pack(f"<BQ{n}qQ{m}qQ", _KINDS.index(seg.kind), n, *seg.token_ids, m, *seg.anchor, seg.head)
 
 
 def _structure_hasher(segments: Sequence[Segment]):
@@ -89,19 +129,36 @@ def pdep_namespace(before: Sequence[Segment]) -> str:
     return PDEP_NAMESPACE_PREFIX + _structure_hasher(before).hexdigest()
 
 
-def segment_keys(segments: Sequence[Segment]) -> list[RadixKey]:
-    """One radix key per segment of a canonical prompt (see module doc); hashes the structure once, incrementally."""
+def span_namespace(anchor: Sequence[int]) -> str:
+    """Namespace of spans prefilled behind `anchor`: a span computed under one anchor never hits under another."""
+    if not anchor:
+        return SPAN_NAMESPACE
+    return f"{SPAN_NAMESPACE}@" + hashlib.sha256(struct.pack(f"<{len(anchor)}q", *anchor)).hexdigest()
+
+
+def namespaces_before(segments: Sequence[Segment]) -> list[str]:
+    """For each segment of a canonical prompt, the PDEP namespace of the structure before it: what text there that
+    attends to everything before it (PDEP text, a recomputed span head) is keyed on. Hashed once, incrementally."""
     _check_canonical(segments)
     h = _structure_hasher(())
-    keys = []
+    out = []
     for seg in segments:
+        out.append(PDEP_NAMESPACE_PREFIX + h.hexdigest())
+        h.update(_encode(seg))
+    return out
+
+
+def segment_keys(segments: Sequence[Segment]) -> list[RadixKey]:
+    """One radix key per segment of a canonical prompt (see module doc). A span's key covers all its tokens, its
+    head's too: the tree holds the span as its job computed it."""
+    keys = []
+    for seg, before in zip(segments, namespaces_before(segments)):
         if seg.kind == "prefix":
             keys.append(RadixKey(seg.token_ids, None))
         elif seg.kind == "span":
-            keys.append(RadixKey(seg.token_ids, SPAN_NAMESPACE))
+            keys.append(RadixKey(seg.token_ids, span_namespace(seg.anchor)))
         else:
-            keys.append(RadixKey(seg.token_ids, PDEP_NAMESPACE_PREFIX + h.hexdigest()))
-        h.update(_encode(seg))
+            keys.append(RadixKey(seg.token_ids, before))
     return keys
 
 

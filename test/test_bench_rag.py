@@ -113,7 +113,7 @@ def test_sglang_program_renders_the_plain_prompt():
 
 def test_span_ttft_reuses_the_span_at_a_new_offset(tiny_llama, tmp_path):
     result = bench_span_ttft.main(["--quick", "--model-path", str(tiny_llama), "--out", str(tmp_path),
-                                   "--span-lengths", "24,48"])
+                                   "--span-lengths", "24,48", "--span-head-tokens", "0"])
     lengths = result["lengths"]
     assert [r["span_tokens"] for r in lengths] == [24, 48]
     for r in lengths:
@@ -126,7 +126,7 @@ def test_poisson_arrivals_serve_every_sample(tiny_llama, tmp_path):
     """With --arrival-rate the samples trickle in; the barrier mode warms each sample's spans before its prompt."""
     bench_rag_spans.main(
         ["--quick", "--model-path", str(tiny_llama), "--out", str(tmp_path), "--hf-subset", "0",
-         "--modes", "prefix_cache,pic_barrier,pic_isps", "--arrival-rate", "40"]
+         "--modes", "prefix_cache,pic_barrier,pic_isps", "--arrival-rate", "40", "--span-head-tokens", "8"]
     )
     result = json.loads((tmp_path / "rag_spans.json").read_text())
     for name, mode in result["modes"].items():

@@ -10,6 +10,10 @@ from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 
+# Isolated spans (span_policy.py): ISPS's scheduling of spans a request may compute itself. Spans from jobs
+# (anchored, recomputed heads) are scheduled in test_span_policy.py and test_scheduler_liveness.py.
+ISOLATED = dict(span_anchor="none", span_head_tokens=0)
+
 DOCS = [
     "The capital of France is Paris, the capital of Japan is Tokyo.",
     "A serving engine batches requests and streams tokens back to each client.",
@@ -47,9 +51,9 @@ def spy_span_computation(engine: Engine) -> Counter:
 def test_isps_computes_each_span_once_and_matches_fcfs(tiny_llama, page_size):
     texts = workload()
     common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, page_size=page_size)
-    with Engine(schedule_policy="fcfs", **common) as fcfs:
+    with Engine(**ISOLATED, schedule_policy="fcfs", **common) as fcfs:
         expected = [o["output_ids"] for o in fcfs.generate(texts, GREEDY)]
-    with Engine(schedule_policy="isps", step_token_budget=64, **common) as isps:
+    with Engine(**ISOLATED, schedule_policy="isps", step_token_budget=64, **common) as isps:
         counts = spy_span_computation(isps)
         outs = isps.generate(texts, GREEDY)
         assert [o["output_ids"] for o in outs] == expected
@@ -64,7 +68,7 @@ def test_isps_never_starves_a_request(tiny_llama):
     """A request whose span only it needs is served within a bounded number of steps, however many popular
     span prefills keep arriving."""
     max_wait = 6
-    with Engine(
+    with Engine(**ISOLATED,
         model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="isps",
         step_token_budget=24, isps_max_wait_steps=max_wait,
     ) as engine:
@@ -88,7 +92,9 @@ def test_isps_never_starves_a_request(tiny_llama):
 
 
 def test_warm_spans_then_prompts_reuse_them(tiny_llama):
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="fcfs") as engine:
+    with Engine(
+        **ISOLATED, model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="fcfs"
+    ) as engine:
         info = engine.warm_spans(DOCS[:2])
         assert info["computed_tokens"] == info["span_tokens"]
         again = engine.warm_spans(DOCS[:2])
@@ -104,9 +110,10 @@ def test_isps_under_memory_pressure_finishes_everything(tiny_llama):
     the tokens equal a roomy FCFS run."""
     texts = workload() * 2
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="fcfs") as big:
-        expected = [o["output_ids"] for o in big.generate(texts, params)]
     with Engine(
+        **ISOLATED, model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="fcfs") as big:
+        expected = [o["output_ids"] for o in big.generate(texts, params)]
+    with Engine(**ISOLATED,
         model_path=str(tiny_llama), dtype="float32", max_total_tokens=512, page_size=4, schedule_policy="isps",
         step_token_budget=48, chunked_prefill_size=48,
     ) as small:
@@ -121,7 +128,7 @@ def test_isps_starts_decodes_while_span_prefills_remain(tiny_llama):
     span prefills still run (no barrier), and the first request is ready well before the last span is computed."""
     docs = [f"Document {i} tells how the river town {i} traded salt, wool and {i} kinds of apples." for i in range(12)]
     texts = [f"Reader {i}." + "".join(span(docs[(3 * i + k) % 12]) for k in range(3)) + "Answer?" for i in range(8)]
-    with Engine(
+    with Engine(**ISOLATED,
         model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="isps",
         step_token_budget=40, isps_max_wait_steps=1000,
     ) as engine:
@@ -146,9 +153,9 @@ def test_prompt_logprobs_over_a_span_compute_it_in_the_request(tiny_llama):
     logprobs are the same whether the span was cached or not; logprobs that start after the span reuse it."""
     prompt = "Preface." + span(DOCS[1]) + "Which one?"
     logprobs = dict(return_logprob=True, logprob_start_len=0)
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as cold:
+    with Engine(**ISOLATED, model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as cold:
         want = cold.generate(prompt, GREEDY, **logprobs)["meta_info"]
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as warm:
+    with Engine(**ISOLATED, model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as warm:
         warm.warm_spans([DOCS[1]])
         got = warm.generate(prompt, GREEDY, **logprobs)["meta_info"]
         assert got["cached_span_tokens"] == 0
@@ -180,7 +187,8 @@ def test_isps_under_memory_pressure_computes_about_what_fcfs_does(tiny_llama_1k)
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     computed, outputs = {}, {}
     for policy in ("fcfs", "isps"):
-        with Engine(model_path=str(tiny_llama_1k), dtype="float32", max_total_tokens=768, schedule_policy=policy,
+        with Engine(
+            **ISOLATED, model_path=str(tiny_llama_1k), dtype="float32", max_total_tokens=768, schedule_policy=policy,
                     max_running_requests=8) as engine:
             outputs[policy] = [o["output_ids"] for o in engine.generate(texts, params)]
             computed[policy] = engine.get_stats()["computed_prefill_tokens"]
@@ -189,9 +197,11 @@ def test_isps_under_memory_pressure_computes_about_what_fcfs_does(tiny_llama_1k)
 
 
 def test_an_aborted_span_job_is_replaced_for_the_requests_that_need_its_span(tiny_llama):
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="isps") as engine:
+    with Engine(
+        **ISOLATED, model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="isps"
+    ) as engine:
         sched, tm = engine.scheduler, engine.tokenizer_manager
-        (job,) = sched.add_span_jobs(tm.span_keys([DOCS[0]]))
+        (job,) = sched.add_span_jobs(tm.span_segments([DOCS[0]]))
         assert sched.abort_request(job.rid) is not None
         (req,) = tm.build_requests(GenerateReqInput(text="Q." + span(DOCS[0]) + "A?", sampling_params=GREEDY))
         sched.add_request(req)

@@ -179,7 +179,7 @@ def test_span_job_is_as_urgent_as_the_request_waiting_for_it(tiny_llama):
 
     def span_order(priority_flag: bool) -> list[str]:
         with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="isps",
-                    step_token_budget=16, enable_priority_scheduling=priority_flag) as engine:
+                    step_token_budget=16, enable_priority_scheduling=priority_flag, span_head_tokens=0) as engine:
             early = build(engine, "First." + span(DOCS[0]) + "?", 2, priority=0)
             urgent = build(engine, "Second." + span(DOCS[1]) + "?", 2, priority=5)
             assert early.prompt_len < urgent.prompt_len

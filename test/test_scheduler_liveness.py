@@ -18,7 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from sglang_pic import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.req import ReqSegment
 from sglang_pic.managers.scheduler import Scheduler
+from sglang_pic.radix_ext.segments import span_namespace
 
 SSEP, PDEP = -1, -2  # the default --ssep-token-id / --pdep-token-id
 # Spans recur across requests, at different offsets; lengths straddle the page sizes under test (1 and 16).
@@ -44,14 +46,15 @@ CONFIGS = {
 }
 
 # What each configuration's examples must exercise between them, so that a weaker generator fails here.
+# "wait": on a request in prefill or on a span job; "from_job": requests whose spans only a span job computes.
 EXPECTED = {
-    "fcfs-p1": {"span_hit", "wait"},
+    "fcfs-p1": {"span_hit", "wait", "from_job"},
     "lpm-p16-chunk": {"span_hit", "wait"},
-    "isps-p1-chunk": {"span_hit"},  # siblings' prefixes exceed a step's budget: they wait for budget, not a claim
+    "isps-p1-chunk": {"span_hit", "from_job"},  # siblings wait for budget, not a claim; ISPS holds back the rest
     "isps-p16-small": {"span_hit", "wait", "retraction"},
-    "fcfs-p1-chunk-small": {"span_hit", "wait", "retraction"},
-    "isps-p1-small-nooverlap": {"span_hit", "retraction"},
-    "lpm-p1-priority": {"span_hit", "preemption", "wait"},
+    "fcfs-p1-chunk-small": {"span_hit", "wait", "retraction", "from_job"},
+    "isps-p1-small-nooverlap": {"span_hit", "retraction", "from_job"},
+    "lpm-p1-priority": {"span_hit", "preemption", "wait", "from_job"},
 }
 
 text_ids = st.lists(st.integers(20, 300), min_size=0, max_size=12)
@@ -71,6 +74,9 @@ request = st.fixed_dictionaries({
     "n": st.sampled_from([1, 1, 1, 2]),
     "priority": st.integers(0, 20),
 })
+# Span quality settings (span_policy.py) of one arrival, sent where the server can serve them: (span_anchor,
+# span_head_tokens), None: the server's default. One draw per arrival: hypothesis's buffer bounds an example.
+span_policy = st.sampled_from([(None, None), ("none", 0), ("auto", 0), ("none", 2), ("auto", 2), (None, 40)])
 bad_prompt = st.sampled_from([
     ([SSEP], "empty span"),
     ([PDEP], "empty"),
@@ -103,6 +109,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.jobs = []
         self.launched: list = []
         self.blockers: list = []
+        self.job_waits: list = []
         self._spy()
 
     def _spy(self) -> None:
@@ -110,6 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sched, machine = self.sched, self
         launch = type(sched)._launch
         owner_of = type(sched.kv).inflight_owner
+        missing_of = type(sched.kv).missing_job_spans
 
         def spy_launch(plan, updated):
             machine.launched.extend(e.req for e in plan.entries)
@@ -121,14 +129,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                 machine.blockers.append((req, owner))
             return owner
 
+        def spy_missing(req):
+            missing = missing_of(req)
+            machine.job_waits += [(req, seg.span_id) for seg in missing]
+            return missing
+
         sched._launch = spy_launch
         sched.kv.inflight_owner = spy_owner
+        sched.kv.missing_job_spans = spy_missing
 
     def teardown(self) -> None:
         sched = getattr(self, "sched", None)
         if sched is None:
             return
-        del sched._launch, sched.kv.inflight_owner
+        del sched._launch, sched.kv.inflight_owner, sched.kv.missing_job_spans
         for _ in range(DRAIN_STEPS):
             if sched.is_idle():
                 break
@@ -143,13 +157,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert_idle(self.engine)
         self.seen.update(
             retraction=sched.stats.num_retractions, preemption=sched.stats.num_preemptions,
-            span_hit=sched.stats.span_segment_hits,
+            span_hit=sched.stats.cached_span_tokens,  # whole pages of spans reused (a whole span rarely, at 16)
+            from_job=sum(r.finished_reason.type != "abort" and any(s.from_job for s in r.segments)
+                         for r in self.submitted),
             refused=sum(r.finished_reason.message != "aborted" for r in self.submitted
                         if r.finished_reason.type == "abort"),
         )
 
-    @rule(reqs=st.lists(request, min_size=1, max_size=4))
-    def arrive(self, reqs: list[dict]) -> None:
+    @rule(reqs=st.lists(request, min_size=1, max_size=4), policy=span_policy)
+    def arrive(self, reqs: list[dict], policy: tuple) -> None:
         """Concurrent arrivals: several requests queued before the next step."""
         for r in reqs:
             ids = to_input_ids(*r["structure"])
@@ -157,7 +173,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue  # marker-only: the bad_input rule covers it
             params = {"max_new_tokens": r["max_new_tokens"], "temperature": 0, "ignore_eos": r["ignore_eos"],
                       "n": r["n"]}
-            obj = GenerateReqInput(input_ids=ids, sampling_params=params, priority=r["priority"])
+            anchor, head = policy if self.engine.server_args.spans_from_jobs() else (None, None)
+            obj = GenerateReqInput(input_ids=ids, sampling_params=params, priority=r["priority"],
+                                   span_anchor=anchor, span_head_tokens=head)
             for req in self.engine.tokenizer_manager.build_requests(obj):
                 self.sched.add_request(req)
                 self.submitted.append(req)
@@ -189,7 +207,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(spans=st.lists(st.sampled_from(SPAN_POOL), min_size=1, max_size=3))
     def warm(self, spans) -> None:
-        self.jobs += self.sched.add_span_jobs([("span", list(s)) for s in spans])
+        anchor = self.engine.tokenizer_manager.span_policy.anchor
+        self.jobs += self.sched.add_span_jobs(
+            [ReqSegment("span", list(s), span_namespace(anchor), anchor=anchor) for s in spans])
 
     @rule(data=st.data())
     def abort(self, data) -> None:
@@ -205,12 +225,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             if self.sched.is_idle():
                 return
             before = self.sched.stats.num_steps
-            self.launched, self.blockers = [], []
+            self.launched, self.blockers, self.job_waits = [], [], []
             updated = self.sched.step()
             assert self.sched.stats.num_steps > before or updated, "a step of a busy scheduler did nothing"
             for req, owner in self.blockers:
                 assert owner in self.launched, f"{req.rid} waits on {owner.rid}, which this step did not run"
-            self.seen["wait"] += len(self.blockers)
+            for req, span_id in self.job_waits:  # a span job is queued or running for it, or ran in this step
+                job = self.sched.planner.jobs.get(span_id)
+                assert job is not None and not job.finished() or any(
+                    r.warmup and r.span_id == span_id for r in self.launched), f"{req.rid} waits on no span job"
+            self.seen["wait"] += len(self.blockers) + len(self.job_waits)
 
     @invariant()
     def queue_is_consistent(self) -> None:
@@ -246,7 +270,7 @@ def test_every_request_finishes_or_is_refused(tiny_llama, config):
         SchedulerMachine.engine, SchedulerMachine.seen = engine, Counter()
         run_state_machine_as_test(
             SchedulerMachine,
-            settings=settings(max_examples=8, stateful_step_count=20, deadline=None, derandomize=True,
+            settings=settings(max_examples=12, stateful_step_count=20, deadline=None, derandomize=True,
                               database=None, suppress_health_check=list(HealthCheck)),
         )
     seen = SchedulerMachine.seen
@@ -271,7 +295,8 @@ def run_bounded(engine: Engine, obj: GenerateReqInput, max_steps: int = 200) -> 
 def test_prompt_ending_in_a_span_finishes(tiny_llama, policy, warm_first):
     """The ISPS hang: a prompt whose last segment is a span, with or without a prefix, cold or warmed."""
     span = "only a span of several words at the very end"
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, schedule_policy=policy) as engine:
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, schedule_policy=policy,
+                span_head_tokens=0) as engine:
         if warm_first:
             engine.warm_spans([span])
         params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}

@@ -39,7 +39,7 @@ def branches(s):
 
 @pytest.fixture(scope="module")
 def backend(tiny_qwen2):
-    srv = start_server(tiny_qwen2)
+    srv = start_server(tiny_qwen2, "--span-head-tokens", "0")  # the tiny documents stay spans
     runtime = sgl.RuntimeEndpoint(srv.url, chat_template_name="chatml")
     sgl.set_default_backend(runtime)
     yield runtime
@@ -48,7 +48,7 @@ def backend(tiny_qwen2):
 
 @pytest.fixture(scope="module")
 def engine(tiny_qwen2):
-    with Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096) as eng:
+    with Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096, span_head_tokens=0) as eng:
         yield eng
 
 
@@ -130,7 +130,9 @@ def rag(s, docs, question):
 
 def test_span_program_reuses_warmed_spans(backend, engine):
     info = warm_spans(backend, DOCS)
-    assert info["num_spans"] == 2 and info["computed_tokens"] == info["span_tokens"]
+    # The span jobs compute each span once, and the anchor it follows (span_policy.py) at most once each.
+    anchor = len(engine.tokenizer_manager.span_policy.anchor)
+    assert info["num_spans"] == 2 and info["span_tokens"] <= info["computed_tokens"] <= info["span_tokens"] + 2 * anchor
     state = rag.run(docs=DOCS[::-1], question="Where is Paris?")
     meta = state.get_meta_info("answer")
     assert meta["cached_span_tokens"] == info["span_tokens"]  # both spans reused behind a new prefix

@@ -19,7 +19,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096) as e:
+    # Anchored spans without recomputed heads: each span is reused whole (heads: test_span_policy.py).
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, span_head_tokens=0) as e:
         yield e
 
 

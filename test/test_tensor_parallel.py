@@ -29,7 +29,8 @@ def run(path, tp_size: int, **engine_args) -> tuple[list[list[int]], list[list[i
     """Tokens of a cold batch, tokens of the same batch again (spans and prefixes now cached), the output
     logprobs of one prompt, and the span tokens the second batch reused."""
     with Engine(
-        model_path=str(path), dtype="float32", max_total_tokens=2048, tp_size=tp_size, **engine_args
+        model_path=str(path), dtype="float32", max_total_tokens=2048, tp_size=tp_size, span_head_tokens=4,
+        **engine_args
     ) as engine:
         cold = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
         warm_outs = engine.generate(PROMPTS, GREEDY)

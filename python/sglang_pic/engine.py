@@ -91,7 +91,11 @@ class Engine:
         rid: str | list[str] | None = None,
         return_text_in_logprobs: bool = False,
         priority: int | list[int | None] | None = None,
+        span_anchor: str | list[str | None] | None = None,
+        span_head_tokens: int | list[int | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
+        """SGLang's Engine.generate; span_anchor and span_head_tokens override the server's span quality
+        settings for these prompts (span_policy.py)."""
         obj = GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -104,6 +108,8 @@ class Engine:
             return_text_in_logprobs=return_text_in_logprobs,
             stream=stream,
             priority=priority,
+            span_anchor=span_anchor,
+            span_head_tokens=span_head_tokens,
         )
         reqs = self.tokenizer_manager.build_requests(obj)
         if stream:
@@ -214,6 +220,8 @@ class Engine:
             return_text_in_logprobs=obj.return_text_in_logprobs,
             token_ids_logprob=obj.token_ids_logprob,
             priority=obj.priority,
+            span_anchor=obj.span_anchor,
+            span_head_tokens=obj.span_head_tokens,
         )
 
     def get_model_info(self) -> dict[str, Any]:
@@ -230,14 +238,14 @@ class Engine:
 
     def warm_spans(self, spans: list[str]) -> dict[str, Any]:
         """Prefill spans into the cache without generating (the barrier workflow's first phase)."""
-        keyed = self.tokenizer_manager.span_keys(spans)
+        segments = self.tokenizer_manager.span_segments(spans)
         before = self._live().stats.computed_prefill_tokens
         with self._lock:
-            jobs = self.scheduler.add_span_jobs(keyed)
+            jobs = self.scheduler.add_span_jobs(segments)
         self._run_until_done(jobs)
         return {
             "num_spans": len(spans),
-            "span_tokens": sum(len(t) for _, t in keyed),
+            "span_tokens": sum(len(seg.tokens) for seg in segments),
             "computed_tokens": self.scheduler.stats.computed_prefill_tokens - before,
         }
 

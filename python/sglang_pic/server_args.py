@@ -8,6 +8,7 @@ from typing import Any
 
 from sglang_pic.entrypoints.reasoning import REASONING_PARSERS
 from sglang_pic.entrypoints.tool_calls import TOOL_CALL_PARSERS
+from sglang_pic.span_policy import ANCHOR_CHOICES
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -181,6 +182,17 @@ class ServerArgs:
     )
     ssep_marker: str = _arg("<|ssep|>", "Text marker that starts a reusable span.")
     pdep_marker: str = _arg("<|pdep|>", "Text marker that starts position-dependent text after spans.")
+    span_anchor: str = _arg(
+        "auto",
+        "Tokens every span is prefilled behind, so its first token is no attention sink: auto (the chat "
+        "template's opening, else BOS), none (isolated spans, for block-attention fine-tuned models) or the text "
+        "itself. Needs the radix cache and --page-size 1; auto turns into none without them.",
+    )
+    span_head_tokens: int | None = _arg(
+        None,
+        "Leading tokens of every span each request recomputes with full attention over the prompt before it "
+        "(0: none); default: the recommended value where the radix cache and --page-size 1 allow it, else 0.",
+    )
     ssep_token_id: int = _arg(-1, "Id that stands for the span marker in input_ids.")
     pdep_token_id: int = _arg(-2, "Id that stands for the position-dependent marker in input_ids.")
 
@@ -275,8 +287,21 @@ class ServerArgs:
             raise ValueError(
                 f"load_balance_method must be round_robin or shortest_queue, got {self.load_balance_method!r}"
             )
+        if self.span_head_tokens is not None and self.span_head_tokens < 0:
+            raise ValueError(f"span_head_tokens must be >= 0, got {self.span_head_tokens}")
+        explicit = self.span_anchor not in ANCHOR_CHOICES or bool(self.span_head_tokens)
+        if explicit and not self.disable_pic and not self.spans_from_jobs():  # without PIC there are no spans
+            raise ValueError(
+                "span_anchor and span_head_tokens need the radix cache and page_size 1 (span KV then comes from "
+                "span jobs only); use span_anchor auto or none and span_head_tokens 0 here"
+            )
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
+
+    def spans_from_jobs(self) -> bool:
+        """Whether anchored spans and recomputed heads can be served (span_policy.py): their KV lives only in the
+        radix tree, in one-token pages (a span's partial last page is never cached)."""
+        return not (self.disable_radix_cache or self.disable_pic) and self.page_size == 1
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -359,6 +359,8 @@ class OpenAIServing:
             stream=body.stream,
             priority=body.priority,
             data_parallel_rank=body.data_parallel_rank,
+            span_anchor=body.span_anchor,
+            span_head_tokens=body.span_head_tokens,
         )
 
     def _echo_texts(self, body: CompletionRequest) -> list[str]:
@@ -497,6 +499,8 @@ class OpenAIServing:
             stream=body.stream,
             priority=body.priority,
             data_parallel_rank=body.data_parallel_rank,
+            span_anchor=body.span_anchor,
+            span_head_tokens=body.span_head_tokens,
         )
 
     def render_chat(self, body: ChatCompletionRequest) -> str:

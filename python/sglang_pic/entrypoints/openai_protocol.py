@@ -66,6 +66,9 @@ class _SamplingFields(_Request):
     stop_regex: str | list[str] | None = None
     priority: int | None = None  # with --enable-priority-scheduling
     data_parallel_rank: int | None = None  # the replica to run on (a server with dp_size > 1)
+    # sglang_pic extension: this request's span quality settings (span_policy.py); None: the server's.
+    span_anchor: str | None = None
+    span_head_tokens: int | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -77,6 +77,7 @@ class DetokenizerManager:
         mirror.finished_reason = delta.finished_reason
         mirror.cached_prefix_tokens = delta.cached_prefix_tokens
         mirror.cached_span_tokens = delta.cached_span_tokens
+        mirror.recomputed_span_tokens = delta.recomputed_span_tokens
         mirror.first_token_time = delta.first_token_time
         finished = delta.finished_reason is not None
         if finished:

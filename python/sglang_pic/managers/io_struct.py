@@ -23,6 +23,9 @@ class GenerateReqInput:
     stream: bool = False
     data_parallel_rank: int | None = None  # the replica to run on (a server with dp_size > 1; sglang-router --dp-aware)
     priority: int | list[int | None] | None = None  # with --enable-priority-scheduling: larger runs first
+    # sglang_pic: the span quality settings of these prompts (span_policy.py); None: the server's.
+    span_anchor: str | list[str | None] | None = None
+    span_head_tokens: int | list[int | None] | None = None
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateReqInput":
@@ -78,6 +81,8 @@ class GenerateReqInput:
             "top_logprobs_num": pick(self.top_logprobs_num),
             "token_ids_logprob": pick(ids) if per_prompt else ids,
             "priority": pick(self.priority),
+            "span_anchor": pick(self.span_anchor),
+            "span_head_tokens": pick(self.span_head_tokens),
         }
 
 

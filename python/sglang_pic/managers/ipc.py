@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from sglang_pic.managers.req import FinishReason, Req
+from sglang_pic.managers.req import FinishReason, Req, ReqSegment
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.speculative.spec_stats import accept_length, accept_rate
 
@@ -62,10 +62,11 @@ class UpdateWeightsRequest:
 
 @dataclass
 class WarmSpansRequest:
-    """Prefill spans (radix namespace, tokens) into the cache; answered once every one is cached."""
+    """Prefill spans (as a request's span segments, TokenizerManager.span_segments) into the cache; answered once
+    every one is cached."""
 
     request_id: str
-    spans: list[tuple[str | None, list[int]]]
+    spans: list[ReqSegment]
 
 
 @dataclass
@@ -195,6 +196,7 @@ class TokenDelta:
     finished_reason: FinishReason | None
     cached_prefix_tokens: int
     cached_span_tokens: int
+    recomputed_span_tokens: int
     first_token_time: float | None
     new_output_token_logprobs: list = field(default_factory=list)
     new_output_top_logprobs: list = field(default_factory=list)

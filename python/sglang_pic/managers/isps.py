@@ -15,7 +15,12 @@ Under memory pressure (the spans staged for waiting requests, cached but unlocke
 not fit in the free and evictable KV memory) span jobs would evict staged spans before their requests run, to be
 computed again, over and over. Then no new span job starts (aged ones and explicit warm-ups still do); instead the
 blocked requests follow the ready ones, first come first served, and compute their missing spans themselves,
-claimed so that a concurrent request needing the same span waits for it rather than computing it too.
+claimed so that a concurrent request needing the same span waits for it rather than computing it too. A span
+from a job (anchored, or read after a recomputed head: see span_policy.py) cannot be computed by its request, so
+the jobs such requests wait for are offered under pressure too.
+
+A span job's row holds the span's anchor (a prefix, cached like any prompt prefix) and then the span, which
+attends to the anchor and itself; the request reads only the span's slots.
 """
 
 from __future__ import annotations
@@ -30,22 +35,20 @@ if TYPE_CHECKING:
     from sglang_pic.mem_cache.req_kv import ReqKVManager
 
 
-def _span_id(seg: ReqSegment) -> tuple:
-    """What identifies a span's KV across requests: its namespace and tokens."""
-    return (seg.extra_key, tuple(seg.tokens))
-
-
-def make_span_job(span_id: tuple, rid: str, arrival_step: int) -> Req:
-    """A prefill-only request for the span `span_id` = (namespace, tokens)."""
-    extra_key, tokens = span_id
+def make_span_job(seg: ReqSegment, rid: str, arrival_step: int) -> Req:
+    """A prefill-only request computing the whole span `seg` belongs to, behind the span's anchor."""
+    extra_key, tokens = seg.span_id
+    anchor = list(seg.anchor)
+    segments = [ReqSegment("prefix", anchor, None)] if anchor else []
+    segments.append(ReqSegment("span", list(tokens), extra_key, start=len(anchor), sees_before=len(anchor)))
     return Req(
         rid=rid,
-        segments=[ReqSegment("span", list(tokens), extra_key, start=0)],
+        segments=segments,
         sampling_params=SamplingParams(max_new_tokens=0),
-        prompt_len=len(tokens),
+        prompt_len=len(anchor) + len(tokens),
         warmup=True,
         arrival_step=arrival_step,
-        span_id=span_id,
+        span_id=seg.span_id,
     )
 
 
@@ -70,12 +73,12 @@ class SpanPrefillPlanner:
 
     def job_for(self, seg: ReqSegment, arrival_step: int) -> tuple[Req, bool]:
         """The span job computing `seg`, created if none exists yet; returns (job, created)."""
-        sid = _span_id(seg)
+        sid = seg.span_id
         job = self.jobs.get(sid)
         if job is not None:
             return job, False
         self._next_id += 1
-        job = make_span_job(sid, f"span-job-{self._next_id}", arrival_step)
+        job = make_span_job(seg, f"span-job-{self._next_id}", arrival_step)
         self.jobs[sid] = job
         return job, True
 
@@ -100,7 +103,7 @@ class SpanPrefillPlanner:
         owned = []
         for seg in req.segments:
             if seg.kind == "span":
-                sid = _span_id(seg)
+                sid = seg.span_id
                 if self.owner.get(sid) == req.rid:
                     del self.owner[sid]
                     owned.append(seg)
@@ -116,6 +119,7 @@ class SpanPrefillPlanner:
         waiters: dict[str, int] = defaultdict(int)
         oldest: dict[str, int] = {}
         blocked: set[str] = set()
+        needed: set[str] = set()  # jobs that a waiting request cannot do without, even under pressure
         for req in waiting:
             if req.warmup:
                 continue
@@ -130,8 +134,10 @@ class SpanPrefillPlanner:
                         new_jobs.append(job)
                         self.owner[job.span_id] = req.rid
                     jobs.append(job)
-                self._hold(req, {_span_id(s): len(s.tokens) for s in req.segments if s.kind == "span"})
+                self._hold(req, {s.span_id: len(s.tokens) for s in req.segments if s.kind == "span"})
                 self._block(req.rid, jobs)
+            if any(s.from_job for s in req.segments):
+                needed.update(job.rid for job in jobs)
             for job in jobs:
                 waiters[job.rid] += 1
                 oldest[job.rid] = min(oldest.get(job.rid, req.arrival_step), req.arrival_step)
@@ -154,7 +160,8 @@ class SpanPrefillPlanner:
             return (2 if r.rid in blocked else 1, r.arrival_step, 0)
 
         def offered(r: Req) -> bool:
-            return not (self.under_pressure and r.warmup and waiters.get(r.rid)) or age(r) >= self.max_wait_steps
+            withheld = self.under_pressure and r.warmup and waiters.get(r.rid) and r.rid not in needed
+            return not withheld or age(r) >= self.max_wait_steps
 
         return sorted(filter(offered, candidates), key=key), new_jobs
 

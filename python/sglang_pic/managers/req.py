@@ -5,6 +5,12 @@ the tail segment (the last prefix/PDEP segment, or an implicit PDEP segment afte
 sequence has RoPE position j and KV slot req_to_token[req_pool_idx, j]. For each segment the request tracks how
 many leading tokens have KV (`done`), and how many of those belong to the radix tree (`cached`, locked through
 `lock_node`); slots in [cached, done) belong to the request until it inserts them (listed in `own`).
+
+A span's quality settings (span_policy.py) show here as: a "head" segment, the span's first tokens recomputed by
+the request with full attention, followed by the span's tail, whose radix key still starts with the head's tokens
+(`key_lead`): the tree holds the whole span as its job computed it, and the request reads only the tail's slots.
+A span with an anchor or a head is never computed in a request's row (`from_job`); a span job computes it,
+behind its anchor, which the job's row holds right before the span (`sees_before`).
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from sglang_pic.sampling.sampling_params import SamplingParams
 
 @dataclass(eq=False)
 class ReqSegment:
-    kind: str  # "prefix" | "span" | "pdep"
+    kind: str  # "prefix" | "span" | "pdep" | "head" (a span's recomputed head: attends like PDEP text)
     tokens: list[int]
     extra_key: str | None  # radix namespace (see radix_ext.segments)
     start: int = 0  # logical index of the first token
+    key_lead: tuple[int, ...] = ()  # a span tail: its key's leading tokens, the head the request recomputes
+    anchor: tuple[int, ...] = ()  # a request's span: the tokens its job prefills it behind
+    sees_before: int = 0  # a span job's span: the anchor tokens right before it that it attends to
     done: int = 0  # leading tokens whose KV is in the request's row
     cached: int = 0  # leading tokens owned by the radix tree (locked via lock_node)
     lock_node: Any = None
@@ -37,11 +46,21 @@ class ReqSegment:
 
     @property
     def attn_lo(self) -> int:
-        return self.start if self.kind == "span" else 0
+        return self.start - self.sees_before if self.kind == "span" else 0
+
+    @property
+    def from_job(self) -> bool:
+        """A span whose KV only a span job computes (see the module doc): the request waits for it."""
+        return self.kind == "span" and bool(self.anchor or self.key_lead)
+
+    @property
+    def span_id(self) -> tuple:
+        """What identifies a span's KV across requests: its namespace and all its key's tokens."""
+        return (self.extra_key, self.key_lead + tuple(self.tokens))
 
     def key(self, length: int | None = None) -> RadixKey:
         toks = self.tokens if length is None else islice(self.tokens, length)  # one copy, not a slice then a tuple
-        return RadixKey(tuple(toks), self.extra_key)
+        return RadixKey(self.key_lead + tuple(toks), self.extra_key)
 
 
 @dataclass
@@ -90,6 +109,7 @@ class Req:
     first_token_time: float | None = None
     cached_prefix_tokens: int = 0
     cached_span_tokens: int = 0
+    recomputed_span_tokens: int = 0  # span head tokens this request computes itself (its heads' cache misses)
     matched_once: bool = False
     # Logprobs collected so far.
     input_token_logprobs: list = field(default_factory=list)  # (logprob|None, token_id)

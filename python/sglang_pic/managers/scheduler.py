@@ -17,7 +17,7 @@ import torch
 from sglang_pic.managers.isps import SpanPrefillPlanner
 from sglang_pic.managers.overlap import LaunchedStep, PromptLogprobs
 from sglang_pic.managers.profiler import StepProfiler
-from sglang_pic.managers.req import FinishReason, Req
+from sglang_pic.managers.req import FinishReason, Req, ReqSegment
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
 from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.mem_cache.req_kv import ReqKVManager
@@ -148,17 +148,20 @@ class Scheduler:
         self._grammars = grammar_backend(self.tokenizer, self.vocab_size)
         return self._grammars
 
-    def add_span_jobs(self, spans: list[tuple[str | None, list[int]]]) -> list[Req]:
-        """Queue prefill-only jobs for spans (extra_key, tokens); returns the jobs (shared with ISPS's own)."""
-        jobs = []
-        for extra_key, tokens in spans:
-            from sglang_pic.managers.req import ReqSegment
+    def add_span_jobs(self, spans: list[ReqSegment]) -> list[Req]:
+        """Queue prefill-only jobs for span segments; returns the jobs (shared with ISPS's own and other requests')."""
+        return self._queue_span_jobs(spans)[0]
 
-            job, created = self.planner.job_for(ReqSegment("span", tokens, extra_key), self.stats.num_steps)
-            if created:
+    def _queue_span_jobs(self, spans: list[ReqSegment]) -> tuple[list[Req], list[Req]]:
+        """(the jobs computing `spans`, those of them queued just now)."""
+        jobs, created = [], []
+        for seg in spans:
+            job, new = self.planner.job_for(seg, self.stats.num_steps)
+            if new:
                 self.waiting.append(job)
+                created.append(job)
             jobs.append(job)
-        return jobs
+        return jobs, created
 
     def abort_request(self, rid: str) -> Req | None:
         for queue in (self.waiting, self.running):
@@ -304,7 +307,8 @@ class Scheduler:
         if self.waiting:
             going_on = len(decode.reqs) if decode is not None else len(self._going_on())
             seats = self.server_args.max_running_requests - going_on - sum(not e.req.warmup for e in entries)
-        for req in self._ordered_waiting():
+        ordered = self._ordered_waiting()
+        for req in ordered:  # grows by the span jobs that requests found missing, offered in this step too
             if budget <= 0:
                 break
             if seats <= 0 and not req.warmup:
@@ -319,6 +323,11 @@ class Scheduler:
                 self.waiting.remove(req)
                 self._finish_span_job(req)
                 self.finished_early.append(req)
+                continue
+            missing = self.kv.missing_job_spans(req)
+            if missing:  # it waits on their jobs, queued (and offered in this step): match again next step
+                ordered += self._queue_span_jobs(missing)[1]
+                self.kv.release(req)
                 continue
             if self.kv.inflight_owner(req) is not None:
                 self.kv.release(req)  # its span or prefix is being computed in that request: match again next step

@@ -160,7 +160,7 @@ class SchedulerLoop:
             if all(job.finished() for job in jobs):
                 del self.warming[request_id]
                 computed = self.scheduler.stats.computed_prefill_tokens - start
-                span_tokens = sum(len(tokens) for _, tokens in msg.spans)
+                span_tokens = sum(len(seg.tokens) for seg in msg.spans)
                 self.to_main.send_pyobj(WarmSpansResult(request_id, len(msg.spans), span_tokens, computed))
 
     def abort(self, msg: AbortRequest) -> None:
@@ -210,6 +210,7 @@ class SchedulerLoop:
             finished_reason=req.finished_reason,
             cached_prefix_tokens=req.cached_prefix_tokens,
             cached_span_tokens=req.cached_span_tokens,
+            recomputed_span_tokens=req.recomputed_span_tokens,
             first_token_time=req.first_token_time,
             new_output_token_logprobs=req.output_token_logprobs[start:],
             new_output_top_logprobs=req.output_top_logprobs[start:],

@@ -368,8 +368,8 @@ class ServerTokenizerManager:
 
     async def warm_spans(self, spans: list[str]) -> dict[str, int]:
         """Prefill spans without generating; raises ValueError for bad span text."""
-        keyed = self.tokenizer_manager.span_keys(spans)
-        results = await self._control(lambda rid: WarmSpansRequest(rid, keyed), timeout=None)
+        segments = self.tokenizer_manager.span_segments(spans)
+        results = await self._control(lambda rid: WarmSpansRequest(rid, segments), timeout=None)
         return {
             "num_spans": results[0].num_spans,
             "span_tokens": results[0].span_tokens,

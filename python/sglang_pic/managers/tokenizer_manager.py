@@ -14,10 +14,11 @@ import torch
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.managers.segmenter import PromptSegmenter
-from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys, tail_key
+from sglang_pic.radix_ext.segments import Segment, canonicalize, namespaces_before, segment_keys, tail_key
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.server_args import ServerArgs
+from sglang_pic.span_policy import ANCHOR_CHOICES, DEFAULT_HEAD_TOKENS, SpanPolicy, anchor_tokens
 from sglang_pic.tokenizer import DecodeWindow, fast_decode, plain_backend
 
 
@@ -33,6 +34,7 @@ class TokenizerManager:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.segmenter = PromptSegmenter(tokenizer, server_args, self.vocab_size)
+        self.span_policy = self._server_span_policy()
 
     # ---- input --------------------------------------------------------------------------------------------
     def build_requests(self, obj: GenerateReqInput) -> list[Req]:
@@ -74,7 +76,8 @@ class TokenizerManager:
             if not isinstance(ids, list) or not _all_ints(ids):
                 raise ValueError("input_ids must be a list of integers")
             segments = self.segmenter.from_ids(ids)
-        segments = canonicalize(segments)
+        policy = self._span_policy(item["span_anchor"], item["span_head_tokens"])
+        segments = canonicalize(self._apply(policy, segments))
         prompt_len = sum(len(s.token_ids) for s in segments)
         if prompt_len >= self.context_len:
             raise ValueError(
@@ -89,6 +92,8 @@ class TokenizerManager:
             raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_n!r}")
         priority = self._priority(item["priority"])
         token_ids = self._token_ids_logprob(item["token_ids_logprob"], bool(item["return_logprob"]))
+        if item["return_logprob"] and logprob_start_len >= 0:
+            self._check_prompt_logprobs(segments, logprob_start_len)
         base_rid = item["rid"] or uuid.uuid4().hex
         reqs = []
         for k in range(params.n):
@@ -126,17 +131,66 @@ class TokenizerManager:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return self._decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def span_keys(self, spans: list[str]) -> list[tuple[str | None, list[int]]]:
-        """(radix namespace, tokens) of each span text, tokenized exactly as inside a marked prompt."""
+    def span_segments(self, spans: list[str]) -> list[ReqSegment]:
+        """Each span text as a request's span segment under the server's anchor, tokenized exactly as inside a
+        marked prompt: what a span job computes for it (every head length reads the same tree path)."""
         out = []
+        anchor = self.span_policy.anchor
         for i, text in enumerate(spans):
             if not isinstance(text, str) or not text:
                 raise ValueError(f"span {i} must be a non-empty string")
             if self.segmenter.has_markers(text):
                 raise ValueError(f"span {i} contains a span marker; markers are structure, not text")
             tokens = self.segmenter.from_text(self.server_args.ssep_marker + text)[-1].token_ids
-            out.append((segment_keys([Segment("span", tokens)])[0].extra_key, list(tokens)))
+            key = segment_keys([Segment("span", tokens, anchor)])[0]
+            out.append(ReqSegment("span", list(tokens), key.extra_key, anchor=anchor))
         return out
+
+    # ---- span quality settings (span_policy.py) ----------------------------------------------------------------
+    def _server_span_policy(self) -> SpanPolicy:
+        args = self.server_args
+        if not args.spans_from_jobs():
+            return SpanPolicy()
+        head = DEFAULT_HEAD_TOKENS if args.span_head_tokens is None else args.span_head_tokens
+        return SpanPolicy(anchor_tokens(args.span_anchor, self.tokenizer), head)
+
+    def _span_policy(self, anchor: Any, head: Any) -> SpanPolicy:
+        """The request's settings: the server's, with the fields it gives replaced."""
+        if anchor is None and head is None:
+            return self.span_policy
+        if anchor is not None and anchor not in ANCHOR_CHOICES:
+            raise ValueError(f"span_anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {anchor!r}")
+        if head is not None and (not isinstance(head, int) or isinstance(head, bool) or head < 0):
+            raise ValueError(f"span_head_tokens must be an integer >= 0, got {head!r}")
+        policy = SpanPolicy(
+            self.span_policy.anchor if anchor is None else anchor_tokens(anchor, self.tokenizer),
+            self.span_policy.head_tokens if head is None else head,
+        )
+        if policy.from_job and not self.server_args.spans_from_jobs():
+            raise ValueError(
+                "span_anchor and span_head_tokens need a server with the radix cache and page_size 1; "
+                "this one serves isolated spans only (span_anchor none, span_head_tokens 0)"
+            )
+        return policy
+
+    @staticmethod
+    def _apply(policy: SpanPolicy, segments: list[Segment]) -> list[Segment]:
+        if not policy.from_job:
+            return segments
+        return [Segment("span", s.token_ids, policy.anchor, policy.head_tokens) if s.kind == "span" else s
+                for s in segments]
+
+    @staticmethod
+    def _check_prompt_logprobs(segments: list[Segment], logprob_start_len: int) -> None:
+        """Prompt logprobs need their positions computed in the request's row, which a span from a job never is."""
+        first, start = max(logprob_start_len - 1, 0), 0
+        for seg in segments:
+            start += len(seg.token_ids)
+            if seg.kind == "span" and seg.from_job and start > first + seg.head:
+                raise ValueError(
+                    f"prompt logprobs from logprob_start_len={logprob_start_len} cover a span served from a span "
+                    "job; ask for them from after the last span, or send span_anchor none and span_head_tokens 0"
+                )
 
     def _token_ids_logprob(self, ids: Any, return_logprob: bool) -> list[int] | None:
         if ids is None:
@@ -169,11 +223,16 @@ class TokenizerManager:
 
     @staticmethod
     def _req_segments(segments) -> list[ReqSegment]:
-        keys = segment_keys(segments)
+        """A span with a head becomes a "head" segment, keyed like PDEP text on the structure before it, and the
+        span's tail, read from the tree path of the whole span (see managers/req.py)."""
         out, start = [], 0
-        for seg, key in zip(segments, keys):
-            out.append(ReqSegment(seg.kind, list(seg.token_ids), key.extra_key, start=start))
-            start += len(seg.token_ids)
+        for seg, key, before in zip(segments, segment_keys(segments), namespaces_before(segments)):
+            k, tokens = seg.head, seg.token_ids
+            if k:
+                out.append(ReqSegment("head", list(tokens[:k]), before, start=start))
+            out.append(ReqSegment(seg.kind, list(tokens[k:]), key.extra_key, start=start + k, key_lead=tokens[:k],
+                                  anchor=seg.anchor))
+            start += len(tokens)
         if out[-1].kind == "span":
             out.append(ReqSegment("pdep", [], tail_key(segments, ()).extra_key, start=start))
         return out
@@ -217,6 +276,7 @@ class TokenizerManager:
             "cached_tokens": req.cached_tokens(),
             "cached_prefix_tokens": req.cached_prefix_tokens,
             "cached_span_tokens": req.cached_span_tokens,
+            "recomputed_span_tokens": req.recomputed_span_tokens,  # span heads it computed itself (span_policy.py)
             "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
             "e2e_latency": now - req.created_time,
         }

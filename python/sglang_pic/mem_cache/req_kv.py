@@ -6,6 +6,7 @@ Ownership, per segment of a request (see managers/req.py):
                          host in seg.own, so freeing them never reads the request's row back from the device
   tokens [done, len)     no KV yet
 So at any moment: allocator free + tree-owned + request-owned slots == pool size.
+A span tail (a segment with a `key_lead`) matches its whole span in the tree and takes the slots after the lead.
 """
 
 from __future__ import annotations
@@ -65,20 +66,25 @@ class ReqKVManager:
         """Reuse cached KV for every segment; lock what was matched and write its slots into the request's row."""
         last_nonempty = max((i for i, s in enumerate(req.segments) if s.tokens), default=0)
         limit = req.reuse_limit()
-        req.cached_prefix_tokens = req.cached_span_tokens = 0
+        req.cached_prefix_tokens = req.cached_span_tokens = req.recomputed_span_tokens = 0
         for i, seg in enumerate(req.segments):
             cap = len(seg.tokens)
             if i == last_nonempty and not req.warmup:
                 cap -= 1  # the last token is always computed: its logits give the next token
             if limit is not None:
                 cap = min(cap, max(limit - seg.start, 0))
-            if self.disable_cache or cap <= 0:
-                continue
-            result = self.tree.match_prefix(seg.key(cap))
-            n = int(result.device_indices.numel())
+            n = 0
+            if not self.disable_cache and cap > 0:
+                result = self.tree.match_prefix(seg.key(cap))
+                lead = len(seg.key_lead)
+                n = max(int(result.device_indices.numel()) - lead, 0)
+            if seg.kind == "head":
+                req.recomputed_span_tokens += len(seg.tokens) - n
             if n == 0:
                 continue
-            self.req_to_token_pool.write(req.req_pool_idx, slice(seg.start, seg.start + n), result.device_indices)
+            self.req_to_token_pool.write(
+                req.req_pool_idx, slice(seg.start, seg.start + n), result.device_indices[lead : lead + n]
+            )
             self.tree.inc_lock_ref(result.last_node)
             # The tree holds whole pages, so the match ends one: the next token starts a fresh page.
             seg.lock_node, seg.cached, seg.done, seg.last_slot = result.last_node, n, n, -1
@@ -90,23 +96,31 @@ class ReqKVManager:
 
     def _shareable_uncached_spans(self, req: Req) -> list[ReqSegment]:
         # Only whole pages are shared, so a span with less than a page left to compute is not worth waiting for;
-        # nor is one whose prompt logprobs the request computes itself.
+        # nor is one whose prompt logprobs the request computes itself. A span from a job is never computed here.
         return [
             s for s in req.segments
-            if s.kind == "span" and len(s.tokens) - s.done >= self.page_size and req.reuses_whole(s)
+            if s.kind == "span" and not s.from_job and len(s.tokens) - s.done >= self.page_size
+            and req.reuses_whole(s)
         ]
 
     def uncached_span_segments(self, req: Req) -> list[ReqSegment]:
-        """Spans of a queued request that still have whole pages to compute (looked up without locking)."""
+        """Spans of a queued request that a span job should compute (looked up without locking): those with whole
+        pages left to compute, and every span from a job that is not whole in the tree."""
         if self.disable_cache:
             return []
         out = []
         for seg in req.segments:
-            if seg.kind == "span" and len(seg.tokens) >= self.page_size and req.reuses_whole(seg):
+            if seg.kind == "span" and (seg.from_job or len(seg.tokens) >= self.page_size and req.reuses_whole(seg)):
                 hit = int(self.tree.match_prefix(seg.key()).device_indices.numel())
-                if len(seg.tokens) - hit >= self.page_size:
+                missing = len(seg.key_lead) + len(seg.tokens) - hit
+                if missing >= self.page_size or seg.from_job and missing > 0:
                     out.append(seg)
         return out
+
+    @staticmethod
+    def missing_job_spans(req: Req) -> list[ReqSegment]:
+        """A matched request's spans from a job that the tree does not hold whole: it cannot run before their jobs."""
+        return [s for s in req.segments if s.from_job and s.done < len(s.tokens)]
 
     def inflight_owner(self, req: Req) -> Req | None:
         """The request in prefill that is computing KV `req` would compute too, for `req` to wait on (it then finds
@@ -114,7 +128,7 @@ class ReqKVManager:
         each step until their prefill is launched, so a request never waits on nothing."""
         if self.inflight_spans:
             for seg in self._shareable_uncached_spans(req):
-                owner = self.inflight_spans.get(self._span_id(seg))
+                owner = self.inflight_spans.get(seg.span_id)
                 if owner is not None and owner is not req:
                     return owner
         return self._inflight_prefix_owner(req)
@@ -150,7 +164,7 @@ class ReqKVManager:
         if self.disable_cache:
             return
         for s in self._shareable_uncached_spans(req):
-            self.inflight_spans.setdefault(self._span_id(s), req)
+            self.inflight_spans.setdefault(s.span_id, req)
         if any(len(s.tokens) - s.done > SHARED_PREFIX_MIN for s in self._prompt_segments(req)):
             self.inflight_prefixes[req.rid] = req
 
@@ -165,12 +179,8 @@ class ReqKVManager:
     def _unclaim(self, req: Req, seg: ReqSegment) -> None:
         if not self.inflight_spans:  # the usual case, and it saves hashing the span's tokens
             return
-        if self.inflight_spans.get(self._span_id(seg)) is req:
-            del self.inflight_spans[self._span_id(seg)]
-
-    @staticmethod
-    def _span_id(seg: ReqSegment) -> tuple:
-        return (seg.extra_key, tuple(seg.tokens))
+        if self.inflight_spans.get(seg.span_id) is req:
+            del self.inflight_spans[seg.span_id]
 
     # ---- allocation -------------------------------------------------------------------------------------------
     def alloc(self, req: Req, counts: list[int]) -> torch.Tensor | None:

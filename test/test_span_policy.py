@@ -1,0 +1,251 @@
+"""Anchored span prefill and recomputed span heads (span_policy.py) against a dense masked reference.
+
+The reference runs the HF model on one flat sequence per request with an explicit 4D mask and explicit positions.
+For every span it holds a hidden copy of what the span job computed: the anchor at the positions right before the
+span, then the span's head as the job saw it. The span's tail attends to that copy and to itself; the request's
+recomputed head, its prefix and PDEP text attend to every visible token before them, never to a hidden one. So
+the reference states the semantics (anchor, heads attending to everything before them, tails to their own span
+and anchor) without touching the engine's attention, slots or radix tree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_pic import Engine
+from sglang_pic.frontend_lang import pdep, span
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.radix_ext.segments import SPAN_NAMESPACE, Segment, canonicalize, segment_keys
+from sglang_pic.server_args import ServerArgs
+
+DOCS = [
+    "The capital of France is Paris, the capital of Japan is Tokyo.",
+    "A serving engine batches requests and streams tokens back to each client.",
+    "In the morning we walked to the market and bought fresh bread and apples.",
+]
+NEW = 6
+PARAMS = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+POLICIES = {  # name -> (span_anchor, span_head_tokens)
+    "anchor": ("auto", 0),
+    "head": ("none", 3),
+    "anchor+head": ("auto", 3),
+    "isolated": ("none", 0),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    engine = Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096)
+    yield engine, model
+    engine.shutdown()
+
+
+def layout(engine: Engine, text: str, anchor: str, head: int) -> tuple[list[int], list[int], list, list[bool]]:
+    """The reference's flat sequence for a prompt: ids, positions, each token's scope (None: it sees every visible
+    token before it; a span's number: it sees that span's hidden copy and tail) and whether later tokens see it."""
+    req = engine.tokenizer_manager.build_requests(
+        GenerateReqInput(text=text, span_anchor=anchor, span_head_tokens=head)
+    )[0]
+    ids, pos, scope, visible = [], [], [], []
+
+    def add(tokens, first: int, sc, vis: bool) -> None:
+        ids.extend(tokens)
+        pos.extend(range(first, first + len(tokens)))
+        scope.extend([sc] * len(tokens))
+        visible.extend([vis] * len(tokens))
+
+    for n, seg in enumerate(req.segments):
+        if seg.kind == "span":
+            lead = len(seg.key_lead)
+            hidden = list(seg.anchor) + list(seg.key_lead)
+            add(hidden, seg.start - lead - len(seg.anchor), n, False)
+            add(seg.tokens, seg.start, n, True)
+        else:
+            add(seg.tokens, seg.start, None, True)
+    return ids, pos, scope, visible
+
+
+def reference(model, flat, n: int) -> tuple[list[int], list[torch.Tensor]]:
+    ids, pos, scope, visible = (list(x) for x in flat)
+    out, logps = [], []
+    for _ in range(n):
+        L = len(ids)
+        j = torch.arange(L)
+        causal = j[None, :] <= j[:, None]
+        sc = torch.tensor([-1 if s is None else s for s in scope])
+        vis = torch.tensor(visible)
+        same_span = (sc[:, None] == sc[None, :]) & (sc[:, None] >= 0)
+        full = (sc[:, None] < 0) & vis[None, :]
+        mask = causal & (same_span | full)
+        with torch.no_grad():
+            logits = model(
+                torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
+            ).logits[0, -1].float()
+        tok = int(logits.argmax())
+        logps.append(torch.log_softmax(logits, -1))
+        out.append(tok)
+        ids.append(tok)
+        pos.append(pos[-1] + 1)
+        scope.append(None)
+        visible.append(True)
+    return out, logps
+
+
+def check(engine: Engine, model, texts: list[str], outs: list[dict], anchor: str, head: int) -> None:
+    for text, out in zip(texts, outs):
+        ref_tokens, ref_logps = reference(model, layout(engine, text, anchor, head), NEW)
+        assert out["output_ids"] == ref_tokens
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        want = torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)])
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def prompts() -> list[str]:
+    """The same spans at different offsets, behind different prefixes, in different orders; one prompt ends in a
+    span (its last token is the request's own) and one starts with a span."""
+    return [
+        "Answer the question." + span(DOCS[0]) + span(DOCS[1]) + "Where is Paris?",
+        "You are a helpful assistant. Read carefully:" + span(DOCS[1]) + span(DOCS[2]) + span(DOCS[0]) + pdep("Why?"),
+        span(DOCS[2]) + "What did we buy?",
+        "Summarize." + span(DOCS[0]),
+    ]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_cold_then_cached_equal_dense_reference(setup, policy):
+    engine, model = setup
+    anchor, head = POLICIES[policy]
+    engine.flush_cache()
+    texts = prompts()
+    cold = [engine.generate(t, PARAMS, return_logprob=True, span_anchor=anchor, span_head_tokens=head)
+            for t in texts]
+    check(engine, model, texts, cold, anchor, head)
+    # Every span (and head) is cached now: one batch reuses them at new offsets behind new prefixes.
+    warm = engine.generate(texts, PARAMS, return_logprob=True, span_anchor=anchor, span_head_tokens=head)
+    check(engine, model, texts, warm, anchor, head)
+    assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in warm)
+    if head:
+        assert all(o["meta_info"]["recomputed_span_tokens"] > 0 for o in cold[:3])
+
+
+def test_heads_covering_the_span_equal_pdep_text(setup):
+    engine, _ = setup
+    engine.flush_cache()
+    as_span = "Read:" + span(DOCS[0]) + "Where is Paris?"
+    as_pdep = "Read:" + pdep(DOCS[0]) + pdep("Where is Paris?")
+    got = engine.generate(as_span, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=1000)
+    want = engine.generate(as_pdep, PARAMS, return_logprob=True, span_anchor="none", span_head_tokens=0)
+    assert got["output_ids"] == want["output_ids"]
+    assert [t[0] for t in got["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [t[0] for t in want["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert got["meta_info"]["cached_span_tokens"] == 0
+
+
+def _span_slots(engine: Engine, text: str, anchor: str) -> torch.Tensor:
+    """The tree's slots of a span under the anchor `anchor` names."""
+    seg = engine.tokenizer_manager.build_requests(
+        GenerateReqInput(text=span(text), span_anchor=anchor, span_head_tokens=0))[0]
+    spans = [s for s in seg.segments if s.kind == "span"]
+    return engine.scheduler.tree.match_prefix(spans[0].key()).device_indices
+
+
+def test_shared_span_slots_never_change(setup):
+    engine, _ = setup
+    engine.flush_cache()
+    engine.generate("Cold." + span(DOCS[1]) + "Go.", PARAMS, span_anchor="auto", span_head_tokens=3)
+    slots = _span_slots(engine, DOCS[1], "auto")
+    pool = engine.scheduler.runner.token_to_kv_pool
+    before = [(pool.get_kv_buffer(i)[0][slots].clone(), pool.get_kv_buffer(i)[1][slots].clone())
+              for i in range(pool.layer_num)]
+    texts = [f"Prefix number {i} is different." + span(DOCS[1]) + "Go." for i in range(4)]
+    outs = engine.generate(texts, PARAMS, span_anchor="auto", span_head_tokens=3)
+    assert all(o["meta_info"]["recomputed_span_tokens"] == 3 for o in outs)
+    assert torch.equal(_span_slots(engine, DOCS[1], "auto"), slots)
+    for i, (k, v) in enumerate(before):
+        assert torch.equal(pool.get_kv_buffer(i)[0][slots], k) and torch.equal(pool.get_kv_buffer(i)[1][slots], v)
+
+
+def _assert_accounting(engine: Engine) -> None:
+    sched = engine.scheduler
+    assert sched.is_idle()
+    alloc, tree = sched.runner.allocator, sched.tree
+    assert tree.protected_size() == 0
+    assert alloc.available_size() + tree.total_size() == alloc.size
+
+
+def test_accounting_after_finish_and_abort(setup):
+    engine, _ = setup
+    engine.flush_cache()
+    texts = [f"Request {i} asks." + span(DOCS[i % 3]) + span(DOCS[(i + 1) % 3]) + "Answer:" for i in range(6)]
+    engine.generate(texts, PARAMS, span_anchor="auto", span_head_tokens=3)
+    _assert_accounting(engine)
+    rid = "abort-me"
+    with engine._lock:
+        for req in engine.tokenizer_manager.build_requests(GenerateReqInput(
+                text="Abort." + span(DOCS[2]) + "x", sampling_params={"max_new_tokens": 64}, rid=rid,
+                span_anchor="auto", span_head_tokens=3)):
+            engine.scheduler.add_request(req)
+        engine.scheduler.step()
+        engine.scheduler.step()
+        assert engine.scheduler.abort_request(rid) is not None
+    while not engine.scheduler.is_idle():
+        engine.scheduler.step()
+    _assert_accounting(engine)
+
+
+def test_accounting_after_retraction(tiny_llama):
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=420, max_running_requests=16,
+                span_head_tokens=3, chunked_prefill_size=64) as engine:
+        texts = [f"Q{i}." + span(DOCS[i % 3]) + "Answer at length:" for i in range(12)]
+        outs = engine.generate(texts, {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+        assert engine.scheduler.stats.num_retractions > 0
+        _assert_accounting(engine)
+
+
+def test_anchor_is_part_of_the_span_key():
+    span_seg = Segment("span", (5, 6, 7))
+    anchored = Segment("span", (5, 6, 7), anchor=(1, 2))
+    other = Segment("span", (5, 6, 7), anchor=(1, 3))
+    keys = [segment_keys(canonicalize([Segment("prefix", (9,)), s, Segment("pdep", (4,))]))
+            for s in (span_seg, anchored, other)]
+    assert keys[0][1].extra_key == SPAN_NAMESPACE
+    assert len({k[1].extra_key for k in keys}) == 3  # three namespaces: never a hit across anchors
+    assert len({k[2].extra_key for k in keys}) == 3  # and the PDEP text after each depends on it too
+    with_head = segment_keys(canonicalize([Segment("prefix", (9,)), Segment("span", (5, 6, 7), head=1),
+                                           Segment("pdep", (4,))]))
+    assert with_head[1] == keys[0][1] and with_head[2].extra_key != keys[0][2].extra_key
+
+
+def test_anchors_never_cross_hit(setup):
+    engine, _ = setup
+    engine.flush_cache()
+    text = "Read." + span(DOCS[0]) + "Where?"
+    def cached(anchor: str) -> int:
+        out = engine.generate(text, PARAMS, span_anchor=anchor, span_head_tokens=0)
+        return out["meta_info"]["cached_span_tokens"]
+
+    cached("auto")
+    assert cached("none") == 0
+    assert cached("none") > 0 and cached("auto") > 0
+
+
+def test_bad_settings_are_refused(setup, tiny_llama):
+    engine, _ = setup
+    for fields, named in (({"span_head_tokens": -1}, "span_head_tokens"), ({"span_head_tokens": "4"},
+                          "span_head_tokens"), ({"span_anchor": "bos"}, "span_anchor")):
+        with pytest.raises(ValueError, match=named):
+            engine.generate("x" + span(DOCS[0]), PARAMS, **fields)
+    with pytest.raises(ValueError, match="prompt logprobs"):
+        engine.generate("x" + span(DOCS[0]) + "y", PARAMS, return_logprob=True, logprob_start_len=0,
+                        span_anchor="auto", span_head_tokens=0)
+    with pytest.raises(ValueError, match="page_size 1"):
+        ServerArgs(model_path=str(tiny_llama), page_size=4, span_head_tokens=4)
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=1024, page_size=4) as paged:
+        assert not paged.tokenizer_manager.span_policy.from_job  # auto turns into isolated spans here
+        with pytest.raises(ValueError, match="page_size 1"):
+            paged.generate("x" + span(DOCS[0]), PARAMS, span_head_tokens=2)
