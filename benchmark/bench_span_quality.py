@@ -3,9 +3,12 @@
 Every task (span_quality_tasks.py) is rendered once through the server's own chat rendering (OpenAIServing
 .render_chat, tools as spans as with `tool_spans: true`) and tokenized by the engine's segmenter. A mode says how
 the prompt is sent and which Engine settings serve it:
-  dense  the prompt's token ids with the markers dropped (the same ids the spans have), full causal attention;
-  naive  the marked prompt: each document a span prefilled on its own, as today.
-A mechanism that restores quality is one more MODES entry: its marking plus the Engine kwargs that switch it on.
+  dense         the prompt's token ids with the markers dropped (the same ids the spans have), full attention;
+  naive         the marked prompt: each document a span prefilled on its own (span_anchor none);
+  anchor        spans prefilled behind the model's anchor (span_anchor auto, span_policy.py);
+  headK         each request recomputes every span's first K tokens with full attention;
+  anchor+headK  both.
+A mode is its marking plus the Engine kwargs that switch its mechanism on.
 
 Each mode runs every task through one Engine built once (its cache shared across the samples, as in real use),
 greedy, in batches. Reported per task and mode: accuracy against the gold answers; agreement with the dense
@@ -58,10 +61,20 @@ class Mode:
 
 
 MARKINGS = ("dense", "spans")
+
+
+def _spans(anchor: str, head: int) -> Mode:
+    return Mode("spans", {"span_anchor": anchor, "span_head_tokens": head})
+
+
 MODES: dict[str, Mode] = {
     "dense": Mode("dense"),
-    "naive": Mode("spans"),
+    "naive": _spans("none", 0),
+    "anchor": _spans("auto", 0),
+    **{f"head{k}": _spans("none", k) for k in (8, 32)},
+    **{f"anchor+head{k}": _spans("auto", k) for k in (4, 8, 16, 32, 64)},
 }
+DEFAULT_MODES = ("dense", "naive", "anchor", "head8", "anchor+head8", "anchor+head32")
 REFERENCE = "dense"  # the answers and first-token distributions the other modes are compared with
 BASELINE = "naive"  # extra prefill tokens are counted over this mode's
 
@@ -282,7 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
     p.add_argument("--samples", type=int, default=8, help="samples per task")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated names from the MODES table")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated names from the MODES table: {', '.join(MODES)}")
     p.add_argument("--batch-size", type=int, default=16, help="requests per Engine.generate call")
     p.add_argument("--kl-top-k", type=int, default=20, help="dense first tokens the KL is taken over")
     p.add_argument("--examples", type=int, default=3, help="replies kept in the JSON per task and mode")
