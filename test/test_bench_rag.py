@@ -28,7 +28,8 @@ QUICK_NEW_TOKENS = bench_rag_spans.PRESETS["quick"]["max_new_tokens"]
 def rag_run(tiny_llama, tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("bench_rag")
     bench_rag_spans.main(
-        ["--quick", "--model-path", str(tiny_llama), "--out", str(out), "--hf-subset", "2", "--hf-batch-sizes", "1,2"]
+        ["--quick", "--model-path", str(tiny_llama), "--out", str(out), "--hf-subset", "2", "--hf-batch-sizes", "1,2",
+         "--span-head-tokens", "8"]  # the quick passages are shorter than the default head
     )
     return json.loads((out / "rag_spans.json").read_text()), out
 

@@ -401,7 +401,9 @@ def test_isps_under_memory_pressure_reuses_spans_from_the_host(tiny_llama_1k):
             for i in range(30)]
     texts = [f"Reader {i}." + "".join(span(docs[j]) for j in rng.sample(range(30), 4)) + "Answer?" for i in range(40)]
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    common = dict(model_path=str(tiny_llama_1k), dtype="float32", schedule_policy="isps", max_running_requests=8)
+    # Isolated spans: under pressure their requests compute them (span_policy.py; spans from jobs cannot).
+    common = dict(model_path=str(tiny_llama_1k), dtype="float32", schedule_policy="isps", max_running_requests=8,
+                  span_anchor="none", span_head_tokens=0)
     with Engine(max_total_tokens=16384, **common) as roomy:
         expected = [o["output_ids"] for o in roomy.generate(texts, params)]
         once = roomy.get_stats()["computed_prefill_tokens"]

@@ -222,3 +222,18 @@ def test_chat_template_sources(tmp_path):
     assert load_chat_template(str(as_json), Tok()) == "{{ 'y' }}"
     with pytest.raises(ValueError, match="neither a file nor a built-in"):
         load_chat_template("no-such-template", Tok())
+
+
+def test_span_settings_as_extra_fields(client, server):
+    """span_anchor and span_head_tokens (span_policy.py) travel in OpenAI bodies; bad values get a 400 naming them."""
+    doc = "<|ssep|>The capital of France is Paris, the capital of Japan is Tokyo, the capital of Peru is Lima.<|pdep|>"
+    messages = [{"role": "user", "content": doc + "Capital of Peru?"}]
+    bad = server.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "span_head_tokens": -1})
+    assert bad.status_code == 400 and "span_head_tokens" in bad.json()["error"]["message"]
+    outs = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={"span_anchor": "auto", "span_head_tokens": 3})
+            for _ in range(2)]
+    assert outs[1].usage.prompt_tokens_details.cached_tokens > 0  # the span's tail and the recomputed head, reused
+    native = server.post("/generate", json={"text": "Hi" + doc + "x", "span_head_tokens": 3,
+                                            "sampling_params": {"max_new_tokens": 1}}).json()
+    assert native["meta_info"]["recomputed_span_tokens"] == 3

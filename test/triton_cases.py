@@ -364,7 +364,9 @@ def _engine_outputs(backends: dict[str, dict], prompts: list[str]) -> tuple[dict
     request caches the prompts[0] text (its spans, or its whole prefix), so the batch of all prompts finds it."""
     from sglang_pic.engine import Engine
 
-    common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=2048, device="cpu")
+    # Span heads shorter than the spans: the shared kernel reads the span tails after the requests' own heads.
+    common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=2048, device="cpu",
+                  span_head_tokens=4)
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     outs, stats = {}, {}
     for name, kw in backends.items():

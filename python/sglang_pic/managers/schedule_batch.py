@@ -183,15 +183,25 @@ def decode_runs(reqs: list[Req], shortest: int) -> list[list[KeyRun]]:
 def _tree_path(seg: ReqSegment) -> list[tuple[object, int]]:
     """(node, tokens) from the segment's tree root down to its lock node; none when the path does not add up to
     the segment's cached tokens, so those keys stay private: a run's name must stand for the same slots in every
-    request, and a (node, length) pair here names the path's last `length` tokens."""
+    request, and a (node, length) pair here names the path's last `length` tokens. A span tail's path starts with
+    its key lead (the head the request recomputed, not in its row): those tokens are cut off the front."""
     nodes = []
     node = seg.lock_node
     while not node.is_root:
         nodes.append((node, len(node.key)))
         node = node.parent
-    if sum(n for _, n in nodes) != seg.cached:
+    lead = len(seg.key_lead)
+    if sum(n for _, n in nodes) != seg.cached + lead:
         return []
     nodes.reverse()
+    while lead:
+        first, n = nodes[0]
+        if n <= lead:
+            nodes.pop(0)
+            lead -= n
+        else:
+            nodes[0] = (first, n - lead)
+            lead = 0
     return nodes
 
 
