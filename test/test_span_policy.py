@@ -243,6 +243,15 @@ def test_bad_settings_are_refused(setup, tiny_llama):
     with pytest.raises(ValueError, match="prompt logprobs"):
         engine.generate("x" + span(DOCS[0]) + "y", PARAMS, return_logprob=True, logprob_start_len=0,
                         span_anchor="auto", span_head_tokens=0)
+    (req,) = engine.tokenizer_manager.build_requests(
+        GenerateReqInput(text="x" + span(DOCS[0]) + "y", span_head_tokens=3))
+    span_end = next(s.start + len(s.tokens) for s in req.segments if s.kind == "span")
+    with pytest.raises(ValueError, match="prompt logprobs"):  # the span's last token scores the next one
+        engine.generate("x" + span(DOCS[0]) + "y", PARAMS, return_logprob=True, logprob_start_len=span_end,
+                        span_head_tokens=3)
+    after = engine.generate("x" + span(DOCS[0]) + "y", PARAMS, return_logprob=True,
+                            logprob_start_len=span_end + 1, span_head_tokens=3)
+    assert after["meta_info"]["finish_reason"]["type"] == "length"
     with pytest.raises(ValueError, match="page_size 1"):
         ServerArgs(model_path=str(tiny_llama), page_size=4, span_head_tokens=4)
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=1024, page_size=4) as paged:

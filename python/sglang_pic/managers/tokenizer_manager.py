@@ -34,6 +34,7 @@ class TokenizerManager:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = set(model_config.eos_token_ids)
         self.segmenter = PromptSegmenter(tokenizer, server_args, self.vocab_size)
+        self._model_anchor = anchor_tokens("auto", tokenizer)  # rendered once: requests asking for auto reuse it
         self.span_policy = self._server_span_policy()
 
     # ---- input --------------------------------------------------------------------------------------------
@@ -152,7 +153,8 @@ class TokenizerManager:
         if not args.spans_from_jobs():
             return SpanPolicy()
         head = DEFAULT_HEAD_TOKENS if args.span_head_tokens is None else args.span_head_tokens
-        return SpanPolicy(anchor_tokens(args.span_anchor, self.tokenizer), head)
+        anchor = self._model_anchor if args.span_anchor == "auto" else anchor_tokens(args.span_anchor, self.tokenizer)
+        return SpanPolicy(anchor, head)
 
     def _span_policy(self, anchor: Any, head: Any) -> SpanPolicy:
         """The request's settings: the server's, with the fields it gives replaced."""
@@ -162,8 +164,10 @@ class TokenizerManager:
             raise ValueError(f"span_anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {anchor!r}")
         if head is not None and (not isinstance(head, int) or isinstance(head, bool) or head < 0):
             raise ValueError(f"span_head_tokens must be an integer >= 0, got {head!r}")
+        if self.server_args.disable_pic:  # no spans: nothing the settings would change
+            return SpanPolicy()
         policy = SpanPolicy(
-            self.span_policy.anchor if anchor is None else anchor_tokens(anchor, self.tokenizer),
+            self.span_policy.anchor if anchor is None else self._model_anchor if anchor == "auto" else (),
             self.span_policy.head_tokens if head is None else head,
         )
         if policy.from_job and not self.server_args.spans_from_jobs():
@@ -182,11 +186,12 @@ class TokenizerManager:
 
     @staticmethod
     def _check_prompt_logprobs(segments: list[Segment], logprob_start_len: int) -> None:
-        """Prompt logprobs need their positions computed in the request's row, which a span from a job never is."""
-        first, start = max(logprob_start_len - 1, 0), 0
+        """Prompt logprobs need their positions computed in the request's row, which a span from a job's tail (after
+        its recomputed head) never is."""
+        first, end = max(logprob_start_len - 1, 0), 0
         for seg in segments:
-            start += len(seg.token_ids)
-            if seg.kind == "span" and seg.from_job and start > first + seg.head:
+            end += len(seg.token_ids)
+            if seg.kind == "span" and seg.from_job and end > first:
                 raise ValueError(
                     f"prompt logprobs from logprob_start_len={logprob_start_len} cover a span served from a span "
                     "job; ask for them from after the last span, or send span_anchor none and span_head_tokens 0"
