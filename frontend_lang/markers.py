@@ -2,31 +2,45 @@
 
 `span(doc)` yields `SSEP + doc + PDEP`: the closing PDEP marker makes whatever text follows a span prompt-dependent
 by default (it attends to, and is keyed on, everything before it). Consecutive spans leave empty PDEP segments
-between them, which the server drops. `pdep()` starts prompt-dependent text explicitly.
+between them, which the server drops. `pdep()` starts prompt-dependent text explicitly. `span(doc, anchor=...,
+head_tokens=...)` gives one span its own quality settings (sglang_pic/span_policy.py) over the request's: they
+travel as a settings marker and a JSON object right after the span marker.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from sglang_pic.span_policy import ANCHOR_CHOICES, format_settings
 
 SSEP_MARKER = "<|ssep|>"
 PDEP_MARKER = "<|pdep|>"
+SPAN_SETTINGS_MARKER = "<|span_settings|>"
+# A settings object is flat JSON of a string and an integer, so it holds no "}" of its own.
+_MARKUP = "|".join([re.escape(SPAN_SETTINGS_MARKER) + r"\{[^}]*\}", re.escape(SSEP_MARKER), re.escape(PDEP_MARKER)])
 
 
 def _check_text(text: str, what: str) -> str:
     if not isinstance(text, str):
         raise TypeError(f"{what} must be a string, got {type(text).__name__}")
-    for marker in (SSEP_MARKER, PDEP_MARKER):
+    for marker in (SSEP_MARKER, PDEP_MARKER, SPAN_SETTINGS_MARKER):
         if marker in text:
             raise ValueError(f"{what} contains the marker {marker!r}; markers are structure, not text")
     return text
 
 
-def span(text: str) -> str:
-    """A reusable span: its KV depends only on `text`, so it is computed once and reused at any offset."""
+def span(text: str, *, anchor: str | None = None, head_tokens: int | None = None) -> str:
+    """A reusable span: its KV depends only on `text` (and its anchor), so it is computed once and reused at any
+    offset. `anchor` (auto, none or prefix) and `head_tokens` override the request's span settings for this span."""
     if not _check_text(text, "span text"):
         raise ValueError("span text is empty")
-    return SSEP_MARKER + text + PDEP_MARKER
+    if anchor is not None and anchor not in ANCHOR_CHOICES:
+        raise ValueError(f"anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {anchor!r}")
+    if head_tokens is not None and (type(head_tokens) is not int or head_tokens < 0):
+        raise ValueError(f"head_tokens must be an integer >= 0, got {head_tokens!r}")
+    own = "" if anchor is None and head_tokens is None else SPAN_SETTINGS_MARKER + format_settings(anchor, head_tokens)
+    return SSEP_MARKER + own + text + PDEP_MARKER
 
 
 def pdep(text: str = "") -> str:
@@ -37,16 +51,21 @@ def pdep(text: str = "") -> str:
 @dataclass(frozen=True)
 class Span:
     text: str
+    anchor: str | None = None
+    head_tokens: int | None = None
 
 
 def marked_prompt(*parts: str | Span) -> str:
     """Join plain strings and `Span(...)` parts into one marked prompt (no SGLang needed)."""
     out = []
     for part in parts:
-        out.append(span(part.text) if isinstance(part, Span) else _check_text(part, "prompt text"))
+        if isinstance(part, Span):
+            out.append(span(part.text, anchor=part.anchor, head_tokens=part.head_tokens))
+        else:
+            out.append(_check_text(part, "prompt text"))
     return "".join(out)
 
 
 def strip_markers(text: str) -> str:
     """The prompt as plain text (what a PIC-unaware engine would see)."""
-    return text.replace(SSEP_MARKER, "").replace(PDEP_MARKER, "")
+    return re.sub(_MARKUP, "", text)

@@ -2,16 +2,17 @@
 
 A prompt is an optional prefix, then spans and PDEP (prompt-dependent) segments. The KV of each kind depends on:
   prefix  its own tokens only (causal)          -> namespace None, shared with plain prompts
-  span    its own tokens (and its anchor's)     -> namespace "span" (or "span@<sha256 of the anchor>"), shared
-                                                   whatever precedes it
+  span    its own tokens                        -> namespace "span", shared whatever precedes it
   pdep    the whole marker-aware prompt before  -> namespace "pdep:<sha256 of that structure>"
 so each segment is keyed by exactly what its KV depends on. Generated tokens are cached under `tail_key`.
 
 A span may carry the quality settings a request chose for it (span_policy.py): an `anchor`, tokens it was
 prefilled behind (its KV then comes from a span job, never from a request's own row), and `head`, how many of
 its first tokens the request recomputes with full attention, which are exact for the structure before them and
-so keyed like PDEP text there. Both are part of the structure later PDEP keys hash, since the KV after a span
-depends on them.
+so keyed like PDEP text there. A span behind an anchor attends causally to the anchor and itself: that is the KV
+of the plain text anchor + span, so it is keyed as that prefix (namespace None), and a plain prompt starting
+with the same text shares it. Both settings are part of the structure later PDEP keys hash, since the KV after
+a span depends on them.
 """
 
 from __future__ import annotations
@@ -129,13 +130,6 @@ def pdep_namespace(before: Sequence[Segment]) -> str:
     return PDEP_NAMESPACE_PREFIX + _structure_hasher(before).hexdigest()
 
 
-def span_namespace(anchor: Sequence[int]) -> str:
-    """Namespace of spans prefilled behind `anchor`: a span computed under one anchor never hits under another."""
-    if not anchor:
-        return SPAN_NAMESPACE
-    return f"{SPAN_NAMESPACE}@" + hashlib.sha256(struct.pack(f"<{len(anchor)}q", *anchor)).hexdigest()
-
-
 def namespaces_before(segments: Sequence[Segment]) -> list[str]:
     """For each segment of a canonical prompt, the PDEP namespace of the structure before it: what text there that
     attends to everything before it (PDEP text, a recomputed span head) is keyed on. Hashed once, incrementally."""
@@ -150,13 +144,14 @@ def namespaces_before(segments: Sequence[Segment]) -> list[str]:
 
 def segment_keys(segments: Sequence[Segment]) -> list[RadixKey]:
     """One radix key per segment of a canonical prompt (see module doc). A span's key covers all its tokens, its
-    head's too: the tree holds the span as its job computed it."""
+    head's and its anchor's too: the tree holds the span as its job computed it."""
     keys = []
     for seg, before in zip(segments, namespaces_before(segments)):
         if seg.kind == "prefix":
             keys.append(RadixKey(seg.token_ids, None))
         elif seg.kind == "span":
-            keys.append(RadixKey(seg.token_ids, span_namespace(seg.anchor)))
+            anchored = RadixKey(seg.anchor + seg.token_ids, None)
+            keys.append(anchored if seg.anchor else RadixKey(seg.token_ids, SPAN_NAMESPACE))
         else:
             keys.append(RadixKey(seg.token_ids, before))
     return keys

@@ -373,6 +373,24 @@ def test_engine_brings_evicted_spans_back_from_the_host(tiny_llama):
         assert plain.get_stats()["computed_prefill_tokens"] - before > computed, "without the host tier spans recompute"
 
 
+def test_spans_from_jobs_come_back_from_the_host(tiny_llama):
+    """Anchored spans with recomputed heads (span_policy.py, one-token pages): evicted to the host after their
+    jobs, read back behind new prefixes, with the tokens of a roomy run."""
+    prompts = [f"Question {i}, about the second report." + span(DOCS[i]) + span(DOCS[i + 3]) + "Answer:"
+               for i in range(3)]
+    settings = dict(model_path=str(tiny_llama), dtype="float32", span_anchor="auto", span_head_tokens=2)
+    with Engine(max_total_tokens=4096, **settings) as roomy:
+        expected = [o["output_ids"] for o in roomy.generate(prompts, GREEDY)]
+    with Engine(max_total_tokens=160, enable_hierarchical_cache=True, hicache_ratio=4.0, **settings) as engine:
+        engine.warm_spans(DOCS)
+        assert engine.get_stats()["hicache_host_tokens"] > 0, "the small pool should have pushed spans to the host"
+        outs = [engine.generate(p, GREEDY) for p in prompts]
+        assert [o["output_ids"] for o in outs] == expected
+        assert engine.get_stats()["hicache_loaded_tokens"] > 0
+        assert all(o["meta_info"]["cached_span_tokens"] > 0 and o["meta_info"]["recomputed_span_tokens"] == 4
+                   for o in outs)
+
+
 def test_hierarchical_cache_rejects_tensor_parallelism_and_bad_sizes(tiny_llama):
     from sglang_pic.server_args import ServerArgs
 

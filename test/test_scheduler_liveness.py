@@ -20,7 +20,7 @@ from sglang_pic import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import ReqSegment
 from sglang_pic.managers.scheduler import Scheduler
-from sglang_pic.radix_ext.segments import span_namespace
+from sglang_pic.radix_ext.segments import Segment, segment_keys
 
 SSEP, PDEP = -1, -2  # the default --ssep-token-id / --pdep-token-id
 # Spans recur across requests, at different offsets; lengths straddle the page sizes under test (1 and 16).
@@ -209,7 +209,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def warm(self, spans) -> None:
         anchor = self.engine.tokenizer_manager.span_policy.anchor
         self.jobs += self.sched.add_span_jobs(
-            [ReqSegment("span", list(s), span_namespace(anchor), anchor=anchor) for s in spans])
+            [ReqSegment("span", list(s), segment_keys([Segment("span", s, anchor)])[0].extra_key, key_lead=anchor)
+             for s in spans])
 
     @rule(data=st.data())
     def abort(self, data) -> None:

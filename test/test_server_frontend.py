@@ -4,11 +4,13 @@ max_tokens, select, fork, streaming and run_batch. Greedy text must equal the of
 from __future__ import annotations
 
 import pytest
+import requests
 import sglang as sgl
 from server_utils import start_server, stop_server
 
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span, warm_spans
+from sglang_pic.managers.io_struct import GenerateReqInput
 
 SYSTEM = "You are a helpful assistant."
 ASSISTANT_END = "<|im_end|>\n"  # the chatml template's assistant suffix, appended after the gen
@@ -35,6 +37,21 @@ def branches(s):
         f += f" a town number {i} where" + sgl.gen("tail", max_tokens=6, temperature=0, ignore_eos=True)
     forks.join()
     s += " and" + sgl.gen("end", max_tokens=4, temperature=0, ignore_eos=True)
+
+
+ASK = "USER: I will ask a question based on some statements.\nASSISTANT: Sure.\nUSER: Memorize these statements.\n"
+QUESTION = "Now, please answer the following question.\nQuestion: Who is the father of Julian?\nASSISTANT:"
+FACTS = ["Ethan is the father of Liam.", "Noah is the father of Julian.", "Oliver is the father of Carlos."]
+
+
+@sgl.function
+def parallel_encoding(s, contexts):
+    """SGLang's parallel encoding program (its test_programs.test_parallel_encoding, shortened)."""
+    s += ASK
+    forks = s.fork(len(contexts))
+    forks += lambda i: f"Statement {i}: " + contexts[i] + "\n"
+    forks.join(mode="concate_and_append")
+    s += QUESTION + sgl.gen("answer", max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +175,24 @@ def test_gen_regex_dtype_and_json_schema(backend):
     assert state["colour"] in ("red", "green", "blue")
     assert re.fullmatch(r"[-+]?\d+", state["count"]), state["count"]
     assert isinstance(json.loads(state["json"])["ok"], bool)
+
+
+def test_parallel_encoding_reuses_each_forks_statement(backend, engine):
+    """fork + join(mode="concate_and_append"): each fork's statement is a span anchored on the shared prefix, read
+    from the KV its fork's commit computed, and the answer equals the same prompt marked so by hand."""
+    state = parallel_encoding.run(contexts=FACTS)
+    statements = [f"Statement {i}: {fact}\n" for i, fact in enumerate(FACTS)]
+    marked = ASK + "".join(span(s, anchor="prefix", head_tokens=0) for s in statements) + QUESTION
+    assert state["answer"] == engine_text(engine, marked, max_new_tokens=8, ignore_eos=True)
+    (req,) = engine.tokenizer_manager.build_requests(GenerateReqInput(text=marked))
+    spans = [seg for seg in req.segments if seg.kind == "span"]
+    assert len(spans) == 3
+    assert state.get_meta_info("answer")["cached_span_tokens"] == sum(len(seg.tokens) for seg in spans)
+
+
+def test_a_join_without_its_forks_is_refused(backend):
+    url = backend.base_url + "/concate_and_append_request"
+    for body, named in (({"src_rids": [], "dst_rid": "d"}, "src_rids"), ({"src_rids": "a"}, "src_rids"),
+                        ({"src": ["a"]}, "unknown field: src")):
+        reply = requests.post(url, json=body)
+        assert reply.status_code == 400 and named in reply.text, reply.text

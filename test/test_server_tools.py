@@ -147,6 +147,20 @@ def test_tool_spans_reuse_each_description_in_any_order(server):
     assert as_spans > as_text + 60
 
 
+def test_tool_spans_take_their_own_settings(server):
+    """`tool_spans` as an object gives the description spans their own settings; bad ones are named."""
+    own = {"span_anchor": "none", "span_head_tokens": 0}
+    first = chat(server, tools=TOOLS, tool_spans=own)
+    assert first.status_code == 200, first.text
+    again = chat(server, tools=[TOOLS[1], TOOLS[0]], tool_spans=own)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 60
+    counted = server.post("/v1/tokenize", json={"messages": USER, "tools": TOOLS, "tool_spans": own}).json()
+    assert [s["kind"] for s in counted["segments"]] == ["prefix", "span", "span", "span", "pdep"]
+    for bad, named in (({"span_head_tokens": -1}, "span_head_tokens must be"), ({"head": 1}, "head")):
+        reply = chat(server, tools=TOOLS, tool_spans=bad)
+        assert reply.status_code == 400 and named in reply.json()["error"]["message"], reply.text
+
+
 def test_openai_client_assembles_streamed_call_deltas(server):
     """The official client's stream helper adds the argument deltas up to the call the unstreamed reply holds."""
     import openai

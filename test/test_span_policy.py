@@ -16,6 +16,7 @@ import torch
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import pdep, span
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.radix_ext import RadixKey
 from sglang_pic.radix_ext.segments import SPAN_NAMESPACE, Segment, canonicalize, segment_keys
 from sglang_pic.server_args import ServerArgs
 
@@ -60,9 +61,8 @@ def layout(engine: Engine, text: str, anchor: str, head: int) -> tuple[list[int]
 
     for n, seg in enumerate(req.segments):
         if seg.kind == "span":
-            lead = len(seg.key_lead)
-            hidden = list(seg.anchor) + list(seg.key_lead)
-            add(hidden, seg.start - lead - len(seg.anchor), n, False)
+            hidden = list(seg.key_lead)  # the span's anchor and head, as its job computed them
+            add(hidden, seg.start - len(hidden), n, False)
             add(seg.tokens, seg.start, n, True)
         else:
             add(seg.tokens, seg.start, None, True)
@@ -213,9 +213,10 @@ def test_anchor_is_part_of_the_span_key():
     other = Segment("span", (5, 6, 7), anchor=(1, 3))
     keys = [segment_keys(canonicalize([Segment("prefix", (9,)), s, Segment("pdep", (4,))]))
             for s in (span_seg, anchored, other)]
-    assert keys[0][1].extra_key == SPAN_NAMESPACE
-    assert len({k[1].extra_key for k in keys}) == 3  # three namespaces: never a hit across anchors
-    assert len({k[2].extra_key for k in keys}) == 3  # and the PDEP text after each depends on it too
+    assert keys[0][1] == RadixKey((5, 6, 7), SPAN_NAMESPACE)
+    # an anchored span is the plain text anchor + span: never a hit across anchors, nor with an isolated span
+    assert keys[1][1] == RadixKey((1, 2, 5, 6, 7), None) and keys[2][1] == RadixKey((1, 3, 5, 6, 7), None)
+    assert len({k[2].extra_key for k in keys}) == 3  # and the PDEP text after each depends on it
     with_head = segment_keys(canonicalize([Segment("prefix", (9,)), Segment("span", (5, 6, 7), head=1),
                                            Segment("pdep", (4,))]))
     assert with_head[1] == keys[0][1] and with_head[2].extra_key != keys[0][2].extra_key
@@ -258,3 +259,63 @@ def test_bad_settings_are_refused(setup, tiny_llama):
         assert not paged.tokenizer_manager.span_policy.from_job  # auto turns into isolated spans here
         with pytest.raises(ValueError, match="page_size 1"):
             paged.generate("x" + span(DOCS[0]), PARAMS, span_head_tokens=2)
+
+
+def test_per_span_settings_equal_dense_reference(setup):
+    """Spans carrying their own settings (span(doc, anchor=..., head_tokens=...)) over the request's, among spans
+    that follow the request's, cold and cached."""
+    engine, model = setup
+    engine.flush_cache()
+    texts = [
+        "Answer the question." + span(DOCS[0], anchor="none", head_tokens=0) + span(DOCS[1]) + "Where is Paris?",
+        "Read carefully:" + span(DOCS[1], head_tokens=1) + span(DOCS[2], anchor="prefix") + pdep("Why?"),
+        "Read carefully:" + span(DOCS[2], anchor="prefix", head_tokens=2) + span(DOCS[0], anchor="none") + "What?",
+    ]
+    for _ in range(2):
+        outs = engine.generate(texts, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=3)
+        check(engine, model, texts, outs, "auto", 3)
+    assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in outs)
+    (req,) = engine.tokenizer_manager.build_requests(
+        GenerateReqInput(text=texts[1], span_anchor="auto", span_head_tokens=3))
+    tails = [s for s in req.segments if s.kind == "span"]
+    anchor = engine.tokenizer_manager.span_policy.anchor
+    prefix = tuple(req.segments[0].tokens)
+    assert [s.extra_key for s in tails] == [None, None]
+    assert tails[0].key_lead[: len(anchor)] == anchor and len(tails[0].key_lead) == len(anchor) + 1
+    # behind the prompt's own prefix, with the request's 3 head tokens
+    assert tails[1].key_lead[: len(prefix)] == prefix and len(tails[1].key_lead) == len(prefix) + 3
+
+
+def test_prefix_anchor_reads_a_plain_prompts_kv(setup):
+    """A span anchored on its prompt's prefix is the plain text prefix + span: a plain prompt computed it."""
+    engine, model = setup
+    engine.flush_cache()
+    text = "Context follows." + span(DOCS[0], anchor="prefix", head_tokens=0) + "Where is Paris?"
+    (req,) = engine.tokenizer_manager.build_requests(GenerateReqInput(text=text))
+    prefix, tail = req.segments[0], req.segments[1]
+    engine.generate(input_ids=prefix.tokens + tail.tokens, sampling_params={"max_new_tokens": 0})
+    out = engine.generate(text, PARAMS, return_logprob=True)
+    assert out["meta_info"]["cached_span_tokens"] == len(tail.tokens)
+    check(engine, model, [text], [out], None, None)
+
+
+@pytest.mark.parametrize("own, named", [
+    ('{"span_head_tokens": -1}', "span 0: span_head_tokens must be"),
+    ('{"span_anchor": "bos"}', "span 0: span_anchor must be one of"),
+    ('{"head": 2}', "unknown span setting 'head'"),
+    ('{"span_head_tokens": 2', "not JSON"),
+    ('[2]', "must be a JSON object"),
+])
+def test_bad_span_settings_are_refused(setup, own, named):
+    engine, _ = setup
+    with pytest.raises(ValueError, match=named):
+        engine.generate("x" + "<|ssep|><|span_settings|>" + own + DOCS[0] + "<|pdep|>y", PARAMS)
+
+
+def test_span_settings_marker_only_follows_a_span_marker(setup):
+    engine, _ = setup
+    with pytest.raises(ValueError, match="must follow a span marker"):
+        engine.generate('x<|span_settings|>{"span_head_tokens": 0}' + span(DOCS[0]), PARAMS)
+    for bad in ({"anchor": "bos"}, {"head_tokens": -1}, {"head_tokens": True}):
+        with pytest.raises(ValueError):
+            span(DOCS[0], **bad)

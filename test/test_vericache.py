@@ -497,3 +497,28 @@ def test_budget_resolution_and_bad_config(tiny_llama):
         vericache(tiny_llama, full_kv="disk")
     with pytest.raises(ValueError, match="vericache_stagger_groups"):
         vericache(tiny_llama, vericache_stagger_groups=0)
+
+
+SPAN_DOCS = [
+    "The harbour master logs every ship that enters the bay, with its cargo and its flag, in a green book.",
+    "In the old mill by the river the miller grinds barley on Mondays and wheat on every other weekday.",
+]
+
+
+@pytest.mark.parametrize("full_kv", ["gpu", "host"])
+def test_spans_from_jobs_are_lossless(tiny_llama, full_kv):
+    """Anchored spans with recomputed heads (span_policy.py): the drafts and the verification read the same rows
+    as plain decoding, whose greedy tokens they keep."""
+    from sglang_pic.frontend_lang import span
+
+    prompts = [f"Reader {i} asks." + span(SPAN_DOCS[i % 2]) + span(SPAN_DOCS[1 - i % 2]) + " Answer:" for i in range(3)]
+    settings = dict(span_anchor="auto", span_head_tokens=2)
+    with engine(tiny_llama, **settings) as e:
+        expected = [o["output_ids"] for o in e.generate(prompts, greedy())]
+    with vericache(tiny_llama, "snapkv", 8, full_kv, **settings) as e:
+        first = e.generate(prompts[0], greedy())
+        rest = e.generate(prompts[1:], greedy())
+        assert [o["output_ids"] for o in [first, *rest]] == expected
+        assert all(o["meta_info"]["cached_span_tokens"] > 0 and o["meta_info"]["recomputed_span_tokens"] == 4
+                   for o in rest)
+        assert_idle_accounting(e)

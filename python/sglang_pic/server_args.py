@@ -8,7 +8,6 @@ from typing import Any
 
 from sglang_pic.entrypoints.reasoning import REASONING_PARSERS
 from sglang_pic.entrypoints.tool_calls import TOOL_CALL_PARSERS
-from sglang_pic.span_policy import ANCHOR_CHOICES
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -181,12 +180,18 @@ class ServerArgs:
         "Turn off position-independent caching: span markers are ignored and prompts are plain prefixes.",
     )
     ssep_marker: str = _arg("<|ssep|>", "Text marker that starts a reusable span.")
-    pdep_marker: str = _arg("<|pdep|>", "Text marker that starts position-dependent text after spans.")
+    pdep_marker: str = _arg("<|pdep|>", "Text marker that starts prompt-dependent text after spans.")
+    span_settings_marker: str = _arg(
+        "<|span_settings|>",
+        "Text marker right after a span marker that opens the span's own settings, a JSON object with "
+        "span_anchor and/or span_head_tokens (what span(doc, anchor=..., head_tokens=...) writes).",
+    )
     span_anchor: str = _arg(
         "auto",
         "Tokens every span is prefilled behind, so its first token is no attention sink: auto (the chat "
-        "template's opening, else BOS), none (isolated spans, for block-attention fine-tuned models) or the text "
-        "itself. Needs the radix cache and --page-size 1; auto turns into none without them.",
+        "template's opening, else BOS), none (isolated spans, for block-attention fine-tuned models), prefix (the "
+        "prompt's own text before its first marker) or the text itself. Needs the radix cache and --page-size 1; "
+        "auto turns into none without them.",
     )
     span_head_tokens: int | None = _arg(
         None,
@@ -289,7 +294,7 @@ class ServerArgs:
             )
         if self.span_head_tokens is not None and self.span_head_tokens < 0:
             raise ValueError(f"span_head_tokens must be >= 0, got {self.span_head_tokens}")
-        explicit = self.span_anchor not in ANCHOR_CHOICES or bool(self.span_head_tokens)
+        explicit = self.span_anchor not in ("auto", "none") or bool(self.span_head_tokens)
         if explicit and not self.disable_pic and not self.spans_from_jobs():  # without PIC there are no spans
             raise ValueError(
                 "span_anchor and span_head_tokens need the radix cache and page_size 1 (span KV then comes from "

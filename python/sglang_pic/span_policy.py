@@ -8,6 +8,9 @@ full attention answers, and both keep the shared KV one unmodified copy:
                is not part of the span; the anchor is part of the span's radix namespace.
   head_tokens  every request recomputes each span's first k tokens with full attention over everything before
                them, into its own slots, and reads the rest of the span from the shared copy (EPIC's LegoLink).
+The anchor may also be the prompt's own prefix (`prefix`: the span is keyed on it, so it is shared only behind
+that prefix, which is SGLang's parallel encoding). A span can carry its own settings in the prompt text
+(`split_settings`), over the request's, which are over the server's.
 With either on, a span's KV only ever comes from its span job: a request cannot compute it in its own row, since
 the anchor is not there and the request's own head differs from the one the shared tail was computed behind.
 Both need the radix cache and one-token pages. `none` (no anchor, k = 0) keeps spans isolated, the setting for
@@ -16,11 +19,14 @@ block-attention fine-tuned models.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 # The recommended head for ordinary models, from benchmark/bench_span_quality.py (README, span quality table).
 DEFAULT_HEAD_TOKENS = 64
-ANCHOR_CHOICES = ("auto", "none")  # or any other text: the anchor's text, tokenized as a prompt's start
+ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
+SETTING_FIELDS = ("span_anchor", "span_head_tokens")
 _SENTINEL = "\u2063sglang-pic-span\u2063"
 
 
@@ -28,10 +34,37 @@ _SENTINEL = "\u2063sglang-pic-span\u2063"
 class SpanPolicy:
     anchor: tuple[int, ...] = ()
     head_tokens: int = 0
+    anchor_is_prefix: bool = False  # the anchor is each prompt's prefix segment, whatever it holds
 
     @property
     def from_job(self) -> bool:
-        return bool(self.anchor) or self.head_tokens > 0
+        return bool(self.anchor) or self.anchor_is_prefix or self.head_tokens > 0
+
+    def anchor_for(self, prefix: tuple[int, ...]) -> tuple[int, ...]:
+        return prefix if self.anchor_is_prefix else self.anchor
+
+
+def format_settings(anchor: str | None = None, head_tokens: int | None = None) -> str:
+    """A span's own settings as the JSON object that follows its settings marker."""
+    fields = {"span_anchor": anchor, "span_head_tokens": head_tokens}
+    return json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":"))
+
+
+def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
+    """A span's text after its marker as (its own settings, its text): settings are `marker` then a JSON object
+    of SETTING_FIELDS (values are checked where the request's are)."""
+    if not body.startswith(marker):
+        return None, body
+    try:
+        settings, end = json.JSONDecoder().raw_decode(body, len(marker))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"a span's settings after {marker!r} are not JSON: {e.msg}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"a span's settings after {marker!r} must be a JSON object, got {settings!r}")
+    unknown = sorted(set(settings) - set(SETTING_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown span setting {unknown[0]!r}; a span takes {', '.join(SETTING_FIELDS)}")
+    return settings, body[end:]
 
 
 def model_anchor(tokenizer) -> tuple[int, ...]:
@@ -46,8 +79,8 @@ def model_anchor(tokenizer) -> tuple[int, ...]:
 
 
 def anchor_tokens(choice: str, tokenizer) -> tuple[int, ...]:
-    """The anchor a --span-anchor / span_anchor value names."""
-    if choice == "none" or tokenizer is None:
+    """The anchor a --span-anchor / span_anchor value names (`prefix`: none fixed, see SpanPolicy)."""
+    if choice in ("none", "prefix") or tokenizer is None:
         return ()
     if choice == "auto":
         return model_anchor(tokenizer)

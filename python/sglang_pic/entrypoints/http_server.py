@@ -252,6 +252,16 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
             return native_error("; ".join(messages))
         return PlainTextResponse(f"Stop profiling. Traces written to {', '.join(messages)}\n")
 
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request(request: Request) -> Response:
+        """SGLang's parallel encoding join: {"src_rids": [...], "dst_rid": ...} (managers/parallel_encoding.py)."""
+        try:
+            body = await read_fields(request, ("src_rids", "dst_rid"), {})
+            manager.concate_and_append(body.get("src_rids"))
+        except ValueError as e:
+            return native_error(str(e))
+        return Response(status_code=200)
+
     @app.post("/warm_spans")
     async def warm_spans(request: Request) -> Response:
         """Prefill spans into the cache without generating: {"spans": [text, ...]}."""

@@ -41,6 +41,7 @@ from sglang_pic.entrypoints.openai_protocol import (
     PromptTokensDetails,
     TokenizeRequest,
     ToolCallItem,
+    ToolSpanSettings,
     TopLogprob,
     UsageInfo,
     describe_errors,
@@ -62,6 +63,7 @@ from sglang_pic.managers.server_tokenizer_manager import (
     ServerTokenizerManager,
 )
 from sglang_pic.sampling.sampling_params import GRAMMAR_FIELDS
+from sglang_pic.span_policy import format_settings
 
 logger = logging.getLogger(__name__)
 
@@ -527,7 +529,11 @@ class OpenAIServing:
             text = text[len(bos) :]  # the tokenizer adds it again
         if tools and body.tool_spans:
             args = self.manager.server_args
-            text = mark_tool_spans(text, tools, args.ssep_marker, args.pdep_marker)
+            ssep = args.ssep_marker
+            if isinstance(body.tool_spans, ToolSpanSettings):
+                own = body.tool_spans
+                ssep += args.span_settings_marker + format_settings(own.span_anchor, own.span_head_tokens)
+            text = mark_tool_spans(text, tools, ssep, args.pdep_marker)
         return text
 
     async def _chat_stream(

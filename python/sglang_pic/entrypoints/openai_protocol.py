@@ -198,6 +198,13 @@ class ResponseFormat(_Request):
         return None
 
 
+class ToolSpanSettings(_Request):
+    """`tool_spans` as an object: tool descriptions become spans with these settings (span_policy.py)."""
+
+    span_anchor: str | None = None
+    span_head_tokens: int | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -214,8 +221,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    # sglang_pic extension: each tool description becomes a span, reused whatever tools precede it.
-    tool_spans: bool = False
+    # sglang_pic extension: each tool description becomes a span, reused whatever tools precede it; an object gives
+    # those spans their own settings.
+    tool_spans: bool | ToolSpanSettings = False
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     # SGLang's extension: with a --reasoning-parser, put the thinking in reasoning_content (False: leave it in content).
@@ -318,7 +326,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
-    tool_spans: bool = False
+    tool_spans: bool | ToolSpanSettings = False
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 

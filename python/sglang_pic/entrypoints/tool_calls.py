@@ -356,9 +356,9 @@ class ToolCallStream:
 
 
 def mark_tool_spans(prompt: str, tools: list[dict], ssep: str, pdep: str) -> str:
-    """Make each tool's rendering in `prompt` a span (SSEP before it, PDEP after it unless the next tool follows
-    at once). Templates render tools with json.dumps (Jinja's tojson), compactly or indented; the first layout
-    that finds every tool, in order, is used."""
+    """Make each tool's rendering in `prompt` a span (`ssep` before it, which may carry the span's settings, and
+    `pdep` after it unless the next tool follows at once). Templates render tools with json.dumps (Jinja's tojson),
+    compactly or indented; the first layout that finds every tool, in order, is used."""
     for indent in (None, 4, 2):
         places, pos = [], 0
         for tool in tools:

@@ -19,8 +19,8 @@ claimed so that a concurrent request needing the same span waits for it rather t
 from a job (anchored, or read after a recomputed head: see span_policy.py) cannot be computed by its request, so
 the jobs such requests wait for are offered under pressure too.
 
-A span job's row holds the span's anchor (a prefix, cached like any prompt prefix) and then the span, which
-attends to the anchor and itself; the request reads only the span's slots.
+A span job computes the span's whole key: behind an anchor, that is the plain text anchor + span (a prefix,
+cached like any prompt's); the request reads only the span's slots.
 """
 
 from __future__ import annotations
@@ -36,16 +36,14 @@ if TYPE_CHECKING:
 
 
 def make_span_job(seg: ReqSegment, rid: str, arrival_step: int) -> Req:
-    """A prefill-only request computing the whole span `seg` belongs to, behind the span's anchor."""
+    """A prefill-only request computing the whole span `seg` belongs to, behind the span's anchor (segments.py:
+    an anchored span's key is the prefix anchor + span)."""
     extra_key, tokens = seg.span_id
-    anchor = list(seg.anchor)
-    segments = [ReqSegment("prefix", anchor, None)] if anchor else []
-    segments.append(ReqSegment("span", list(tokens), extra_key, start=len(anchor), sees_before=len(anchor)))
     return Req(
         rid=rid,
-        segments=segments,
+        segments=[ReqSegment("prefix" if extra_key is None else "span", list(tokens), extra_key)],
         sampling_params=SamplingParams(max_new_tokens=0),
-        prompt_len=len(anchor) + len(tokens),
+        prompt_len=len(tokens),
         warmup=True,
         arrival_step=arrival_step,
         span_id=seg.span_id,

@@ -7,10 +7,10 @@ many leading tokens have KV (`done`), and how many of those belong to the radix 
 `lock_node`); slots in [cached, done) belong to the request until it inserts them (listed in `own`).
 
 A span's quality settings (span_policy.py) show here as: a "head" segment, the span's first tokens recomputed by
-the request with full attention, followed by the span's tail, whose radix key still starts with the head's tokens
-(`key_lead`): the tree holds the whole span as its job computed it, and the request reads only the tail's slots.
-A span with an anchor or a head is never computed in a request's row (`from_job`); a span job computes it,
-behind its anchor, which the job's row holds right before the span (`sees_before`).
+the request with full attention, followed by the span's tail, whose radix key still starts with the span's anchor
+and head tokens (`key_lead`): the tree holds the whole anchored span as its job computed it, and the request
+reads only the tail's slots. A span with an anchor or a head is never computed in a request's row (`from_job`);
+a span job computes its whole key.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ class ReqSegment:
     tokens: list[int]
     extra_key: str | None  # radix namespace (see radix_ext.segments)
     start: int = 0  # logical index of the first token
-    key_lead: tuple[int, ...] = ()  # a span tail: its key's leading tokens, the head the request recomputes
-    anchor: tuple[int, ...] = ()  # a request's span: the tokens its job prefills it behind
-    sees_before: int = 0  # a span job's span: the anchor tokens right before it that it attends to
+    key_lead: tuple[int, ...] = ()  # a span tail: its key's leading tokens (the anchor, the recomputed head)
     done: int = 0  # leading tokens whose KV is in the request's row
     cached: int = 0  # leading tokens owned by the radix tree (locked via lock_node)
     lock_node: Any = None
@@ -46,12 +44,12 @@ class ReqSegment:
 
     @property
     def attn_lo(self) -> int:
-        return self.start - self.sees_before if self.kind == "span" else 0
+        return self.start if self.kind == "span" else 0
 
     @property
     def from_job(self) -> bool:
         """A span whose KV only a span job computes (see the module doc): the request waits for it."""
-        return self.kind == "span" and bool(self.anchor or self.key_lead)
+        return self.kind == "span" and bool(self.key_lead)
 
     @property
     def span_id(self) -> tuple:

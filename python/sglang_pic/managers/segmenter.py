@@ -4,6 +4,9 @@ Markers are structure, not tokens: they take no KV slot and no position. The fir
 marker) is the prefix and alone gets the tokenizer's special prefix tokens (BOS); spans and PDEP text are
 tokenized without them, so a span's tokens never depend on its neighbours. That also makes a segment's ids a
 function of its text alone, so they are memoized (segment_token_cache): a recurring span is tokenized once.
+
+A span marker may be followed by the span's own quality settings (span_policy.split_settings), which are
+structure too: they are cut off the span's text before it is tokenized.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from itertools import chain, pairwise
 from sglang_pic.managers.segment_token_cache import SegmentTokenCache
 from sglang_pic.radix_ext.segments import Segment
 from sglang_pic.server_args import ServerArgs
+from sglang_pic.span_policy import split_settings
 
 
 class PromptSegmenter:
@@ -27,20 +31,44 @@ class PromptSegmenter:
         self._tokens = SegmentTokenCache(self._tokenize)
 
     def has_markers(self, text: str) -> bool:
-        return any(m in text for m in self.markers)
+        return any(m in text for m in (*self.markers, self.args.span_settings_marker))
 
     def from_text(
         self, text: str, known: dict[tuple[str, bool], tuple[int, ...]] | None = None, prefix_specials: bool = True
     ) -> list[Segment]:
         """`known`: segment ids already encoded (see encode_all); `prefix_specials`: the prefix gets BOS."""
-        parts = self._split.split(text)
-        segments = [Segment("prefix", self._encode(parts[0], prefix_specials, known))]
-        for i in range(1, len(parts), 2):
-            kind, body = self.markers[parts[i]], parts[i + 1]
+        return self.with_settings(text, known, prefix_specials)[0]
+
+    def with_settings(
+        self, text: str, known: dict[tuple[str, bool], tuple[int, ...]] | None = None, prefix_specials: bool = True
+    ) -> tuple[list[Segment], dict[int, dict]]:
+        """The segments of `text` and, by segment index, the settings spans carry (none without PIC)."""
+        prefix, parts = self._parts(text)
+        segments = [Segment("prefix", self._encode(prefix, prefix_specials, known))]
+        settings = {}
+        for n, (kind, body, own) in enumerate(parts):
             if kind == "span" and not body:
-                raise ValueError(f"empty span: the {parts[i]!r} marker at part {i // 2} is followed by no text")
+                raise ValueError(f"empty span: span marker #{n} is followed by no text")
+            if own is not None:
+                settings[len(segments)] = own
             segments.append(Segment(kind, self._encode(body, False, known)))
-        return self._finish(segments)
+        if self.args.disable_pic:
+            settings = {}
+        return self._finish(segments), settings
+
+    def _parts(self, text: str) -> tuple[str, list[tuple[str, str, dict | None]]]:
+        """The prefix, then (kind, text, own settings) per marker."""
+        pieces = self._split.split(text)
+        out = []
+        for i in range(1, len(pieces), 2):
+            kind, body = self.markers[pieces[i]], pieces[i + 1]
+            own, body = split_settings(body, self.args.span_settings_marker) if kind == "span" else (None, body)
+            if self.args.span_settings_marker in body:
+                raise ValueError(f"span settings ({self.args.span_settings_marker!r}) must follow a span marker")
+            out.append((kind, body, own))
+        if self.args.span_settings_marker in pieces[0]:
+            raise ValueError(f"span settings ({self.args.span_settings_marker!r}) must follow a span marker")
+        return pieces[0], out
 
     def encode_all(self, texts: list[str]) -> dict[tuple[str, bool], tuple[int, ...]]:
         """(segment text, is prefix) -> ids for every segment of `texts`: the memo's misses are encoded in one batch
@@ -48,9 +76,9 @@ class PromptSegmenter:
         of Python each, most of a 600-prompt RAG batch's tokenizing)."""
         pieces: set[tuple[str, bool]] = set()
         for text in texts:
-            parts = self._split.split(text)
-            pieces.add((parts[0], True))
-            pieces.update((body, False) for body in parts[2::2] if body)
+            prefix, parts = self._parts(text)
+            pieces.add((prefix, True))
+            pieces.update((body, False) for _, body, _ in parts if body)
         known = {key: ids for key in pieces if (ids := self._tokens.get(*key)) is not None}
         for first in (True, False):
             batch = [text for text, is_prefix in pieces if is_prefix == first and (text, first) not in known]

@@ -44,6 +44,7 @@ from sglang_pic.managers.ipc import (
     WarmSpansResult,
     pull_socket,
 )
+from sglang_pic.managers.parallel_encoding import ParallelEncoding
 from sglang_pic.managers.req import Req
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.utils_process import ModelFiles
@@ -114,6 +115,8 @@ class ServerTokenizerManager:
         self.model_config = ModelConfig.from_server_args(files.model_dir, server_args, "cpu")
         self.tokenizer = load_tokenizer(files.tokenizer_dir)
         self.tokenizer_manager = TokenizerManager(server_args, self.tokenizer, self.model_config)
+        # SGLang's fork + join(mode="concate_and_append"), where spans can come from jobs (span_policy.py)
+        self.parallel_encoding = ParallelEncoding(server_args) if server_args.spans_from_jobs() else None
         self.context_len = self.model_config.context_len
         self.max_total_num_tokens = 0  # known once the scheduler has sized its pool; see scheduler_ready()
         self.served_model_name = server_args.served_model_name or server_args.model_path
@@ -230,6 +233,8 @@ class ServerTokenizerManager:
         dp_rank = obj.data_parallel_rank
         if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < self.server_args.dp_size):
             raise ValueError(f"data_parallel_rank must be in [0, {self.server_args.dp_size}), got {dp_rank!r}")
+        if self.parallel_encoding is not None:
+            self.parallel_encoding.apply(obj)
         reqs = self.tokenizer_manager.build_requests(obj)
         if not reqs:
             raise ValueError("the batch is empty")
@@ -365,6 +370,12 @@ class ServerTokenizerManager:
         """Start or stop every replica's profile; (all succeeded, each replica's trace path or error)."""
         results = await self._control(lambda rid: ProfileRequest(rid, start, options or {}))
         return all(r.success for r in results), [r.message for r in results]
+
+    def concate_and_append(self, src_rids: list[str]) -> None:
+        """SGLang's join of forks' KV: the destination's next prompt reuses each fork's statement as a span."""
+        if self.parallel_encoding is None:
+            raise ValueError("parallel encoding needs the radix cache, page_size 1 and span markers on")
+        self.parallel_encoding.expect_join(src_rids)
 
     async def warm_spans(self, spans: list[str]) -> dict[str, int]:
         """Prefill spans without generating; raises ValueError for bad span text."""

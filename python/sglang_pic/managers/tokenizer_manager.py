@@ -71,14 +71,14 @@ class TokenizerManager:
                 raise ValueError("text input needs a tokenizer; this engine runs with skip_tokenizer_init")
             if not isinstance(item["text"], str):
                 raise ValueError("text must be a string")
-            segments = self.segmenter.from_text(item["text"], known)
+            segments, own = self.segmenter.with_settings(item["text"], known)
         else:
             ids = item["input_ids"]
             if not isinstance(ids, list) or not _all_ints(ids):
                 raise ValueError("input_ids must be a list of integers")
-            segments = self.segmenter.from_ids(ids)
+            segments, own = self.segmenter.from_ids(ids), {}
         policy = self._span_policy(item["span_anchor"], item["span_head_tokens"])
-        segments = canonicalize(self._apply(policy, segments))
+        segments = canonicalize(self._apply(policy, segments, own))
         prompt_len = sum(len(s.token_ids) for s in segments)
         if prompt_len >= self.context_len:
             raise ValueError(
@@ -144,7 +144,7 @@ class TokenizerManager:
                 raise ValueError(f"span {i} contains a span marker; markers are structure, not text")
             tokens = self.segmenter.from_text(self.server_args.ssep_marker + text)[-1].token_ids
             key = segment_keys([Segment("span", tokens, anchor)])[0]
-            out.append(ReqSegment("span", list(tokens), key.extra_key, anchor=anchor))
+            out.append(ReqSegment("span", list(tokens), key.extra_key, key_lead=anchor))
         return out
 
     # ---- span quality settings (span_policy.py) ----------------------------------------------------------------
@@ -153,23 +153,27 @@ class TokenizerManager:
         if not args.spans_from_jobs():
             return SpanPolicy()
         head = DEFAULT_HEAD_TOKENS if args.span_head_tokens is None else args.span_head_tokens
+        if args.span_anchor == "prefix":
+            return SpanPolicy((), head, anchor_is_prefix=True)
         anchor = self._model_anchor if args.span_anchor == "auto" else anchor_tokens(args.span_anchor, self.tokenizer)
         return SpanPolicy(anchor, head)
 
-    def _span_policy(self, anchor: Any, head: Any) -> SpanPolicy:
-        """The request's settings: the server's, with the fields it gives replaced."""
+    def _span_policy(self, anchor: Any, head: Any, base: SpanPolicy | None = None) -> SpanPolicy:
+        """`base` (the server's settings) with the fields a request or a span gives replaced."""
+        base = self.span_policy if base is None else base
         if anchor is None and head is None:
-            return self.span_policy
+            return base
         if anchor is not None and anchor not in ANCHOR_CHOICES:
             raise ValueError(f"span_anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {anchor!r}")
         if head is not None and (not isinstance(head, int) or isinstance(head, bool) or head < 0):
             raise ValueError(f"span_head_tokens must be an integer >= 0, got {head!r}")
         if self.server_args.disable_pic:  # no spans: nothing the settings would change
             return SpanPolicy()
-        policy = SpanPolicy(
-            self.span_policy.anchor if anchor is None else self._model_anchor if anchor == "auto" else (),
-            self.span_policy.head_tokens if head is None else head,
-        )
+        head = base.head_tokens if head is None else head
+        if anchor is None:
+            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix)
+        else:
+            policy = SpanPolicy(self._model_anchor if anchor == "auto" else (), head, anchor == "prefix")
         if policy.from_job and not self.server_args.spans_from_jobs():
             raise ValueError(
                 "span_anchor and span_head_tokens need a server with the radix cache and page_size 1; "
@@ -177,12 +181,20 @@ class TokenizerManager:
             )
         return policy
 
-    @staticmethod
-    def _apply(policy: SpanPolicy, segments: list[Segment]) -> list[Segment]:
-        if not policy.from_job:
-            return segments
-        return [Segment("span", s.token_ids, policy.anchor, policy.head_tokens) if s.kind == "span" else s
-                for s in segments]
+    def _apply(self, policy: SpanPolicy, segments: list[Segment], own: dict[int, dict]) -> list[Segment]:
+        """Each span with its settings: its own (`own`, by segment index) over the request's `policy`."""
+        prefix = segments[0].token_ids if segments[0].kind == "prefix" else ()
+        out = []
+        for i, seg in enumerate(segments):
+            if seg.kind == "span":
+                try:
+                    p = self._span_policy(own[i].get("span_anchor"), own[i].get("span_head_tokens"), policy) \
+                        if i in own else policy
+                except ValueError as e:
+                    raise ValueError(f"span {sum(s.kind == 'span' for s in segments[:i])}: {e}") from None
+                seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.head_tokens)
+            out.append(seg)
+        return out
 
     @staticmethod
     def _check_prompt_logprobs(segments: list[Segment], logprob_start_len: int) -> None:
@@ -229,14 +241,14 @@ class TokenizerManager:
     @staticmethod
     def _req_segments(segments) -> list[ReqSegment]:
         """A span with a head becomes a "head" segment, keyed like PDEP text on the structure before it, and the
-        span's tail, read from the tree path of the whole span (see managers/req.py)."""
+        span's tail, read from the tree path of the whole anchored span (see managers/req.py)."""
         out, start = [], 0
         for seg, key, before in zip(segments, segment_keys(segments), namespaces_before(segments)):
             k, tokens = seg.head, seg.token_ids
             if k:
                 out.append(ReqSegment("head", list(tokens[:k]), before, start=start))
-            out.append(ReqSegment(seg.kind, list(tokens[k:]), key.extra_key, start=start + k, key_lead=tokens[:k],
-                                  anchor=seg.anchor))
+            lead = key.token_ids[: len(key.token_ids) - len(tokens) + k]
+            out.append(ReqSegment(seg.kind, list(tokens[k:]), key.extra_key, start=start + k, key_lead=lead))
             start += len(tokens)
         if out[-1].kind == "span":
             out.append(ReqSegment("pdep", [], tail_key(segments, ()).extra_key, start=start))
