@@ -148,7 +148,7 @@ def ceilings(rep_ms: int) -> dict:
 
 
 def _make_batch(args: argparse.Namespace, specs: list, seed: int):
-    from sglang_pic.kernels.paged_batch import make_paged_batch
+    from paged_batch import make_paged_batch
 
     dims = (args.heads, args.kv_heads, args.head_dim)
     return make_paged_batch(specs, *dims, DTYPES[args.dtype], DEVICE, page_size=args.page_size, seed=seed)
@@ -159,7 +159,7 @@ def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config
     keeping the faster: the engine's count is chosen for the position-free kernel's 2 programs per SM, while the
     pre-rotated one fits 3 per SM, so that count alone would handicap the baseline."""
     from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
-    from sglang_pic.kernels.paged_batch import decode
+    from paged_batch import decode
 
     dtype = DTYPES[args.dtype]
     specs = [decode(context)] * batch_size
@@ -200,7 +200,7 @@ def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config
 
 
 def extend_cases(prefill_lens: list[int]) -> dict[str, list]:
-    from sglang_pic.kernels.paged_batch import extend, prefill, spans
+    from paged_batch import extend, prefill, spans
 
     cases = {}
     for n in prefill_lens:
@@ -289,7 +289,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
 def bench_store(args: argparse.Namespace, tokens: int) -> dict:
     """The store of a prefill's k/v: unrotated (position-free), unrotated plus the rotated copies of the keys in a
     staging workspace (position-free, keys staged) and rotated (the baseline pays rotation at store time)."""
-    from sglang_pic.kernels.paged_batch import prefill
+    from paged_batch import prefill
     from sglang_pic.kernels.stage_keys import alloc_staged_keys
     from sglang_pic.kernels.store_kv import store_kv, store_kv_rotated
 

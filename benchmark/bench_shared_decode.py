@@ -6,7 +6,7 @@ question and its answer so far (64 tokens). Three parts:
           every request reads the span) vs the shared kernel (the span read once per step), both replayed from a
           CUDA graph with a cold L2; plus the host time of building the shared plan.
   engine  the offline Engine decoding those requests, with and without --disable-shared-decode: output tokens/s.
-  plan    host time of planning one such step (kernels/shared_decode_plan.py) with a GPU's settings; CPU only.
+  plan    host time of planning one such step (managers/shared_decode_planner.py) with a GPU's settings; CPU only.
 
 Usage: python benchmark/bench_shared_decode.py --part plan --batch-sizes 32,128,256 --span-lengths 8192
        python benchmark/bench_shared_decode.py --part kernel --batch-sizes 32,128 --span-lengths 2048,16384
@@ -63,10 +63,10 @@ def layout(seed: int, batch_size: int, span: int) -> tuple[list[int], list[int]]
 
 
 def bench_kernel(args: argparse.Namespace, batch_size: int, span: int) -> dict[str, Any]:
-    from sglang_pic.kernels import paged_batch as pb
+    import paged_batch as pb
     from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
     from sglang_pic.kernels.reference import relative_errors
-    from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings, plan_shared_decode
+    from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings, plan_shared_decode
 
     prefaces, lens = layout(args.seed, batch_size, span)
     batch = pb.make_paged_batch([pb.decode(n) for n in lens], args.heads, args.kv_heads, args.head_dim,
@@ -116,7 +116,7 @@ def bench_plan(args: argparse.Namespace, batch_size: int, span: int, repeats: in
     """Median host time of plan_shared_decode for one step of this layout, with an H200's settings (132 SMs)."""
     from statistics import median
 
-    from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodeSettings, plan_shared_decode
+    from sglang_pic.managers.shared_decode_planner import KeyRun, SharedDecodeSettings, plan_shared_decode
 
     prefaces, lens = layout(args.seed, batch_size, span)
     runs = [[KeyRun("span", n, span)] for n in prefaces]

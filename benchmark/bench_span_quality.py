@@ -1,22 +1,9 @@
-"""Span quality: how far answers move when each document is prefilled as a span instead of with dense attention.
+"""Span quality at full size: how far answers move when each document is prefilled as a span instead of with dense
+attention, per task and mode, written as JSON and a PNG (accuracy against extra prefill tokens).
 
-Every task (span_quality_tasks.py) is rendered once through the server's own chat rendering (OpenAIServing
-.render_chat, tools as spans as with `tool_spans: true`) and tokenized by the engine's segmenter. A mode says how
-the prompt is sent and which Engine settings serve it:
-  dense         the prompt's token ids with the markers dropped (the same ids the spans have), full attention;
-  naive         the marked prompt: each document a span prefilled on its own (span_anchor none);
-  anchor        spans prefilled behind the model's anchor (span_anchor auto, span_policy.py);
-  headK         each request recomputes every span's first K tokens with full attention;
-  anchor+headK  both.
-A mode is its marking plus the Engine kwargs that switch its mechanism on.
-
-Each mode runs every task through one Engine built once (its cache shared across the samples, as in real use),
-greedy, in batches. Reported per task and mode: accuracy against the gold answers; agreement with the dense
-answers (same key: the gold/rival phrases said, in order, or the canonical tool call); the first token's top-1
-agreement with dense and KL(dense || mode) of its distribution; computed prefill tokens per request and the extra
-over naive spans; wall time. The KL is over dense's top-K first tokens plus one bucket for the rest of the
-vocabulary (each mode returns its logprobs of those ids via token_ids_logprob): a lower bound on the full KL that
-is exact when the top K hold all of dense's mass (`reference_topk_mass` says how much they hold).
+The modes, the runner and the scoring are sglang_pic/span_quality.py (its docstring says what each mode and each
+reported field means); `python -m sglang_pic.check_span_quality` is the quick version of this run for a user's
+model. The tasks are span_quality_tasks.py: the package's plus rag_two_hop over rag_workload.py.
 
 Usage: python benchmark/bench_span_quality.py --samples 30
        python benchmark/bench_span_quality.py --device cuda --dtype bfloat16 --samples 300
@@ -26,219 +13,50 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_rag_spans import resolve_paths  # noqa: E402
-from span_quality_tasks import TASKS, Item, TaskSizes, judge  # noqa: E402
+from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
-from sglang_pic import Engine  # noqa: E402
-from sglang_pic.entrypoints.openai_api import OpenAIServing  # noqa: E402
-from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest  # noqa: E402
-from sglang_pic.frontend_lang import strip_markers  # noqa: E402
-from sglang_pic.managers.tokenizer_manager import TokenizerManager  # noqa: E402
-from sglang_pic.model_config import ModelConfig  # noqa: E402
-from sglang_pic.server_args import ServerArgs  # noqa: E402
-from sglang_pic.tokenizer import load_tokenizer  # noqa: E402
+from sglang_pic.span_quality import (  # noqa: E402
+    BASELINE,
+    MODES,
+    REFERENCE,
+    ModeRun,
+    Progress,
+    PromptBuilder,
+    RunConfig,
+    TaskModeResult,
+    Workload,
+    add_size_flags,
+    model_dirs,
+    reference_topk_mass,
+    results,
+    run_modes,
+    sizes_from_flags,
+)
 
 RESULTS = Path(__file__).parent / "results"
-
-
-@dataclass(frozen=True)
-class Mode:
-    marking: str  # "dense": the prompt's ids without markers; "spans": the marked prompt
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-MARKINGS = ("dense", "spans")
-
-
-def _spans(anchor: str, head: int) -> Mode:
-    return Mode("spans", {"span_anchor": anchor, "span_head_tokens": head})
-
-
-MODES: dict[str, Mode] = {
-    "dense": Mode("dense"),
-    "naive": _spans("none", 0),
-    "anchor": _spans("auto", 0),
-    **{f"head{k}": _spans("none", k) for k in (8, 32)},
-    **{f"anchor+head{k}": _spans("auto", k) for k in (4, 8, 16, 32, 64)},
-}
 DEFAULT_MODES = ("dense", "naive", "anchor", "head8", "anchor+head8", "anchor+head32")
-REFERENCE = "dense"  # the answers and first-token distributions the other modes are compared with
-BASELINE = "naive"  # extra prefill tokens are counted over this mode's
 
 
-@dataclass(frozen=True)
-class Prompt:
-    marked: str  # the rendered chat prompt, documents (and tools) marked as spans
-    ids: list[int]  # the engine's token ids for it: the dense prompt
-    plain_ids_match: bool  # whether tokenizing strip_markers(marked) whole gives `ids` too
+class BarProgress(Progress):
+    """A tqdm bar over every request of every mode."""
 
+    def __init__(self, total: int) -> None:
+        self.bar = tqdm(total=total, unit="req")
 
-@dataclass
-class Record:
-    """One request's outcome in one mode."""
+    def task_starting(self, mode: str, task: str) -> None:
+        self.bar.set_description(f"{mode}/{task}")
 
-    reply: str
-    correct: bool
-    key: str
-    first_token: int
-    first_logprobs: dict[int, float]  # over the reference's top-K first tokens (the reference: its own top K)
-    prompt_tokens: int
-    computed_tokens: int
-
-
-@dataclass
-class TaskModeResult:
-    samples: int
-    accuracy: float
-    agreement_with_dense: float | None
-    first_token_top1_agreement: float | None
-    first_token_kl: float | None
-    prompt_tokens_per_request: float
-    computed_prefill_tokens_per_request: float
-    extra_prefill_tokens_per_request: float | None
-    wall_s: float
-    accuracy_by_depth: dict[str, float] | None = None
-    examples: list[dict[str, Any]] = field(default_factory=list)
-
-
-# ---- prompts ----------------------------------------------------------------------------------------------------
-class PromptBuilder:
-    """Renders items as the server's chat route does and tokenizes them as the engine does, without a model."""
-
-    def __init__(self, model_dir: str, tokenizer_dir: str, chat_template: str | None) -> None:
-        args = ServerArgs.from_kwargs(model_path=model_dir, tokenizer_path=tokenizer_dir, chat_template=chat_template)
-        self.tokenizer = load_tokenizer(tokenizer_dir)
-        config = ModelConfig.from_server_args(model_dir, args, device="cpu")
-        self.tokenizer_manager = TokenizerManager(args, self.tokenizer, config)
-        manager = SimpleNamespace(tokenizer=self.tokenizer, server_args=args, model_config=config,
-                                  files=SimpleNamespace(model_dir=model_dir))
-        self.serving = OpenAIServing(manager)
-        self.tool_parser = self.serving.tool_parser
-
-    def build(self, item: Item) -> Prompt:
-        body = ChatCompletionRequest(
-            messages=[{"role": "system", "content": item.system}, {"role": "user", "content": item.user}],
-            tools=list(item.tools) or None,
-            tool_spans=bool(item.tools),
-        )
-        marked = self.serving.render_chat(body)
-        ids = [t for seg in self.tokenizer_manager.tokenize(marked) for t in seg.token_ids]
-        plain = self.tokenizer(strip_markers(marked), add_special_tokens=True)["input_ids"]
-        return Prompt(marked, ids, list(plain) == ids)
-
-    def tool_calls(self, item: Item, reply: str) -> list:
-        if not item.tools or self.tool_parser is None:
-            return []
-        return self.tool_parser.parse(reply, {t["function"]["name"] for t in item.tools})[1]
-
-
-# ---- running ------------------------------------------------------------------------------------------------------
-def _first_logprobs(meta: dict[str, Any], asked: bool) -> dict[int, float]:
-    row = meta["output_token_ids_logprobs" if asked else "output_top_logprobs"][0]
-    return {tok: lp for lp, tok, _ in row}
-
-
-def run_task(
-    engine: Engine, mode: Mode, builder: PromptBuilder, items: list[Item], prompts: list[Prompt],
-    max_new_tokens: int, reference: list[Record] | None, args: argparse.Namespace, bar: tqdm,
-) -> tuple[list[Record], float]:
-    """Every item through `engine` in batches; (records, wall seconds)."""
-    records: list[Record] = []
-    wall = 0.0
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
-    for lo in range(0, len(items), args.batch_size):
-        batch = prompts[lo : lo + args.batch_size]
-        logprobs: dict[str, Any] = {"return_logprob": True}
-        if reference is None:
-            logprobs["top_logprobs_num"] = args.kl_top_k
-        else:
-            logprobs["token_ids_logprob"] = [sorted(r.first_logprobs) for r in reference[lo : lo + len(batch)]]
-        if mode.marking == "dense":
-            request = {"input_ids": [p.ids for p in batch]}
-        else:
-            request = {"prompt": [p.marked for p in batch]}
-        start = time.perf_counter()
-        outs = engine.generate(sampling_params=params, **request, **logprobs)
-        wall += time.perf_counter() - start
-        for item, prompt, out in zip(items[lo : lo + len(batch)], batch, outs):
-            meta = out["meta_info"]
-            if meta["prompt_tokens"] != len(prompt.ids):
-                raise RuntimeError(f"the engine ran {meta['prompt_tokens']} prompt tokens, the dense prompt has "
-                                   f"{len(prompt.ids)}: the modes would not see the same tokens")
-            right, key = judge(item.gold, out["text"], builder.tool_calls(item, out["text"]))
-            records.append(Record(
-                reply=out["text"], correct=right, key=key, first_token=out["output_ids"][0],
-                first_logprobs=_first_logprobs(meta, reference is not None),
-                prompt_tokens=meta["prompt_tokens"], computed_tokens=meta["prompt_tokens"] - meta["cached_tokens"],
-            ))
-        bar.update(len(batch))
-    return records, wall
-
-
-def first_token_kl(ref: dict[int, float], other: dict[int, float]) -> float:
-    """KL(ref || other) over ref's top-K ids plus one bucket for the rest of the vocabulary."""
-    p = np.exp(np.array([ref[t] for t in sorted(ref)]))
-    q = np.exp(np.array([other[t] for t in sorted(ref)]))
-    p_rest, q_rest = max(1.0 - p.sum(), 0.0), max(1.0 - q.sum(), 1e-12)
-    kl = float(np.sum(p * (np.log(np.maximum(p, 1e-30)) - np.log(np.maximum(q, 1e-30)))))
-    return max(kl + (p_rest * math.log(p_rest / q_rest) if p_rest > 0 else 0.0), 0.0)
-
-
-def summarize(
-    records: list[Record], items: list[Item], wall: float, reference: list[Record] | None,
-    baseline: list[Record] | None, examples: int,
-) -> TaskModeResult:
-    def mean(values: list) -> float:
-        return float(np.mean(values)) if values else float("nan")
-
-    computed = mean([r.computed_tokens for r in records])
-    result = TaskModeResult(
-        samples=len(records),
-        accuracy=mean([r.correct for r in records]),
-        agreement_with_dense=None,
-        first_token_top1_agreement=None,
-        first_token_kl=None,
-        prompt_tokens_per_request=mean([r.prompt_tokens for r in records]),
-        computed_prefill_tokens_per_request=computed,
-        extra_prefill_tokens_per_request=(
-            computed - mean([r.computed_tokens for r in baseline]) if baseline is not None else None
-        ),
-        wall_s=wall,
-        examples=[{"reply": r.reply, "gold": asdict(i.gold), "correct": r.correct}
-                  for r, i in zip(records[:examples], items)],
-    )
-    if reference is not None:
-        result.agreement_with_dense = mean([r.key == d.key for r, d in zip(records, reference)])
-        result.first_token_top1_agreement = mean([r.first_token == d.first_token for r, d in zip(records, reference)])
-        result.first_token_kl = mean([first_token_kl(d.first_logprobs, r.first_logprobs)
-                                      for r, d in zip(records, reference)])
-    buckets = sorted({i.bucket for i in items if i.bucket is not None}, key=lambda b: int(b.split("-")[0]))
-    if buckets:
-        result.accuracy_by_depth = {
-            b: mean([r.correct for r, i in zip(records, items) if i.bucket == b]) for b in buckets
-        }
-    return result
-
-
-def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str, mode: Mode) -> dict[str, Any]:
-    kwargs = dict(model_path=model_dir, tokenizer_path=tokenizer_dir, load_format=args.load_format,
-                  dtype=args.dtype, device=args.device, chat_template=args.chat_template, random_seed=args.seed)
-    if args.max_total_tokens is not None:
-        kwargs["max_total_tokens"] = args.max_total_tokens
-    return {**kwargs, **mode.engine_kwargs}
+    def requests_done(self, n: int) -> None:
+        self.bar.update(n)
 
 
 # ---- output ---------------------------------------------------------------------------------------------------------
@@ -301,10 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kl-top-k", type=int, default=20, help="dense first tokens the KL is taken over")
     p.add_argument("--examples", type=int, default=3, help="replies kept in the JSON per task and mode")
     p.add_argument("--seed", type=int, default=0)
-    for f in fields(TaskSizes):
-        kind = (lambda s: tuple(int(x) for x in s.split(","))) if isinstance(f.default, tuple) else int
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
-                       help="task size" + (" (min,max)" if isinstance(f.default, tuple) else ""))
+    add_size_flags(p, BenchTaskSizes)
     p.add_argument("--output", type=Path, help="JSON path (default: benchmark/results/span_quality_<device>.json); "
                                                "the PNG is written beside it")
     args = p.parse_args(argv)
@@ -316,90 +131,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"unknown or no {name} {unknown}; choose from {', '.join(known)}")
     if len(set(args.modes)) < len(args.modes):
         p.error("--modes names a mode twice")
-    bad = [m for m in args.modes if MODES[m].marking not in MARKINGS]
-    if bad:
-        p.error(f"modes {bad} have a marking outside {MARKINGS}")
     if args.samples < 1 or args.batch_size < 1 or args.kl_top_k < 1:
         p.error("--samples, --batch-size and --kl-top-k must be positive")
     if REFERENCE in args.modes:  # the others ask for their logprobs of the reference's top first tokens
         args.modes.remove(REFERENCE)
         args.modes.insert(0, REFERENCE)
-    try:
-        args.sizes = TaskSizes(**{f.name: getattr(args, f.name) for f in fields(TaskSizes)})
-    except ValueError as e:
-        p.error(str(e))
+    args.sizes = sizes_from_flags(p, args, BenchTaskSizes)
     args.output = args.output or RESULTS / f"span_quality_{args.device}.json"
     return args
 
 
+def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> dict[str, Any]:
+    kwargs = dict(model_path=model_dir, tokenizer_path=tokenizer_dir, load_format=args.load_format,
+                  dtype=args.dtype, device=args.device, chat_template=args.chat_template, random_seed=args.seed)
+    if args.max_total_tokens is not None:
+        kwargs["max_total_tokens"] = args.max_total_tokens
+    return kwargs
+
+
+def mode_info(name: str, run: ModeRun) -> dict[str, Any]:
+    return {
+        **asdict(MODES[name]), "engine_start_s": run.engine_start_s, "wall_s": sum(run.walls.values()),
+        "computed_prefill_tokens": run.computed_prefill_tokens, "reused_prefill_tokens": run.reused_prefill_tokens,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    model_dir, tokenizer_dir = resolve_paths(args)
-    sizes = args.sizes
+    model_dir, tokenizer_dir = model_dirs(args.model_path, args.tokenizer_path, args.load_format)
     builder = PromptBuilder(model_dir, tokenizer_dir, args.chat_template)
-
-    def count(text: str) -> int:
-        return len(builder.tokenizer.encode(text, add_special_tokens=False))
-
-    items = {t: TASKS[t].make(args.samples, args.seed * 100 + i, sizes, count) for i, t in enumerate(args.tasks)}
-    prompts = {t: [builder.build(it) for it in items[t]] for t in args.tasks}
-
-    records: dict[str, dict[str, list[Record]]] = {t: {} for t in args.tasks}
-    walls: dict[str, dict[str, float]] = {t: {} for t in args.tasks}
-    mode_info: dict[str, dict[str, Any]] = {}
-    bar = tqdm(total=len(args.modes) * sum(len(v) for v in items.values()), unit="req")
-    for name in args.modes:
-        mode = MODES[name]
-        start = time.perf_counter()
-        with Engine(**engine_kwargs(args, model_dir, tokenizer_dir, mode)) as engine:
-            built = time.perf_counter()
-            for t in args.tasks:
-                bar.set_description(f"{name}/{t}")
-                reference = records[t].get(REFERENCE)
-                records[t][name], walls[t][name] = run_task(
-                    engine, mode, builder, items[t], prompts[t], TASKS[t].max_new_tokens, reference, args, bar
-                )
-            stats = engine.get_stats()
-        mode_info[name] = {
-            **asdict(mode), "engine_start_s": built - start, "wall_s": sum(walls[t][name] for t in args.tasks),
-            "computed_prefill_tokens": stats["computed_prefill_tokens"],
-            "reused_prefill_tokens": stats["reused_prefill_tokens"],
-        }
-    bar.close()
-
-    results = {
-        t: {
-            m: summarize(records[t][m], items[t], walls[t][m], records[t].get(REFERENCE), records[t].get(BASELINE),
-                         args.examples)
-            for m in args.modes
-        }
-        for t in args.tasks
-    }
-    ref_masses = {
-        t: float(np.mean([np.exp(list(r.first_logprobs.values())).sum() for r in records[t][REFERENCE]]))
-        for t in args.tasks if REFERENCE in records[t]
-    }
+    workload = Workload.build({t: TASKS[t] for t in args.tasks}, args.samples, args.seed, args.sizes, builder)
+    progress = BarProgress(len(args.modes) * workload.requests())
+    runs = run_modes({m: MODES[m] for m in args.modes}, workload, builder,
+                     engine_kwargs(args, model_dir, tokenizer_dir), RunConfig(args.batch_size, args.kl_top_k), progress)
+    progress.bar.close()
+    scores = results(runs, workload, args.examples)
     out = {
         "config": {
             "model_path": model_dir, "device": args.device, "dtype": args.dtype, "samples": args.samples,
-            "seed": args.seed, "batch_size": args.batch_size, "kl_top_k": args.kl_top_k, "sizes": asdict(sizes),
+            "seed": args.seed, "batch_size": args.batch_size, "kl_top_k": args.kl_top_k, "sizes": asdict(args.sizes),
             "reference": REFERENCE, "baseline": BASELINE,
         },
-        "modes": mode_info,
+        "modes": {name: mode_info(name, run) for name, run in runs.items()},
         "tasks": {
             t: {
                 "max_new_tokens": TASKS[t].max_new_tokens,
-                "plain_ids_match": float(np.mean([p.plain_ids_match for p in prompts[t]])),
-                "reference_topk_mass": ref_masses.get(t),
+                "plain_ids_match": sum(p.plain_ids_match for p in workload.prompts[t]) / len(workload.prompts[t]),
+                "reference_topk_mass": reference_topk_mass(runs, t),
             }
             for t in args.tasks
         },
-        "results": {t: {m: asdict(r) for m, r in by_mode.items()} for t, by_mode in results.items()},
+        "results": {t: {m: asdict(r) for m, r in by_mode.items()} for t, by_mode in scores.items()},
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(out, indent=2) + "\n")
-    plot(results, args.output.with_suffix(".png"))
-    print_table(results)
+    plot(scores, args.output.with_suffix(".png"))
+    print_table(scores)
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
     return out
 

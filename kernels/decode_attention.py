@@ -9,9 +9,10 @@ depends only on the batch size and `max_splits`: replayable in a CUDA graph with
 Decode is memory-bound: rotating keys must not cost HBM bytes or the registers that keep enough loads in flight.
 Each key is rotated by its own cos/sin row, read from the table in the KV cache's dtype (all programs read the
 same rows, so they come from L2, never HBM), with packed half-precision math (`rotate_keys`). The query is
-rotated once, by its own position, before the loop. The first version rotated keys by their offset in the block
-from an fp32 table kept in registers; that table took half the registers, cut the programs resident per SM, and
-cost +55% over pre-rotated keys on the H200, against +3.3% now (benchmark/results/attention_kernels_h200.json).
+rotated once, by its own position, before the loop. Keys are not rotated from a table held in registers: such a
+table takes half of them and cuts the programs resident per SM, the loads in flight that decode lives on. Against
+pre-rotated keys this costs +3.5% (geometric mean over batch x context on the H200,
+benchmark/results/attention_kernels_h200.json).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def default_decode_config(head_dim: int, dtype: torch.dtype, device: torch.devic
     for the CPU interpreter."""
     if device.type != "cuda":
         return DecodeConfig(block_n=16, min_split_len=16, num_warps=4, num_stages=1)
-    if head_dim <= 128 and dtype != torch.float32:  # best of the H200 sweep (benchmark/results/kernels_sweep_h200)
+    if head_dim <= 128 and dtype != torch.float32:  # best of the H200 sweep (benchmark/results/kernels_sweep_h200.json)
         return DecodeConfig(block_n=128, min_split_len=256, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=32, min_split_len=256, num_warps=8, num_stages=2)
 
@@ -68,10 +69,9 @@ def num_kv_splits(
     """Chunks per request, chosen for whole waves of the split kernel. With s chunks each program reads 1/s of a
     request's keys, and the launch runs ceil(P * s / W) waves of W = resident_per_sm * num_sms programs (P per
     chunk index): about ceil(P * s / W) / s, in units of one request's keys per program. Takes the fewest chunks
-    within WAVE_SLACK of the best such time, since each chunk adds a merge and shortens the key pipeline. A partly
-    filled last wave idles SMs: against 4 programs per SM rounded down, 40 requests x 8K keys run 33% faster at 3
-    chunks than at 1, one request of 16K 12% faster at 29 than at 64; the rule was within 1.1% of the best count
-    at 13 shapes from 1 to 200 requests (benchmark/results/decode_splits_h200.log)."""
+    within WAVE_SLACK of the best such time, since each chunk adds a merge and shortens the key pipeline. Whole
+    waves matter because a partly filled last wave idles SMs for a whole program's time: on the H200, 40 requests x
+    8K keys run a third faster at 3 chunks than at 1."""
     per_chunk = batch_size * num_kv_heads
     wave = resident_per_sm * num_sms
     cost = {s: math.ceil(per_chunk * s / wave) / s for s in range(1, MAX_SPLITS_CAP + 1)}

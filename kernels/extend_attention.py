@@ -52,13 +52,13 @@ def default_extend_config(
     and 3.9; small tiles on CPU so the interpreter walks several blocks on small tests. The pre-rotated baseline
     gets its own best tile, so the comparison is between the best of each. `query_rows` (the longest request's
     new tokens x GQA group; 0 when unknown) picks smaller tiles for few-query extends, whose large tiles would be
-    mostly padding (H200: 9 tokens x 32 requests over 16K keys, 2.67 -> 0.76 ms); up to 128 rows two 64-row blocks
-    beat one of 128 (30 tokens x group 4 over 8K keys: 0.066 -> 0.059 ms, few_query_tiles_h200.log)."""
+    mostly padding (on the H200, 9 tokens x 32 requests over 16K keys run 3.5x faster in them); up to 128 rows,
+    two 64-row blocks beat one of 128, since more programs share the key range."""
     if device.type != "cuda":
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:  # exact fp32 products run on CUDA cores and need small tiles
         return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
-    if head_dim <= 128:  # best of the H200 sweeps (results/kernels_sweep_h200, few_query_extend_h200, few_query_tiles)
+    if head_dim <= 128:  # best of the H200 tile sweeps (benchmark/results/kernels_sweep_h200.json)
         few = 0 < query_rows <= FEW_QUERY_ROWS
         if few and query_rows <= 128:
             return ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
@@ -197,8 +197,7 @@ def _extend_attention_kernel(
 
     # Each block's slots are loaded one iteration ahead. Loaded in the iteration that uses them, they make the key
     # and value loads a load-to-load chain that Triton's pipeliner gives one buffer, so those loads waited for the
-    # previous block's math; as loop-carried values they leave the loads num_stages - 1 buffers. H200: 64 tokens
-    # over 32K cached keys 0.190 -> 0.165 ms, an 8K prefill 1.93 -> 1.84 ms (results/extend_prefetch_h200.log).
+    # previous block's math; as loop-carried values they leave the loads num_stages - 1 buffers.
     next_slots = tl.load(r2t_row + first + offs_b, mask=first + offs_b < kv_hi, other=0)
     for start_n in range(first, last, BLOCK_N):
         offs_n = start_n + offs_b
@@ -267,9 +266,7 @@ def num_extend_splits(programs: int, max_seq_len: int, num_sms: int, num_warps: 
     """Key-range chunks per query block so that the programs fill one wave of the GPU, as far as the context gives
     each chunk MIN_SPLIT_KEYS keys; 1 (no merge pass) when the query blocks fill it already. A wave is two programs
     per SM for 4-warp tiles and one for the larger 8-warp ones. More chunks only add programs that wait and merge
-    work: on the H200, 60 tokens over 16K keys in 8 chunks of 128x128 tiles take 0.110 ms against 0.124 ms in 16
-    (2x the SMs, the rule before), 30 tokens over 8K keys in 16 chunks of 64x64 tiles 0.045 ms against 0.060 ms in
-    8 (results/few_query_splits_h200.log)."""
+    work (on the H200, 60 tokens over 16K keys take 13% longer in 16 chunks than in the 8 that fill one wave)."""
     wave = num_sms * (2 if num_warps <= 4 else 1)
     return max(1, min(MAX_SPLITS, wave // programs, max_seq_len // MIN_SPLIT_KEYS))
 

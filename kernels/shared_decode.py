@@ -15,8 +15,8 @@ so keys are rotated by their index inside the run (the same for every member) an
 (between the run's length and p: always inside the cos/sin table). Every (request, run chunk) writes a partial
 output and its log-sum-exp; a merge kernel folds each request's partials, as flash-decoding folds its splits.
 
-The plan is built on the host per step (shared_decode_plan.py) from plain integers; this module knows nothing of
-requests or the radix tree.
+The plan is built on the host per step (managers/shared_decode_planner.py) from plain integers, in the layout of
+shared_decode_plan.py; this module knows nothing of requests or the radix tree.
 """
 
 from __future__ import annotations
@@ -158,8 +158,9 @@ def shared_decode_kernel_params(
     num_heads: int, num_kv_heads: int, split: HeadSplit, dtype: torch.dtype, device: torch.device
 ) -> tuple[dict, dict]:
     """Constexprs and launch options of the attention and merge kernels (the sm_90 build test compiles these).
-    Hopper: 64-key tiles, 4 warps, 3 stages, 64 query rows: the best of 13 tilings on three shapes, up to 1.7x
-    faster than the others (benchmark/results/shared_decode_tiles_h200.log); tiny tiles for the CPU interpreter."""
+    Hopper: 64-key tiles, 4 warps, 3 stages, 64 query rows, the best of 13 tilings on three H200 shapes (small key
+    tiles keep a chunk's keys in shared memory while several holders' queries meet them); tiny tiles for the CPU
+    interpreter."""
     group = num_heads // num_kv_heads
     tiles = split.constexprs()
     if device.type != "cuda":

@@ -3,17 +3,15 @@ in the request, in a per-call workspace that the extend kernel then reads as pre
 
 Rotating inside the extend kernel costs a register -> shared-memory round trip per (query block, key block), which
 Triton cannot overlap with the tensor-core work; staging moves each key twice instead (read, write). That pays off
-when many query rows meet each key: on the H200 staging was as fast or faster for every extend shape from 1K-token
-extends to 8K-token prefills (benchmark/results/attention_kernels_h200.log). With few query rows (a verification
-of 9 tokens, a cached-span prompt of 30) each key is used by one small tile, the in-kernel round trip is cheap next
-to the staging pass, and small tiles rotate in-kernel faster (benchmark/results/few_query_extend_h200.log). So the
-backend stages when a request has more than FEW_QUERY_ROWS query rows and the workspace fits its bound.
+when many query rows meet each key, as in every extend from 1K-token extends to 8K-token prefills. With few query
+rows (a verification of 9 tokens, a cached-span prompt of 30) each key is used by one small tile, the in-kernel
+round trip is cheap next to the staging pass, and small tiles rotate in-kernel faster. So the backend stages when a
+request has more than FEW_QUERY_ROWS query rows and the workspace fits its bound.
 The pool itself is never written: the workspace is scratch of one forward, shared position-free slots stay
 untouched, and a batch too large for the bound rotates in-kernel.
 
 The batch's new keys reach the workspace from the store kernel, which holds them in registers anyway
-(store_kv(staged=...)); this pass stages only the keys already cached. A prefill then moves no key twice: an
-8-request x 1K-token prefill staged 16 us of key traffic per layer before, against its 330 us of attention.
+(store_kv(staged=...)); this pass stages only the keys already cached, so a prefill moves no key twice.
 """
 
 from __future__ import annotations

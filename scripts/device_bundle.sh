@@ -56,4 +56,4 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 
 echo "wheels in .whl/: $(ls .whl/*.whl | wc -l) files, $(du -sh .whl | cut -f1)" >&2
 echo "Carry .whl and start the device command with:" >&2
-echo 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . && python3 -c "import zmq, orjson, fastapi, uvicorn, openai, sglang_pic.kernels.paged_batch" || exit;'
+echo 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . && python3 -c "import zmq, orjson, fastapi, uvicorn, openai, sglang_pic.kernels.shared_decode_plan" || exit;'

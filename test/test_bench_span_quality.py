@@ -15,11 +15,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 
 import bench_span_quality as bench  # noqa: E402
-from rag_workload import Gold  # noqa: E402
-from span_quality_tasks import TASKS, TaskSizes, ToolGold, judge  # noqa: E402
+from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
 from sglang_pic.entrypoints.tool_calls import ToolCall  # noqa: E402
 from sglang_pic.frontend_lang import SSEP_MARKER, strip_markers  # noqa: E402
+from sglang_pic.span_quality import Mode, PromptBuilder, Workload  # noqa: E402
+from sglang_pic.span_quality_tasks import Gold, TaskSizes, ToolGold, judge  # noqa: E402
 
 # The Hermes layout Qwen2.5's template uses: one JSON line per tool inside <tools>, then the system message.
 TOOLS_TEMPLATE = (
@@ -29,26 +30,34 @@ TOOLS_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SIZES = ["--qa-docs", "3", "--qa-pool", "5", "--rag-passages", "3", "--rag-corpus", "8", "--rag-passage-tokens",
-         "24,40", "--num-tools", "3", "--needle-spans", "4", "--needle-pool", "6", "--needle-passage-tokens", "24,40"]
+         "24,40", "--num-tools", "3", "--needle-spans", "3", "--needle-pool", "4", "--depth-buckets", "2"]
 MODES = ["dense", "naive", "dense_again"]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path, Path]:
+def qwen2_with_tools(tiny_model_root: Path) -> tuple[Path, Path]:
+    """A tiny Qwen2 whose context holds the tasks' prompts, and a chat template that renders tools; built once per
+    session (check_span_quality's tests use them too)."""
     from tiny_models import build_tiny_model
 
-    root = tmp_path_factory.mktemp("span_quality")
-    model = build_tiny_model(root, "qwen2", name="qwen2_4k", max_position_embeddings=4096)
-    template = root / "tools.jinja"
+    model = tiny_model_root / "qwen2_4k"
+    if not (model / "config.json").is_file():
+        build_tiny_model(tiny_model_root, "qwen2", name="qwen2_4k", max_position_embeddings=4096)
+    template = tiny_model_root / "tools.jinja"
     template.write_text(TOOLS_TEMPLATE)
-    return model, template, root / "out" / "span_quality_cpu.json"
+    return model, template
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_root, tmp_path_factory) -> tuple[Path, Path, Path]:
+    model, template = qwen2_with_tools(tiny_model_root)
+    return model, template, tmp_path_factory.mktemp("span_quality") / "out" / "span_quality_cpu.json"
 
 
 @pytest.fixture(scope="module")
 def run(setup) -> dict:
     model, template, output = setup
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(bench.MODES, "dense_again", bench.Mode("dense"))  # a mode that must equal dense
+        mp.setitem(bench.MODES, "dense_again", Mode("dense"))  # a mode that must equal dense
         bench.main(["--model-path", str(model), "--chat-template", str(template), "--samples", "3",
                     "--batch-size", "2", "--modes", ",".join(MODES), "--output", str(output), *SIZES])
     return json.loads(output.read_text())
@@ -96,14 +105,10 @@ def test_spans_compute_no_more_than_dense(run):
 
 def test_dense_and_span_prompts_are_the_same_ids(setup):
     model, template, _ = setup
-    builder = bench.PromptBuilder(str(model), str(model), str(template))
-
-    def count(text: str) -> int:
-        return len(builder.tokenizer.encode(text, add_special_tokens=False))
-
+    builder = PromptBuilder(str(model), str(model), str(template))
     sizes = bench.parse_args(SIZES).sizes
     for task in TASKS.values():
-        for item in task.make(2, 0, sizes, count):
+        for item in task.make(2, 0, sizes, builder.count):
             prompt = builder.build(item)
             assert SSEP_MARKER in prompt.marked, task.name  # documents (and tools) are spans
             segments = builder.tokenizer_manager.tokenize(prompt.marked)
@@ -128,5 +133,16 @@ def test_judging():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="qa_pool"):
         TaskSizes(qa_docs=5, qa_pool=3)
+    with pytest.raises(ValueError, match="rag_corpus"):
+        BenchTaskSizes(rag_passages=5, rag_corpus=3)
     with pytest.raises(SystemExit):
         bench.parse_args(["--modes", "dense,nope"])
+
+
+def test_a_task_draws_the_same_items_whatever_else_runs(setup):
+    model, template, _ = setup
+    builder = PromptBuilder(str(model), str(model), str(template))
+    sizes = bench.parse_args(SIZES).sizes
+    alone = Workload.build({"needle": TASKS["needle"]}, 3, 5, sizes, builder)
+    together = Workload.build(TASKS, 2, 5, sizes, builder)
+    assert alone.items["needle"][:2] == together.items["needle"]

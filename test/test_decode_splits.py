@@ -17,7 +17,7 @@ def _wave_time(batch_size: int, kv_heads: int, splits: int, resident: int = 2) -
 
 @pytest.mark.parametrize(
     "batch_size,expected",
-    # the fastest counts measured on the H200 (benchmark/results/decode_splits_h200.log) or within 1.1% of them
+    # the fastest counts measured on the H200 (a sweep of split counts per batch size), or within 1.1% of them
     [(1, 29), (2, 15), (4, 8), (8, 4), (16, 2), (24, 4), (32, 1), (40, 3), (48, 2), (64, 1), (80, 2), (100, 3)],
 )
 def test_counts_measured_best_on_the_h200(batch_size: int, expected: int) -> None:

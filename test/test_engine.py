@@ -8,7 +8,7 @@ import torch
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
 from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.mem_cache.req_kv import SHARED_PREFIX_MIN
+from sglang_pic.managers.req_kv import SHARED_PREFIX_MIN
 
 PROMPTS = [
     "The quick brown fox",

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from sglang_pic import Engine
+from sglang_pic.forward_batch import ForwardMode
 from sglang_pic.frontend_lang import span
 from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.model_executor.forward_batch import ForwardMode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -63,13 +63,15 @@ def test_shared_decode_matches_cpu_float32_without_waiting_for_the_gpu(tiny_llam
     KV read once per step): the CPU float32 engine's greedy tokens, and launching those steps never syncs."""
     prompts = [pre + span(SHARED_DOCS[i % 2]) + span(SHARED_DOCS[1 - i % 2]) + f"Question {i}?"
                for i, pre in enumerate(["Hi.", "A longer preface for this reader.", "x", "Read both, then answer."])]
-    common = dict(model_path=str(tiny_llama), dtype="float32", page_size=page_size, max_total_tokens=4096)
+    # Heads of 4 tokens (page 1; page 16 serves isolated spans): the default 64 covers these short documents whole.
+    heads = {"span_head_tokens": 4} if page_size == 1 else {}
+    common = dict(model_path=str(tiny_llama), dtype="float32", page_size=page_size, max_total_tokens=4096, **heads)
     with Engine(device="cpu", **common) as cpu:
         cpu.generate(prompts[:1], GREEDY)
         expected = [o["output_ids"] for o in cpu.generate(prompts, GREEDY)]
     with Engine(device="cuda", attention_backend="triton", **common) as gpu:
         # the tiny model's spans are far shorter than the runs a GPU shares by default
-        gpu.runner.shared_decode = dataclasses.replace(gpu.runner.shared_decode, min_shared=8)
+        gpu.scheduler.shared_decode = dataclasses.replace(gpu.scheduler.shared_decode, min_shared=8)
         gpu.generate(prompts[:1], GREEDY)  # caches both spans
         sched = gpu.scheduler
         launch = sched._launch

@@ -9,9 +9,13 @@ Run: pytest -m gpu test/test_kernels_gpu.py
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))  # paged_batch, the batch driver
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +47,7 @@ def _check(out: torch.Tensor, expect: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def _batch(specs, dtype, seed, **kw):
-    from sglang_pic.kernels.paged_batch import make_paged_batch
+    from paged_batch import make_paged_batch
 
     return make_paged_batch(specs, HQ, HKV, DIM, dtype, "cuda", page_size=PAGE, seed=seed, rope_base=5e5, **kw)
 
@@ -65,7 +69,7 @@ DECODE_RUNS = [(case, False) for case in DECODE_CASES] + [("b8_ctx4k_16k", True)
 @pytest.mark.parametrize("case,keys_rotated", DECODE_RUNS, ids=[f"{c}-{_variant(r)}" for c, r in DECODE_RUNS])
 def test_decode(case: str, keys_rotated: bool) -> None:
     from sglang_pic.kernels.decode_attention import num_kv_splits
-    from sglang_pic.kernels.paged_batch import decode
+    from paged_batch import decode
     from sglang_pic.kernels.reference import attention_reference
 
     lens, dtype = DECODE_CASES[case]
@@ -89,9 +93,9 @@ SHARED_DECODE_CASES = {
 @pytest.mark.parametrize("case", list(SHARED_DECODE_CASES))
 def test_shared_decode(case: str) -> None:
     """The shared kernel with the engine's settings (chunks, member tiles) against the float64 reference."""
-    from sglang_pic.kernels.paged_batch import decode
+    from paged_batch import decode
     from sglang_pic.kernels.reference import attention_reference
-    from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings
+    from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings
 
     prefaces, span, tail = SHARED_DECODE_CASES[case]
     lens = [n + span + tail for n in prefaces]
@@ -104,7 +108,7 @@ def test_shared_decode(case: str) -> None:
 
 
 def _extend_specs(case: str) -> list:
-    from sglang_pic.kernels.paged_batch import extend, prefill, spans
+    from paged_batch import extend, prefill, spans
 
     return {
         "prefill_8k": [prefill(8192)],
@@ -147,7 +151,7 @@ def test_extend(case: str, dtype: torch.dtype, keys_rotated: bool, stage: bool) 
 @pytest.mark.parametrize("num_splits", [None, 7], ids=["engine_choice", "forced"])
 def test_extend_few_tokens_over_long_context(num_splits: int | None) -> None:
     """Questions behind long cached spans: few query blocks, so the key range is split and merged."""
-    from sglang_pic.kernels.paged_batch import extend
+    from paged_batch import extend
     from sglang_pic.kernels.reference import attention_reference
 
     specs = [extend(32768, 40), extend(20000, 37)]
@@ -156,7 +160,7 @@ def test_extend_few_tokens_over_long_context(num_splits: int | None) -> None:
 
 
 def test_extend_fp32_small() -> None:
-    from sglang_pic.kernels.paged_batch import extend, spans
+    from paged_batch import extend, spans
     from sglang_pic.kernels.reference import attention_reference
 
     batch = _batch([extend(700, 300), spans(900, [(50, 400)], 20)], torch.float32, seed=11)
@@ -165,7 +169,7 @@ def test_extend_fp32_small() -> None:
 
 @pytest.mark.parametrize("rotate", [False, True], ids=["unrotated", "rotated"])
 def test_store_kv(rotate: bool) -> None:
-    from sglang_pic.kernels.paged_batch import extend, prefill
+    from paged_batch import extend, prefill
     from sglang_pic.kernels.reference import relative_errors, store_reference
 
     batch = _batch([prefill(3000), extend(5000, 1096)], torch.bfloat16, seed=21)
@@ -189,7 +193,7 @@ def test_decode_cuda_graph_replay_with_new_lengths() -> None:
     """The decode grid depends only on batch size and split count: a graph captured at short contexts must give
     exact-length results when replayed after seq_lens grew (and q changed)."""
     from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
-    from sglang_pic.kernels.paged_batch import decode
+    from paged_batch import decode
     from sglang_pic.kernels.reference import attention_reference
 
     long_lens = _ragged(24, 3000, 12000, 31)
@@ -223,7 +227,7 @@ def test_decode_cuda_graph_replay_with_new_lengths() -> None:
 
 @pytest.mark.parametrize("decode_mode", [False, True], ids=["extend", "decode"])
 def test_triton_backend_matches_reference(decode_mode: bool) -> None:
-    from sglang_pic.kernels.paged_batch import decode, extend, forward_batch_for, spans
+    from paged_batch import decode, extend, forward_batch_for, spans
     from sglang_pic.kernels.reference import attention_reference
     from sglang_pic.layers.attention_backend import create_attention_backend
     from sglang_pic.layers.radix_attention import RadixAttention

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from sglang_pic.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.layers.attention_backend import TorchNativeAttnBackend
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang_pic.model_config import ModelConfig
-from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.model_loader.loader import load_model, resolve_model_path, safetensors_files
 
 ATOL = 1e-4

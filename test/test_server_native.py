@@ -293,6 +293,16 @@ def test_tokenize_and_detokenize(server, engine):
         assert reply.status_code == 400 and named in reply.json()["error"]["message"], (body, reply.text)
 
 
+def test_tokenize_takes_generate_text_field(server):
+    """/tokenize also takes /generate's `text` for the prompt; giving both names, or neither, is a 400 naming them."""
+    by_prompt = server.post("/tokenize", json={"prompt": PROMPTS}).json()
+    assert server.post("/tokenize", json={"text": PROMPTS}).json() == by_prompt
+    assert server.post("/v1/tokenize", json={"text": PROMPTS[0]}).json()["tokens"] == by_prompt["tokens"][0]
+    for body, named in (({"prompt": "x", "text": "x"}, "prompt or text"), ({}, "prompt or messages")):
+        reply = server.post("/tokenize", json=body)
+        assert reply.status_code == 400 and named in reply.json()["error"]["message"], (body, reply.text)
+
+
 # What `python -m sglang.bench_serving --backend sglang` (0.5.9) sends besides the prompt, and more of SGLang's
 # GenerateReqInput fields at their defaults.
 SGLANG_NEUTRAL = {
@@ -348,6 +358,9 @@ def test_admin_routes_take_sglang_bodies(server):
     assert kept.status_code == 400 and "flush_cache" in kept.json()["message"]
     typo = server.post("/warm_spans", json={"spans": ["a"], "span": ["b"]})
     assert typo.status_code == 400 and "unknown field: span" in typo.json()["error"]["message"]
+    too_long = server.post("/warm_spans", json={"spans": ["word " * 2000]})
+    assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+    assert server.post("/warm_spans", json={"spans": ["a short span"]}).status_code == 200  # still serving
 
 
 def test_unknown_routes_and_methods_answer_in_each_apis_shape(server):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodePlan, SharedDecodeSettings, plan_shared_decode
+from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.managers.schedule_batch import decode_runs
+from sglang_pic.managers.shared_decode_planner import KeyRun, SharedDecodeSettings, plan_shared_decode
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.radix_ext import RadixCache, RadixKey
 from sglang_pic.sampling.sampling_params import SamplingParams
@@ -165,8 +166,8 @@ class _Stub:
 def test_a_step_whose_plan_does_not_fit_the_graph_records_no_sharing():
     """A decode step replays the per-request graph when its plan does not fit the static plan; the batch then
     says so (the engine's shared-step counters read it), and a plan that fits is loaded and kept."""
+    from sglang_pic.forward_batch import ForwardMode
     from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
-    from sglang_pic.model_executor.forward_batch import ForwardMode
 
     loaded = []
     for fits in (False, True):

@@ -51,7 +51,7 @@ def test_hermes_anything_but_a_valid_call_stays_text(text):
 def test_hermes_accepts_a_last_call_cut_before_its_closing_tag_and_calls_without_tags():
     content, calls = HermesParser().parse(f"<tool_call>\n{WEATHER}", NAMES)
     assert content == "" and as_pairs(calls)[0][0] == "get_weather"
-    # Qwen2.5-Coder-0.5B-Instruct answers with the bare object (tool_call_demo_cpu.log)
+    # Qwen2.5-Coder-0.5B-Instruct answers with the bare object (seen running examples/agent_tools.py)
     content, calls = HermesParser().parse(f" {WEATHER}\n", NAMES)
     assert content == "" and as_pairs(calls) == [("get_weather", {"city": "Paris", "unit": "°C"})]
     prose = f"You could call {WEATHER}"

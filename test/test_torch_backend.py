@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
-from sglang_pic.kernels.paged_batch import decode, extend, forward_batch_for, make_paged_batch, prefill
 from sglang_pic.layers.attention_backend import TorchNativeAttnBackend
 from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))  # paged_batch, the batch driver
+
+from paged_batch import decode, extend, forward_batch_for, make_paged_batch, prefill  # noqa: E402
 
 
 def test_requests_are_padded_in_groups_of_like_sizes() -> None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 from sglang_pic import Engine
-from sglang_pic.entrypoints.metrics import ServerMetrics
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.metrics import ServerMetrics
 from sglang_pic.managers.scheduler_process import scheduler_snapshot
 from sglang_pic.speculative import spec_sampling
 from sglang_pic.speculative.compress_kivi import (

@@ -7,15 +7,19 @@ TRITON_INTERPRET=1 before triton is first imported.
 from __future__ import annotations
 
 import functools
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from sglang_pic.kernels import paged_batch as pb
 from sglang_pic.kernels.reference import attention_reference, relative_errors, store_reference
 from sglang_pic.kernels.torch_native import paged_attention_torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))  # paged_batch, the batch driver
+
+import paged_batch as pb  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,7 +53,7 @@ def attention_case(
     if keys_rotated:
         batch.k_buffer = batch.rotated_pool()
     if shares is not None:  # decodes holding the same slots at different offsets, through the shared kernel
-        from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings
+        from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings
 
         settings = SharedDecodeSettings(members=members, min_chunk=8, target_items=12, max_read=1.0)
         out = batch.run_shared_decode(batch.share_keys(shares), settings)
@@ -107,7 +111,7 @@ def backend_case(
     batch = pb.make_paged_batch(specs, hq, hkv, dim, torch.float32, "cpu", page_size=page)
     plan = None
     if shared:
-        from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings, plan_shared_decode
+        from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings, plan_shared_decode
 
         first = len(specs) - decode_tail
         runs = batch.share_keys([(first + 1, 16, 16, [(first + 2, 10)])])[first:]
@@ -136,11 +140,11 @@ def graph_padding_case(spec: pb.RequestSpec, padded: int) -> dict:
     """A one-request extend padded as its CUDA graph replays it: the backend is sized for a long context and
     the padded count, the live rows keep their output and the padded rows write only the dummy slot 0 (and,
     when the keys are staged, no workspace row: they would overwrite the new keys' rotated copies)."""
+    from sglang_pic.forward_batch import ForwardMode
     from sglang_pic.layers.attention_backend import create_attention_backend
     from sglang_pic.layers.radix_attention import RadixAttention
     from sglang_pic.layers.rotary_embedding import RotaryEmbedding
     from sglang_pic.model_executor.cuda_graph_runner import StaticInputs
-    from sglang_pic.model_executor.forward_batch import ForwardMode
 
     hq, hkv, dim, context_len = 4, 2, 32, 4096
     batch = pb.make_paged_batch([spec], hq, hkv, dim, torch.float32, "cpu", page_size=16)
@@ -247,10 +251,10 @@ def warm_up_coverage_case() -> dict:
 def kivi_case(dtype: str, hq: int, rotary_dim: int, v_dim: int) -> dict:
     """One draft step over KIVI caches (quantized prefixes of 0, 64 and 160 tokens, then exact rows): the fused
     kernel against the torch path that dequantizes the prefix. Each query's own k/v is stored first."""
+    from sglang_pic.forward_batch import ForwardBatch, ForwardMode
     from sglang_pic.layers.radix_attention import RadixAttention
     from sglang_pic.layers.rotary_embedding import RotaryEmbedding
     from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
     from sglang_pic.speculative.compress_kivi import (
         KiviCompressor, KiviDraftBackend, KiviPrefix, KiviTritonDraftBackend, quantize_layers
     )
@@ -336,7 +340,8 @@ def shared_decode_static_plan_case() -> dict:
     """A step's plan loaded into a CUDA graph's static plan (more item rows than live ones, a padded request)
     gives the plan's own outputs, and zeros for the padded request."""
     from sglang_pic.kernels.shared_decode import shared_decode_attention_fwd
-    from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings, StaticSharedPlan, plan_shared_decode
+    from sglang_pic.kernels.shared_decode_plan import StaticSharedPlan
+    from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings, plan_shared_decode
 
     lens, padded = [40, 77, 64], 4
     batch = pb.make_paged_batch([pb.decode(n) for n in lens], 4, 2, 32, torch.float32, "cpu", page_size=16)

@@ -15,15 +15,16 @@ from typing import Any
 import torch
 
 from sglang_pic.distributed.launch import FOLLOWER_STOP_S
-from sglang_pic.distributed.local_replica import LocalReplica
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req, stream_due
 from sglang_pic.managers.scheduler import Scheduler
 from sglang_pic.managers.tokenizer_manager import TokenizerManager
 from sglang_pic.model_config import ModelConfig
+from sglang_pic.model_executor.local_replica import LocalReplica
 from sglang_pic.model_executor.model_runner import ModelRunner
 from sglang_pic.model_loader.loader import resolve_model_path
 from sglang_pic.server_args import ServerArgs
+from sglang_pic.speculative.algorithms import draft_memory, spec_worker_factory
 from sglang_pic.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ class Engine:
             )
         self._replica = LocalReplica.start(args, model_dir) if args.tp_size > 1 else None
         try:
-            self.runner = ModelRunner(args, self.model_config)
-            self.scheduler = Scheduler(args, self.runner, self.tokenizer)
+            self.runner = ModelRunner(args, self.model_config, draft_memory(args))
+            self.scheduler = Scheduler(args, self.runner, self.tokenizer, spec_worker_factory(args))
         except BaseException as e:
             failure = self._follower_failure(e)
             self._stop_tensor_parallel(timeout=0)

@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from sglang_pic.distributed.launch import Follower, ReplicaPlacement, free_init_method, tp_follower_processes
-from sglang_pic.server_args import ServerArgs
+from sglang_pic.distributed.launch import Follower, ReplicaPlacement, free_init_method
+from sglang_pic.server_args import ServerArgs, flag_help
 from sglang_pic.utils_process import ModelFiles, configure_logging, exit_status
 
 logger = logging.getLogger("sglang_pic.launch_server")
@@ -42,11 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sglang_pic.launch_server",
         description="Serve a model over SGLang's native HTTP API and the OpenAI API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(ServerArgs):
         flags = [f"--{f.name.replace('_', '-')}", *FLAG_ALIASES.get(f.name, [])]
-        help_text = f.metadata.get("help", "")
+        help_text = flag_help(f).replace("%", "%%")  # argparse %-formats help strings
         kind = str(f.type)
         if kind == "bool":
             parser.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
@@ -159,6 +158,7 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
     from sglang_pic.managers.ipc import IpcNames
     from sglang_pic.managers.scheduler_process import run_scheduler_process
     from sglang_pic.managers.server_tokenizer_manager import ServerTokenizerManager
+    from sglang_pic.model_executor.tp_follower import tp_follower_processes
 
     # Uvicorn re-raises the signal that stopped it; these turn it into an orderly exit through `finally`.
     signal.signal(signal.SIGTERM, _exit_on(0))
@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
             args.model_path = args.tokenizer_path = default_model_path()
             client_model_path = DEFAULT_MODEL_NAME
             args.served_model_name = args.served_model_name or DEFAULT_MODEL_NAME
-        files = ModelFiles.resolve(args)
+        from sglang_pic.model_loader.loader import resolve_model_files
+
+        files = resolve_model_files(args)
         return serve(args, files, client_model_path)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         logger.error("%s", e)

@@ -9,8 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sglang_pic.layers.rotary_embedding import rope_scaling_type
-
 if TYPE_CHECKING:
     from sglang_pic.server_args import ServerArgs
 
@@ -47,6 +45,12 @@ def _with_overrides(cfg: dict[str, Any], json_model_override_args: str) -> dict[
     if not isinstance(overrides, dict):
         raise ValueError(f"--json-model-override-args must be a JSON object, got {type(overrides).__name__}")
     return {**cfg, **overrides}
+
+
+def rope_scaling_type(rope_scaling: dict | None) -> str:
+    """The scaling's kind: HF configs name it `rope_type` (newer) or `type` (older, e.g. Qwen2.5's model card)."""
+    scaling = rope_scaling or {}
+    return scaling.get("rope_type") or scaling.get("type") or "default"
 
 
 def _rope(cfg: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None]:

@@ -6,13 +6,25 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_pic.entrypoints.reasoning import REASONING_PARSERS
-from sglang_pic.entrypoints.tool_calls import TOOL_CALL_PARSERS
+from sglang_pic.parser_names import REASONING_PARSER_NAMES as REASONING_PARSERS
+from sglang_pic.parser_names import TOOL_CALL_PARSER_NAMES as TOOL_CALL_PARSERS
 
 
 def _arg(default: Any, help: str) -> Any:
-    """A field whose help text `python -m sglang_pic.launch_server --help` shows."""
+    """A field whose help text `python -m sglang_pic.launch_server --help` shows. A None default means the value is
+    chosen later (from the model, the device, another flag), so its help must say what happens: "default: ..."."""
+    if default is None and "default:" not in help:
+        raise ValueError(f"a field defaulting to None must say what happens instead ('default: ...'): {help!r}")
     return field(default=default, metadata={"help": help})
+
+
+def flag_help(f: dataclasses.Field) -> str:
+    """A field's help with its default value appended, unless the help already says what the default is (every
+    None default does) or the field is an on/off flag."""
+    text = f.metadata.get("help", "")
+    if "default:" in text or isinstance(f.default, bool) or f.default in (None, ""):
+        return text
+    return f"{text} (default: {f.default})"
 
 
 @dataclass
@@ -22,7 +34,7 @@ class ServerArgs:
         "The model to serve: a HF folder (config.json + safetensors) or a .gguf file; default: the embedded "
         "Qwen2.5-Coder-0.5B-Instruct.",
     )
-    tokenizer_path: str | None = _arg(None, "The tokenizer folder, when it is not the model's.")
+    tokenizer_path: str | None = _arg(None, "The tokenizer folder, when it is not the model's; default: the model's.")
     load_format: str = _arg(
         "auto",
         "How weights are read: auto (safetensors, or a .gguf converted once), dummy (random) or gguf.",
@@ -34,7 +46,9 @@ class ServerArgs:
     )
     device: str = _arg("auto", "auto, cpu or cuda.")
     context_length: int | None = _arg(
-        None, "Override the model's context length (max_position_embeddings, times the factor of a YaRN rope_scaling)."
+        None,
+        "Override the model's context length; default: the model's (max_position_embeddings, times the factor of a "
+        "YaRN rope_scaling).",
     )
     json_model_override_args: str = _arg(
         "",
@@ -199,15 +213,15 @@ class ServerArgs:
         "(0: none); default: the recommended value where the radix cache and --page-size 1 allow it, else 0.",
     )
     ssep_token_id: int = _arg(-1, "Id that stands for the span marker in input_ids.")
-    pdep_token_id: int = _arg(-2, "Id that stands for the position-dependent marker in input_ids.")
+    pdep_token_id: int = _arg(-2, "Id that stands for the prompt-dependent marker in input_ids.")
 
     # Lossless compressed-KV speculation (VeriCache).
     speculative_algorithm: str | None = _arg(None, "Speculative decoding algorithm: vericache; default: none.")
     speculative_num_draft_tokens: int | None = _arg(
         None,
-        "Draft tokens per speculative step (VeriCache: 16 by default; on the real model 16 drafts gave more tokens "
-        "per round than 8 for every compressor; with host full KV, drafting runs while the first "
-        "--vericache-staging-gb of layers copy, so it hides behind the transfer when that budget holds enough).",
+        "Draft tokens per speculative step; default: 16 with VeriCache (on the real model 16 drafts gave more "
+        "tokens per round than 8 for every compressor). With host full KV, drafting runs while the first "
+        "--vericache-staging-gb of layers copy, so it hides behind the transfer when that budget holds enough.",
     )
     vericache_compressor: str = _arg(
         "streaming",
@@ -232,7 +246,9 @@ class ServerArgs:
     # Server.
     host: str = _arg("127.0.0.1", "Address the HTTP server listens on.")
     port: int = _arg(30000, "Port the HTTP server listens on.")
-    api_key: str | None = _arg(None, "Require `Authorization: Bearer <key>` on every route but /health.")
+    api_key: str | None = _arg(
+        None, "Require `Authorization: Bearer <key>` on every route but /health; default: no key, every route open."
+    )
     log_level: str = _arg("info", "Logging level: debug, info, warning or error.")
     random_seed: int = _arg(0, "Seed for dummy weights and for torch's global random state.")
     skip_tokenizer_init: bool = _arg(

@@ -8,25 +8,16 @@ import os
 import signal
 from dataclasses import dataclass
 
-from sglang_pic.server_args import ServerArgs
-
 LOG_FORMAT = "[%(asctime)s %(processName)s] %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass
 class ModelFiles:
-    """The HF folders resolved once in the main process (a GGUF is converted there), so children never race."""
+    """The HF folders resolved once in the main process (a GGUF is converted there, see
+    model_loader.resolve_model_files), so children never race."""
 
     model_dir: str
     tokenizer_dir: str
-
-    @classmethod
-    def resolve(cls, args: ServerArgs) -> "ModelFiles":
-        from sglang_pic.model_loader.loader import resolve_model_path
-
-        model_dir = resolve_model_path(args.model_path, args.load_format)
-        tokenizer_dir = args.tokenizer_path if args.tokenizer_path not in (None, args.model_path) else model_dir
-        return cls(model_dir, tokenizer_dir)
 
 
 def configure_logging(level: str) -> None:

@@ -1,8 +1,9 @@
-"""Start the follower ranks of a tensor-parallel model replica next to its rank 0, and stop them.
+"""Where the ranks of a tensor-parallel model replica run, how they join their group, and how followers stop.
 
 Rank 0 (the offline Engine's process, or the server's scheduler process) runs the scheduler; ranks 1..tp-1 are
-spawned processes that only receive batches and run the model (tp_follower). A replica's ranks rendezvous at a
-fresh loopback TCP address; with data parallelism each replica gets its own address and its own GPUs.
+spawned processes that only receive batches and run the model (model_executor/tp_follower.py builds them). A
+replica's ranks rendezvous at a fresh loopback TCP address; with data parallelism each replica gets its own address
+and its own GPUs.
 
 Each follower reports on a pipe that its code has started to run, and why it could not start if so, so that a
 follower that died can be described: a spawned process re-imports the main module before it runs anything, which
@@ -16,7 +17,6 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 
 from sglang_pic.server_args import ServerArgs
@@ -107,25 +107,6 @@ def join_replica(
         bind_device(device, placement.gpu_id(args.tp_size, tp_rank))
     if args.tp_size > 1:
         init_tensor_parallel(tp_rank, args.tp_size, placement.init_method, device, check_peers)
-
-
-def tp_follower_processes(
-    ctx: BaseContext, args: ServerArgs, model_dir: str, placement: ReplicaPlacement
-) -> list[Follower]:
-    """Ranks 1..tp_size-1 of a replica, not yet started (daemons: they never outlive the process that starts them)."""
-    from sglang_pic.distributed.tp_follower import run_tp_follower
-
-    followers = []
-    for rank in range(1, args.tp_size):
-        reader, writer = ctx.Pipe(duplex=False)
-        process = ctx.Process(
-            target=run_tp_follower,
-            args=(args, model_dir, rank, placement, writer),
-            name=f"tp{rank}" if placement.dp_rank == 0 else f"dp{placement.dp_rank}-tp{rank}",
-            daemon=True,
-        )
-        followers.append(Follower(rank, process, reader, writer))
-    return followers
 
 
 def stop_followers(followers: list[Follower], timeout: float = FOLLOWER_STOP_S) -> None:

@@ -21,9 +21,9 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sglang_pic.entrypoints.errors import error_response, install_error_handlers, native_error
-from sglang_pic.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sglang_pic.entrypoints.openai_api import OpenAIServing
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sglang_pic.managers.profiler import PROFILE_FIELDS
 from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerBusy, ServerTokenizerManager
 from sglang_pic.sglang_fields import (

@@ -63,6 +63,7 @@ from sglang_pic.managers.server_tokenizer_manager import (
     ServerTokenizerManager,
 )
 from sglang_pic.sampling.sampling_params import GRAMMAR_FIELDS
+from sglang_pic.server_args import ServerArgs
 from sglang_pic.span_policy import format_settings
 
 logger = logging.getLogger(__name__)
@@ -228,6 +229,38 @@ class _Cursor:
         return delta, triples, tops
 
 
+def render_chat(body: ChatCompletionRequest, tokenizer, chat_template: str | None, args: ServerArgs) -> str:
+    """The prompt text, kept as text (not ids) so PIC markers inside messages still split it into segments;
+    a function of its inputs, so offline tools (sglang_pic.span_quality) render chats as the server does."""
+    if chat_template is None:
+        raise ValueError("the model has no chat template; start the server with --chat-template")
+    messages = [_template_message(m) for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.uses_tools() else None
+    continue_final = body.continue_final_message and body.messages[-1].role == "assistant"
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as e:  # a Jinja error raised by the template for these messages
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos) :]  # the tokenizer adds it again
+    if tools and body.tool_spans:
+        ssep = args.ssep_marker
+        if isinstance(body.tool_spans, ToolSpanSettings):
+            own = body.tool_spans
+            ssep += args.span_settings_marker + format_settings(own.span_anchor, own.span_head_tokens)
+        text = mark_tool_spans(text, tools, ssep, args.pdep_marker)
+    return text
+
+
 class OpenAIServing:
     def __init__(self, manager: ServerTokenizerManager) -> None:
         self.manager = manager
@@ -236,8 +269,6 @@ class OpenAIServing:
         self.tool_parser = tool_call_parser(manager.server_args.tool_call_parser, manager.model_config.architecture)
         self.reasoning = REASONING_PARSERS.get(manager.server_args.reasoning_parser)
         self.defaults = {**CHAT_SAMPLING_DEFAULTS, **generation_defaults(manager.files.model_dir)}
-        bos = self.tokenizer.bos_token_id
-        self.strip_bos = bos is not None and self.tokenizer.encode("a")[:1] == [bos]
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -506,35 +537,7 @@ class OpenAIServing:
         )
 
     def render_chat(self, body: ChatCompletionRequest) -> str:
-        """The prompt text, kept as text (not ids) so PIC markers inside messages still split it into segments."""
-        if self.chat_template is None:
-            raise ValueError("the model has no chat template; start the server with --chat-template")
-        messages = [_template_message(m) for m in body.messages]
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.uses_tools() else None
-        continue_final = body.continue_final_message and body.messages[-1].role == "assistant"
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                chat_template=self.chat_template,
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=not continue_final,
-                continue_final_message=continue_final,
-                **(body.chat_template_kwargs or {}),
-            )
-        except Exception as e:  # a Jinja error raised by the template for these messages
-            raise ValueError(f"the chat template rejected the messages: {e}") from None
-        bos = self.tokenizer.bos_token
-        if self.strip_bos and bos and text.startswith(bos):
-            text = text[len(bos) :]  # the tokenizer adds it again
-        if tools and body.tool_spans:
-            args = self.manager.server_args
-            ssep = args.ssep_marker
-            if isinstance(body.tool_spans, ToolSpanSettings):
-                own = body.tool_spans
-                ssep += args.span_settings_marker + format_settings(own.span_anchor, own.span_head_tokens)
-            text = mark_tool_spans(text, tools, ssep, args.pdep_marker)
-        return text
+        return render_chat(body, self.tokenizer, self.chat_template, self.manager.server_args)
 
     async def _chat_stream(
         self, body: ChatCompletionRequest, reqs: list[Req], rid: str, model: str, request: Request

@@ -323,6 +323,7 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | list[str] | None = None
+    text: str | list[str] | None = None  # /generate's name for the prompt; taken as `prompt`
     add_special_tokens: bool = True
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
@@ -332,8 +333,12 @@ class TokenizeRequest(_Request):
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:
+        if self.prompt is not None and self.text is not None:
+            raise ValueError("give either prompt or text (the same field under /generate's name), not both")
+        if self.text is not None:
+            self.prompt, self.text = self.text, None
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
+            raise ValueError("give either prompt or messages (text, /generate's name for prompt, works too)")
         return self
 
     def chat(self) -> ChatCompletionRequest:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sglang_pic.parser_names import ReasoningParserName
 from sglang_pic.sampling.stop_conditions import partial_prefix
 
 
@@ -25,10 +26,10 @@ class ReasoningFormat:
         return self.opens_in_template or prompt.rstrip().endswith(self.start)
 
 
-REASONING_PARSERS = {
-    "deepseek-r1": ReasoningFormat(opens_in_template=True),
-    "qwen3": ReasoningFormat(),
-    "qwen3-thinking": ReasoningFormat(opens_in_template=True),
+REASONING_PARSERS: dict[str, ReasoningFormat] = {
+    ReasoningParserName.DEEPSEEK_R1: ReasoningFormat(opens_in_template=True),
+    ReasoningParserName.QWEN3: ReasoningFormat(),
+    ReasoningParserName.QWEN3_THINKING: ReasoningFormat(opens_in_template=True),
 }
 
 

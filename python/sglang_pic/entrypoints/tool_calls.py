@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from itertools import takewhile
 
+from sglang_pic.parser_names import ToolCallParserName
 from sglang_pic.sampling.stop_conditions import partial_prefix
 
 
@@ -285,15 +286,15 @@ def _skip_space(text: str, pos: int) -> int:
 
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
-    "qwen25": HermesParser,
-    "llama3": Llama3JsonParser,
-    "mistral": MistralParser,
+    ToolCallParserName.QWEN25: HermesParser,
+    ToolCallParserName.LLAMA3: Llama3JsonParser,
+    ToolCallParserName.MISTRAL: MistralParser,
 }
 ARCHITECTURE_PARSERS = {
-    "Qwen2ForCausalLM": "qwen25",
-    "Qwen3ForCausalLM": "qwen25",
-    "LlamaForCausalLM": "llama3",
-    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": ToolCallParserName.QWEN25,
+    "Qwen3ForCausalLM": ToolCallParserName.QWEN25,
+    "LlamaForCausalLM": ToolCallParserName.LLAMA3,
+    "MistralForCausalLM": ToolCallParserName.MISTRAL,
 }
 
 

@@ -10,8 +10,8 @@ import torch
 from sglang_pic.kernels.torch_native import paged_attention_torch, store_kv_torch
 
 if TYPE_CHECKING:
+    from sglang_pic.forward_batch import ForwardBatch
     from sglang_pic.layers.radix_attention import RadixAttention
-    from sglang_pic.model_executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

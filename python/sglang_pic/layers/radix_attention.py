@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglang_pic.forward_batch import ForwardBatch
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
-from sglang_pic.model_executor.forward_batch import ForwardBatch
 
 
 class RadixAttention(nn.Module):

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from sglang_pic.model_config import rope_scaling_type
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -70,12 +72,6 @@ def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> torch.Tensor:
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp
     return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
-
-
-def rope_scaling_type(rope_scaling: dict | None) -> str:
-    """The scaling's kind: HF configs name it `rope_type` (newer) or `type` (older, e.g. Qwen2.5's model card)."""
-    scaling = rope_scaling or {}
-    return scaling.get("rope_type") or scaling.get("type") or "default"
 
 
 class RotaryEmbedding:

@@ -28,8 +28,8 @@ from sglang_pic.kernels.store_kv import store_kv
 from sglang_pic.layers.attention_backend import AttentionBackend
 
 if TYPE_CHECKING:
+    from sglang_pic.forward_batch import ForwardBatch
     from sglang_pic.layers.radix_attention import RadixAttention
-    from sglang_pic.model_executor.forward_batch import ForwardBatch
 
 CPU_NUM_SMS = 4  # only the Triton interpreter runs on CPU tensors; any small value works there
 

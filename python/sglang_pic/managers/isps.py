@@ -32,7 +32,7 @@ from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from sglang_pic.mem_cache.req_kv import ReqKVManager
+    from sglang_pic.managers.req_kv import ReqKVManager
 
 
 def make_span_job(seg: ReqSegment, rid: str, arrival_step: int) -> Req:

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_pic.kernels.shared_decode_plan import KeyRun, SharedDecodePlan, plan_shared_decode
+from sglang_pic.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan
 from sglang_pic.managers.req import Req, ReqSegment
-from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.managers.shared_decode_planner import KeyRun, SharedDecodeSettings, plan_shared_decode
 from sglang_pic.utils_tensor import upload
 
 
@@ -132,16 +133,17 @@ class _Columns:
         return torch.split(flat, [len(c) for c in columns])
 
 
-def shared_decode_plan(reqs: list[Req], seq_lens: list[int], runner) -> SharedDecodePlan | None:
+def shared_decode_plan(
+    reqs: list[Req], seq_lens: list[int], settings: SharedDecodeSettings | None, device: torch.device
+) -> SharedDecodePlan | None:
     """The decodes' keys as runs the kernel may read once for several requests (kernels/shared_decode.py), or None."""
-    settings = runner.shared_decode
     if settings is None or len(reqs) < 2:
         return None
     runs = decode_runs(reqs, settings.min_shared)
     if sum(map(bool, runs)) < 2:
         return None
     rows = [r.req_pool_idx for r in reqs]
-    return plan_shared_decode(rows, seq_lens, runs, settings, runner.device)
+    return plan_shared_decode(rows, seq_lens, runs, settings, device)
 
 
 def decode_runs(reqs: list[Req], shortest: int) -> list[list[KeyRun]]:
@@ -205,9 +207,12 @@ def _tree_path(seg: ReqSegment) -> list[tuple[object, int]]:
     return nodes
 
 
-def build_forward_batch(plan: StepPlan, runner, next_input_ids: torch.Tensor) -> ForwardBatch:
+def build_forward_batch(
+    plan: StepPlan, runner, next_input_ids: torch.Tensor, shared_decode: SharedDecodeSettings | None
+) -> ForwardBatch:
     """Flatten the plan into token rows; logits rows are the logprob positions plus each sampled last token.
-    `next_input_ids` [request rows] holds each row's last sampled token on the device."""
+    `next_input_ids` [request rows] holds each row's last sampled token on the device; `shared_decode`: how the
+    decodes may share KV reads (None: they do not)."""
     columns = _Columns()
     for e in plan.entries:
         columns.add_entry(e)
@@ -223,7 +228,8 @@ def build_forward_batch(plan: StepPlan, runner, next_input_ids: torch.Tensor) ->
     shared = None
     if plan.decode is not None and not (is_decode and plan.entries):  # the plan covers exactly the decode rows
         n = len(plan.decode.reqs)
-        shared = shared_decode_plan(plan.decode.reqs, columns.seq_lens[len(columns.seq_lens) - n :], runner)
+        decode_lens = columns.seq_lens[len(columns.seq_lens) - n :]
+        shared = shared_decode_plan(plan.decode.reqs, decode_lens, shared_decode, runner.device)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,
         batch_size=len(columns.seq_lens),

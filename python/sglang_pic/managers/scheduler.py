@@ -18,9 +18,11 @@ from sglang_pic.managers.isps import SpanPrefillPlanner
 from sglang_pic.managers.overlap import LaunchedStep, PromptLogprobs
 from sglang_pic.managers.profiler import StepProfiler
 from sglang_pic.managers.req import FinishReason, Req, ReqSegment
+from sglang_pic.managers.req_kv import ReqKVManager
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, build_forward_batch, plan_entry
+from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings
+from sglang_pic.managers.spec_worker import SpecWorker, SpecWorkerFactory
 from sglang_pic.mem_cache.host_pool import HostKVPool
-from sglang_pic.mem_cache.req_kv import ReqKVManager
 from sglang_pic.radix_ext import RadixCache
 from sglang_pic.sampling.logprobs import (
     RowLogprobs,
@@ -71,7 +73,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, model_runner, tokenizer=None) -> None:
+    def __init__(
+        self, server_args: ServerArgs, model_runner, tokenizer=None, spec_worker: SpecWorkerFactory | None = None
+    ) -> None:
+        """`spec_worker`: builds the worker that decodes in speculative rounds (None: decode steps of its own)."""
         self.server_args = server_args
         self.runner = model_runner
         self.tokenizer = tokenizer
@@ -91,6 +96,7 @@ class Scheduler:
         )
         self.kv = ReqKVManager(model_runner.req_to_token_pool, model_runner.allocator, self.tree)
         self.sampler = Sampler()
+        self.shared_decode = SharedDecodeSettings.for_runner(model_runner)  # None: decodes read KV per request
         self.penalties = PenaltyCounts(model_runner.model_config.vocab_size, model_runner.device)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # requests past prefill, decoding
@@ -105,7 +111,7 @@ class Scheduler:
             self.prefill_budget = server_args.step_token_budget
         self.chunking = server_args.chunked_prefill_size is not None
         # VeriCache decodes in its own draft/verify rounds, so decodes never ride along with prefill steps then.
-        self.mix_decodes = (self.isps or server_args.enable_mixed_chunk) and server_args.speculative_algorithm is None
+        self.mix_decodes = (self.isps or server_args.enable_mixed_chunk) and spec_worker is None
         self.planner = SpanPrefillPlanner(self.kv, server_args.isps_max_wait_steps)
         self.priority_scheduling = server_args.enable_priority_scheduling
         # The most urgent request the last step could not admit (no seat or no KV room): it may preempt next step.
@@ -113,11 +119,7 @@ class Scheduler:
         # Reported with this step's output but not from its forward: finished outside one (e.g. can never fit the
         # pool), or committed early from the step in flight so that a retraction could run.
         self.finished_early: list[Req] = []
-        self.spec_worker = None
-        if server_args.speculative_algorithm == "vericache":
-            from sglang_pic.speculative.vericache_worker import VeriCacheWorker
-
-            self.spec_worker = VeriCacheWorker(self)
+        self.spec_worker: SpecWorker | None = spec_worker(self) if spec_worker is not None else None
         self.overlap = not server_args.disable_overlap_schedule and self.spec_worker is None
         self.inflight: LaunchedStep | None = None  # a step whose sampled tokens are not committed yet
         self._grammars: GrammarBackend | None = None
@@ -535,7 +537,7 @@ class Scheduler:
         """Run the plan's forward and sample on the device; settle what the host knows without the tokens: computed
         spans and prefixes go to the tree (stream order keeps their readers behind this step), finished span jobs
         to `updated`, requests whose prefill completed join `running`."""
-        batch = build_forward_batch(plan, self.runner, self.next_input_ids)
+        batch = build_forward_batch(plan, self.runner, self.next_input_ids, self.shared_decode)
         logits = self.runner.forward(batch)
         self.stats.num_steps += 1
         if batch.shared_decode is not None:

@@ -63,6 +63,7 @@ class SchedulerLoop:
         from sglang_pic.managers.scheduler import Scheduler
         from sglang_pic.model_config import ModelConfig
         from sglang_pic.model_executor.model_runner import ModelRunner
+        from sglang_pic.speculative.algorithms import draft_memory, spec_worker_factory
         from sglang_pic.tokenizer import load_tokenizer
 
         args = server_args
@@ -71,8 +72,8 @@ class SchedulerLoop:
         # Tensor-parallel rank 0 of its replica (a no-op without parallelism). Its followers are the main process's
         # children, which stops this process when one of them dies, so the rendezvous only has to watch the parent.
         join_replica(args, placement, 0, partial(check_parent, parent_pid))
-        self.runner = ModelRunner(args, model_config)
-        self.scheduler = Scheduler(args, self.runner, tokenizer)
+        self.runner = ModelRunner(args, model_config, draft_memory(args))
+        self.scheduler = Scheduler(args, self.runner, tokenizer, spec_worker_factory(args))
         self.scheduler.profiler.name = f"DP-{placement.dp_rank}-TP-0"
         self.context_len = model_config.context_len
         ctx = zmq.Context()

@@ -21,7 +21,6 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from sglang_pic.entrypoints.metrics import ServerMetrics
 from sglang_pic.managers.dp_dispatcher import DataParallelDispatcher, combine_snapshots
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.ipc import (
@@ -44,6 +43,7 @@ from sglang_pic.managers.ipc import (
     WarmSpansResult,
     pull_socket,
 )
+from sglang_pic.managers.metrics import ServerMetrics
 from sglang_pic.managers.parallel_encoding import ParallelEncoding
 from sglang_pic.managers.req import Req
 from sglang_pic.server_args import ServerArgs

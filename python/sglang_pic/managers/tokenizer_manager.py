@@ -143,6 +143,11 @@ class TokenizerManager:
             if self.segmenter.has_markers(text):
                 raise ValueError(f"span {i} contains a span marker; markers are structure, not text")
             tokens = self.segmenter.from_text(self.server_args.ssep_marker + text)[-1].token_ids
+            if len(anchor) + len(tokens) >= self.context_len:
+                raise ValueError(
+                    f"span {i} has {len(tokens)} tokens (behind a {len(anchor)}-token anchor), more than the context "
+                    f"length allows ({self.context_len})"
+                )
             key = segment_keys([Segment("span", tokens, anchor)])[0]
             out.append(ReqSegment("span", list(tokens), key.extra_key, key_lead=anchor))
         return out

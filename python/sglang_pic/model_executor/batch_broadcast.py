@@ -16,8 +16,8 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
+from sglang_pic.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.kernels.shared_decode_plan import ITEM_FIELDS, MEMBER_FIELDS, SharedDecodePlan
-from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 I64 = torch.int64
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_pic.kernels.shared_decode_plan import StaticSharedPlan
-from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.kernels.shared_decode_plan import StaticSharedPlan, members_per_item
 
 logger = logging.getLogger(__name__)
 
@@ -158,13 +158,14 @@ class CudaGraphRunner:
         """The engine's graphs: decode up to --cuda-graph-max-bs requests, extends up to
         --cuda-graph-max-extend-tokens tokens, over the engine's request table and backend."""
         args = runner.server_args
+        heads = runner.shared_decode_heads
         return cls(
             runner,
             capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests)),
             capture_extend_sizes(args.cuda_graph_max_extend_tokens),
             runner.req_to_token_pool,
             runner.attn_backend,
-            shared_members=runner.shared_decode.members if runner.shared_decode is not None else None,
+            shared_members=members_per_item(heads[0] // heads[1]) if heads is not None else None,
         )
 
     def _inputs(self, mode: ForwardMode) -> StaticInputs:

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 import torch
 
 from sglang_pic.distributed.parallel_state import get_tp_group, min_over_ranks
 from sglang_pic.distributed.sharding import kv_head_shard
-from sglang_pic.kernels.shared_decode_plan import SharedDecodeSettings
+from sglang_pic.forward_batch import ForwardBatch
 from sglang_pic.layers.attention_backend import create_attention_backend
 from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_executor.batch_broadcast import BatchBroadcaster
-from sglang_pic.model_executor.forward_batch import ForwardBatch
 from sglang_pic.model_loader.loader import init_dummy_weights, iter_safetensors, load_model, resolve_model_path
 from sglang_pic.server_args import ServerArgs
 
@@ -29,10 +29,20 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
 
 
+class DraftMemory(Protocol):
+    """Device memory that speculative drafts take beside the KV pool (a VeriCache compressor's quantized copies)."""
+
+    def bytes_per_token_outside_pool(self, num_layers: int, kv_heads: int, head_dim: int, v_head_dim: int) -> int: ...
+
+
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
+    def __init__(
+        self, server_args: ServerArgs, model_config: ModelConfig, draft_memory: DraftMemory | None = None
+    ) -> None:
+        """`draft_memory`: what the speculative algorithm keeps on the device per pool token (None: nothing)."""
         self.server_args = server_args
         self.model_config = model_config
+        self.draft_memory = draft_memory
         self.device = torch.device(server_args.resolved_device())
         self.dtype = model_config.dtype
         self.tp = get_tp_group()
@@ -45,7 +55,7 @@ class ModelRunner:
         self._weights_folder = None if server_args.load_format == "dummy" else model_config.model_path
         self._init_memory_pools()
         self.attn_backend = create_attention_backend(server_args.resolved_attention_backend())
-        self.shared_decode = self._shared_decode_settings()
+        self.shared_decode_heads = self._shared_decode_heads()
         if self.device.type == "cuda" and not server_args.skip_kernel_warmup:
             self._warm_up_kernels()
         self.graph_runner = None
@@ -56,14 +66,12 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner.for_engine(self)
         self.broadcaster = BatchBroadcaster(self) if self.tp.size > 1 and self.tp.rank == 0 else None
 
-    def _shared_decode_settings(self) -> SharedDecodeSettings | None:
-        """How decode steps share the reads of KV runs that several requests hold (None: they do not)."""
+    def _shared_decode_heads(self) -> tuple[int, int] | None:
+        """(query heads, KV heads) of this rank when decode steps may share the reads of KV runs that several
+        requests hold (shared decode attention, planned by the scheduler); None: each request reads its own."""
         if self.server_args.resolved_attention_backend() != "triton" or self.server_args.disable_shared_decode:
             return None
-        cfg = self.model_config
-        heads = cfg.num_attention_heads // self.tp.size
-        kv_heads = self.token_to_kv_pool.head_num
-        return SharedDecodeSettings.for_model(heads, kv_heads, self.attn_backend.sm_count(self.device), self.device)
+        return self.model_config.num_attention_heads // self.tp.size, self.token_to_kv_pool.head_num
 
     def _warm_up_kernels(self) -> None:
         layer = next(m for m in self.model.modules() if isinstance(m, RadixAttention))
@@ -109,13 +117,10 @@ class ModelRunner:
         """Device memory a pool token may also take outside the pool for VeriCache drafts (KIVI keeps a 2-bit copy
         of every request's older tokens), so a pool sized from free memory leaves room for it. With the full KV in
         host memory the copies of host-tier tokens can still outgrow that room."""
-        if self.server_args.speculative_algorithm != "vericache":
+        if self.draft_memory is None:
             return 0
-        from sglang_pic.speculative.compressor_base import create_compressor
-
-        cfg = self.model_config
-        compressor = create_compressor(self.server_args.vericache_compressor)
-        return compressor.bytes_per_token_outside_pool(cfg.num_hidden_layers, kv_heads, cfg.head_dim, cfg.head_dim)
+        layers, head_dim = self.model_config.num_hidden_layers, self.model_config.head_dim
+        return self.draft_memory.bytes_per_token_outside_pool(layers, kv_heads, head_dim, head_dim)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32; rank 0 first sends the batch to its followers."""

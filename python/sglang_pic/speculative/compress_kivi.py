@@ -33,8 +33,8 @@ from sglang_pic.speculative.draft_cache import DraftBackend, DraftBatch, DraftCa
 from sglang_pic.utils_tensor import upload
 
 if TYPE_CHECKING:
+    from sglang_pic.forward_batch import ForwardBatch
     from sglang_pic.layers.radix_attention import RadixAttention
-    from sglang_pic.model_executor.forward_batch import ForwardBatch
 
 BITS = 2
 LEVELS = (1 << BITS) - 1

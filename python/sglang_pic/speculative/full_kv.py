@@ -1,7 +1,7 @@
 """Where a request's full KV lives while it speculates, and how a round reserves, keeps and frees its slots.
 
 `DeviceFullKV` (--vericache-full-kv gpu): the full KV stays in the scheduler's paged pool under the usual
-ownership rules (mem_cache/req_kv.py). A round allocates k+1 slots continuing the tail segment and writes them
+ownership rules (managers/req_kv.py). A round allocates k+1 slots continuing the tail segment and writes them
 into the request's row at positions L-1 .. L-1+k (L = seq_len): the drafted tokens use them as scratch and
 verification then writes the real entries there. As tokens are committed the tail's `done`/`last_slot` advance
 over the accepted ones; afterwards the pages holding only rejected slots are freed, so row, segment and
@@ -15,12 +15,16 @@ sees a running request without device KV. Its draft cache and the slots of each 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from sglang_pic.managers.req import Req
 from sglang_pic.speculative.draft_cache import DraftCache
 from sglang_pic.speculative.host_kv_tier import CopyStream, HostKV, HostKVSource, HostKVTier, HostStreamingBackend
 from sglang_pic.speculative.spec_stats import SpecStats
+
+if TYPE_CHECKING:
+    from sglang_pic.managers.req import Req  # annotations only: requests belong to the scheduler, a layer above
 
 
 def free_rejected(allocator, slots: torch.Tensor, kept: int) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.utils_tensor import upload
 
 

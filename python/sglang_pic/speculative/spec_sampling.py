@@ -12,13 +12,16 @@ when it has a seed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_pic.managers.req import Req
 from sglang_pic.sampling.penalty_counts import PenaltyCounts
 from sglang_pic.sampling.sampler import adjust_logits, filter_probs
 from sglang_pic.sampling.sampling_batch_info import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from sglang_pic.managers.req import Req  # annotations only: requests belong to the scheduler, a layer above
 
 
 def sampling_info(

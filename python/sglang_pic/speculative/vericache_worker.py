@@ -26,11 +26,11 @@ per round, so outputs do not change.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_pic.managers.req import Req
-from sglang_pic.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.forward_batch import ForwardBatch, ForwardMode
 from sglang_pic.sampling.logprobs import compute_logprobs
 from sglang_pic.sampling.penalty_counts import uses_history
 from sglang_pic.speculative.attn_scores import ScoreCapture
@@ -48,6 +48,9 @@ from sglang_pic.speculative.spec_sampling import (
 )
 from sglang_pic.speculative.spec_stats import ReqSpecStats, SpecStats
 from sglang_pic.utils_tensor import upload
+
+if TYPE_CHECKING:
+    from sglang_pic.managers.req import Req  # annotations only: requests belong to the scheduler, a layer above
 
 DEFAULT_NUM_DRAFT_TOKENS = 16
 

@@ -1,0 +1,135 @@
+"""Print sglang_pic's package import graph from module-top imports, and every package cycle in it.
+
+Only imports at a module's top level count (those inside functions or under `if TYPE_CHECKING:` run late or
+never, so they cannot make an import cycle). A package here is `sglang_pic.<name>` for a subpackage and the
+module itself for a top-level module. Exit status 1 when there is a cycle, so CI can run it.
+
+Usage: python scripts/import_graph.py [--dot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The installed package's layout (pyproject.toml's package-dir): top-level folders mapped into sglang_pic.
+SOURCES = {
+    "sglang_pic": ROOT / "python" / "sglang_pic",
+    "sglang_pic.kernels": ROOT / "kernels",
+    "sglang_pic.radix_ext": ROOT / "radix_ext",
+    "sglang_pic.frontend_lang": ROOT / "frontend_lang",
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def top_imports(path: Path, module: str) -> set[str]:
+    """Modules named by the file's top-level imports (absolute, or relative resolved against `module`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(f"{name}.{a.name}" for a in node.names)
+    return found
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    edges: dict[str, set[str]] = defaultdict(set)
+    for module, path in mods.items():
+        src = package_of(module)
+        edges[src]
+        for name in top_imports(path, module):
+            if name in mods and package_of(name) != src and name != "sglang_pic":
+                edges[src].add(package_of(name))
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one package (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dot", action="store_true", help="print the graph in Graphviz dot")
+    args = p.parse_args()
+    edges = graph()
+    short = {name: name.removeprefix("sglang_pic.") for name in edges}
+    if args.dot:
+        print("digraph imports {")
+        for src in sorted(edges):
+            for dst in sorted(edges[src]):
+                print(f'  "{short[src]}" -> "{short.get(dst, dst)}";')
+        print("}")
+    else:
+        for src in sorted(edges):
+            print(f"{short[src]:<22} -> {', '.join(short.get(d, d) for d in sorted(edges[src])) or '-'}")
+    found = cycles(edges)
+    for comp in found:
+        print(f"cycle: {', '.join(short.get(c, c) for c in comp)}")
+    if not found:
+        print("no package cycle")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
