@@ -93,8 +93,9 @@ def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
     releasing it run on the host alone: a device sync there would make scheduling wait for every kernel queued."""
     fresh_doc = "Position-free keys are rotated inside attention, from each request's own positions."
     prompt = "Fresh words here." + span(fresh_doc) + PROMPTS[3]
+    # Isolated spans (span_policy.py): the request computes its fresh span in its own row, the path checked here.
     with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", page_size=page_size,
-                max_total_tokens=4096) as e:
+                max_total_tokens=4096, span_anchor="none", span_head_tokens=0) as e:
         e.generate(PROMPTS, GREEDY)  # the shared spans are cached; the fresh one is not
         req = e.tokenizer_manager.build_requests(GenerateReqInput(text=prompt, sampling_params=GREEDY))[0]
         kv = e.scheduler.kv
@@ -125,7 +126,9 @@ def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params, logprobs):
     """Launching a step (the batch, its decodes' inputs from the previous step's ids on the device, the forward,
     sampling, the copy of the new ids to the host, the computed spans handed to the tree) runs on the host alone:
     a sync there would wait for the step in flight and the overlap would be gone."""
-    with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096) as e:
+    # Isolated spans: prompt logprobs over a span need it computed in the request's row (span_policy.py).
+    with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096,
+                span_anchor="none", span_head_tokens=0) as e:
         sched = e.scheduler
         launch = sched._launch
         ahead = []
