@@ -8,7 +8,7 @@ against one server, through sglang's own RuntimeEndpoint:
   text  SGLang's fallback (global_config.enable_parallel_encoding off): the joined text as one plain prompt,
         dense attention.
 Reported per mode: accuracy (the gold name in the answer), agreement of the two modes' answers, span tokens
-reused per request.
+reused per request. With the default head (64 tokens) statements shorter than it are recomputed whole.
 
 Usage: python benchmark/bench_parallel_encoding.py --samples 40 [--model-path M] [--dtype bfloat16]
 """
@@ -72,6 +72,8 @@ def launch(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         cmd += ["--model-path", args.model_path]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
+    if args.span_head_tokens is not None:
+        cmd += ["--span-head-tokens", str(args.span_head_tokens)]
     log = tempfile.NamedTemporaryFile(prefix="bench_parallel_encoding_", suffix=".log", delete=False)
     print(f"starting the server (log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", help="default: the embedded model")
     p.add_argument("--dtype")
+    p.add_argument("--span-head-tokens", type=int, help="the server's --span-head-tokens (default: its default)")
     p.add_argument("--samples", type=int, default=40)
     p.add_argument("--statements", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)

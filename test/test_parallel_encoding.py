@@ -11,7 +11,7 @@ from sglang_pic.server_args import ServerArgs
 
 P = "USER: memorize these.\n"
 STATEMENTS = ["Statement 0: Ann is tall.\n", "Statement 1: Bob is short.\n", "Statement 2: Cy is tall.\n"]
-OPEN = '<|ssep|><|span_settings|>{"span_anchor":"prefix","span_head_tokens":0}'
+OPEN = '<|ssep|><|span_settings|>{"span_anchor":"prefix"}'
 
 
 @pytest.fixture

@@ -182,7 +182,7 @@ def test_parallel_encoding_reuses_each_forks_statement(backend, engine):
     from the KV its fork's commit computed, and the answer equals the same prompt marked so by hand."""
     state = parallel_encoding.run(contexts=FACTS)
     statements = [f"Statement {i}: {fact}\n" for i, fact in enumerate(FACTS)]
-    marked = ASK + "".join(span(s, anchor="prefix", head_tokens=0) for s in statements) + QUESTION
+    marked = ASK + "".join(span(s, anchor="prefix") for s in statements) + QUESTION  # the server's head: 0
     assert state["answer"] == engine_text(engine, marked, max_new_tokens=8, ignore_eos=True)
     (req,) = engine.tokenizer_manager.build_requests(GenerateReqInput(text=marked))
     spans = [seg for seg in req.segments if seg.kind == "span"]

@@ -4,9 +4,11 @@ SGLang's client commits the shared prefix P and then each fork's text P + S_i as
 posts `/concate_and_append_request` with the forks' ids, and later sends the destination's whole text
 P + S_0 + ... + S_k-1 + rest as a plain prompt. Its ids never reach the server with a prompt, so the join is
 matched by text: the destination's prompt is P, then exactly k statements that were committed behind P, then
-the rest. Such a prompt is served as P, each statement a span anchored on P (span_anchor "prefix", no head:
-its KV is the plain text P + S_i, which the fork's commit already computed), then the rest, which attends to
-everything. The statements thus see the prefix and themselves, not each other: SGLang's semantics for the join.
+the rest. Such a prompt is served as P, each statement a span anchored on P (span_anchor "prefix": its KV is the
+plain text P + S_i, which the fork's commit already computed), then the rest, which attends to everything. The
+statements see the prefix and themselves, not each other (SGLang's semantics for the join), except for the head
+tokens the request's span settings recompute: with the default head a statement shorter than it is recomputed
+whole, since on an ordinary model statements encoded apart mix their facts (benchmark/bench_parallel_encoding.py).
 
 A join that no prompt matches within JOIN_TTL_S is dropped; commits are remembered up to MAX_COMMITS. A plain
 prompt from another client that happens to have this exact shape while a join is pending is served the same way.
@@ -30,7 +32,7 @@ class ParallelEncoding:
     def __init__(self, server_args: ServerArgs) -> None:
         args = server_args
         self.markers = (args.ssep_marker, args.pdep_marker, args.span_settings_marker)
-        self.statement_open = args.ssep_marker + args.span_settings_marker + format_settings("prefix", 0)
+        self.statement_open = args.ssep_marker + args.span_settings_marker + format_settings("prefix")
         self.close = args.pdep_marker
         self.commits: OrderedDict[str, None] = OrderedDict()  # recent prompts that generated nothing, oldest first
         self.joins: deque[tuple[float, int]] = deque(maxlen=MAX_JOINS)  # (when, number of statements)
