@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sglang_pic.span_policy import ANCHOR_CHOICES, format_settings
+from sglang_pic.span_policy import check_settings, format_settings
 
 SSEP_MARKER = "<|ssep|>"
 PDEP_MARKER = "<|pdep|>"
@@ -35,10 +35,7 @@ def span(text: str, *, anchor: str | None = None, head_tokens: int | None = None
     offset. `anchor` (auto, none or prefix) and `head_tokens` override the request's span settings for this span."""
     if not _check_text(text, "span text"):
         raise ValueError("span text is empty")
-    if anchor is not None and anchor not in ANCHOR_CHOICES:
-        raise ValueError(f"anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {anchor!r}")
-    if head_tokens is not None and (type(head_tokens) is not int or head_tokens < 0):
-        raise ValueError(f"head_tokens must be an integer >= 0, got {head_tokens!r}")
+    check_settings(anchor, head_tokens)
     own = "" if anchor is None and head_tokens is None else SPAN_SETTINGS_MARKER + format_settings(anchor, head_tokens)
     return SSEP_MARKER + own + text + PDEP_MARKER
 

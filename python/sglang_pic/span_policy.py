@@ -44,6 +44,14 @@ class SpanPolicy:
         return prefix if self.anchor_is_prefix else self.anchor
 
 
+def check_settings(anchor: Any, head_tokens: Any) -> None:
+    """Refuse a span_anchor / span_head_tokens value (None: not given) with a ValueError naming the field."""
+    if anchor is not None and anchor not in ANCHOR_CHOICES:
+        raise ValueError(f"span_anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {anchor!r}")
+    if head_tokens is not None and (type(head_tokens) is not int or head_tokens < 0):
+        raise ValueError(f"span_head_tokens must be an integer >= 0, got {head_tokens!r}")
+
+
 def format_settings(anchor: str | None = None, head_tokens: int | None = None) -> str:
     """A span's own settings as the JSON object that follows its settings marker."""
     fields = {"span_anchor": anchor, "span_head_tokens": head_tokens}

@@ -63,10 +63,8 @@ class PromptSegmenter:
         for i in range(1, len(pieces), 2):
             kind, body = self.markers[pieces[i]], pieces[i + 1]
             own, body = split_settings(body, self.args.span_settings_marker) if kind == "span" else (None, body)
-            if self.args.span_settings_marker in body:
-                raise ValueError(f"span settings ({self.args.span_settings_marker!r}) must follow a span marker")
             out.append((kind, body, own))
-        if self.args.span_settings_marker in pieces[0]:
+        if any(self.args.span_settings_marker in body for body in (pieces[0], *(body for _, body, _ in out))):
             raise ValueError(f"span settings ({self.args.span_settings_marker!r}) must follow a span marker")
         return pieces[0], out
 

@@ -18,7 +18,7 @@ from sglang_pic.radix_ext.segments import Segment, canonicalize, namespaces_befo
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.span_policy import ANCHOR_CHOICES, DEFAULT_HEAD_TOKENS, SpanPolicy, anchor_tokens
+from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, SpanPolicy, anchor_tokens, check_settings
 from sglang_pic.tokenizer import DecodeWindow, fast_decode, plain_backend
 
 
@@ -168,10 +168,7 @@ class TokenizerManager:
         base = self.span_policy if base is None else base
         if anchor is None and head is None:
             return base
-        if anchor is not None and anchor not in ANCHOR_CHOICES:
-            raise ValueError(f"span_anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {anchor!r}")
-        if head is not None and (not isinstance(head, int) or isinstance(head, bool) or head < 0):
-            raise ValueError(f"span_head_tokens must be an integer >= 0, got {head!r}")
+        check_settings(anchor, head)
         if self.server_args.disable_pic:  # no spans: nothing the settings would change
             return SpanPolicy()
         head = base.head_tokens if head is None else head
