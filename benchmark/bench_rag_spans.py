@@ -181,15 +181,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
     """(model folder, tokenizer folder); the default model is the embedded one."""
-    from sglang_pic.model_loader.loader import resolve_model_path
+    from sglang_pic.model_loader.loader import model_dirs
 
-    if args.model_path is None:
-        from sglang_pic.model_loader.default_model import default_model_path
-
-        model_dir = default_model_path()
-    else:
-        model_dir = resolve_model_path(args.model_path, args.load_format)
-    return model_dir, args.tokenizer_path or model_dir
+    return model_dirs(args.model_path, args.tokenizer_path, args.load_format)
 
 
 def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> dict[str, Any]:

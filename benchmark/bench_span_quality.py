@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
+from sglang_pic.model_loader.loader import model_dirs  # noqa: E402
 from sglang_pic.span_quality import (  # noqa: E402
     BASELINE,
     MODES,
@@ -35,7 +36,6 @@ from sglang_pic.span_quality import (  # noqa: E402
     TaskModeResult,
     Workload,
     add_size_flags,
-    model_dirs,
     reference_topk_mass,
     results,
     run_modes,

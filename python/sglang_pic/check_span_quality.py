@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from sglang_pic.model_loader.loader import model_dirs
 from sglang_pic.span_quality import (
     BASELINE,
     MODES,
@@ -32,7 +33,6 @@ from sglang_pic.span_quality import (
     TaskModeResult,
     Workload,
     add_size_flags,
-    model_dirs,
     results,
     run_modes,
     sizes_from_flags,

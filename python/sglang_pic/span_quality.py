@@ -78,19 +78,6 @@ MODES: dict[str, Mode] = {
 
 
 # ---- inputs -----------------------------------------------------------------------------------------------------
-def model_dirs(model_path: str | None, tokenizer_path: str | None, load_format: str = "auto") -> tuple[str, str]:
-    """(model folder, tokenizer folder) as Engine resolves them: no model_path means the embedded default model."""
-    from sglang_pic.model_loader.loader import resolve_model_path
-
-    if model_path is None:
-        from sglang_pic.model_loader.default_model import default_model_path
-
-        model_dir = default_model_path()
-    else:
-        model_dir = resolve_model_path(model_path, load_format)
-    return model_dir, tokenizer_path or model_dir
-
-
 def add_size_flags(parser: argparse.ArgumentParser, sizes: type[TaskSizes]) -> None:
     """A flag per field of `sizes` (a TaskSizes class): --qa-docs N, --rag-passage-tokens MIN,MAX, ..."""
     for f in fields(sizes):

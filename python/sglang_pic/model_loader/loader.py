@@ -52,6 +52,17 @@ def resolve_model_path(model_path: str, load_format: str = "auto") -> str:
     raise FileNotFoundError(f"{model_path!r} is neither a HF model folder (with config.json) nor a .gguf file")
 
 
+def model_dirs(model_path: str | None, tokenizer_path: str | None, load_format: str = "auto") -> tuple[str, str]:
+    """(model folder, tokenizer folder) as Engine resolves them: no model_path means the embedded default model."""
+    if model_path is None:
+        from sglang_pic.model_loader.default_model import default_model_path  # it imports this module
+
+        model_dir = default_model_path()
+    else:
+        model_dir = resolve_model_path(model_path, load_format)
+    return model_dir, tokenizer_path or model_dir
+
+
 def resolve_model_files(args: ServerArgs) -> ModelFiles:
     """The model and tokenizer folders of a server, resolved once in its main process for every child."""
     model_dir = resolve_model_path(args.model_path, args.load_format)
