@@ -150,8 +150,8 @@ def segment_keys(segments: Sequence[Segment]) -> list[RadixKey]:
         if seg.kind == "prefix":
             keys.append(RadixKey(seg.token_ids, None))
         elif seg.kind == "span":
-            anchored = RadixKey(seg.anchor + seg.token_ids, None)
-            keys.append(anchored if seg.anchor else RadixKey(seg.token_ids, SPAN_NAMESPACE))
+            namespace = None if seg.anchor else SPAN_NAMESPACE  # an anchored span is the plain text anchor + span
+            keys.append(RadixKey(seg.anchor + seg.token_ids, namespace))
         else:
             keys.append(RadixKey(seg.token_ids, before))
     return keys
