@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -38,6 +37,8 @@ from typing import Callable
 
 import torch
 from gpu_telemetry import Telemetry
+from attention_report import KINDS, log_row, print_summary
+from graph_timing import ceilings, graph_time_ms, interleaved_ms, spread_pct
 
 DEVICE = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,7 +51,6 @@ QUICK = {"batches": [1, 32, 256], "contexts": [1024, 8192, 32768], "prefill": [1
 SWEEP_DECODE_SHAPES = [(1, 32768), (64, 8192), (256, 2048)]  # (batch, context)
 SWEEP_PREFILL_LEN = 8192
 STORE_TOKENS = 8192
-KINDS = ("decode", "extend", "store")
 PRE_ROTATED_PROGRAMS_PER_SM = 3  # the pre-rotated decode split kernel's shared memory fits 3 per H200 SM
 
 
@@ -90,61 +90,6 @@ def _kinds(text: str) -> tuple[str, ...]:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
-
-
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """`fn` captured in a CUDA graph, after one run outside the capture that compiles and warms it up."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, rep_ms: int) -> float:
-    """Median time of one replay, cold L2 (do_bench flushes it)."""
-    import triton.testing
-
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
-
-
-def graph_time_ms(fn: Callable[[], object], rep_ms: int) -> float:
-    """Median time of one replay of `fn` captured in a CUDA graph, cold L2."""
-    return replay_ms(capture(fn), rep_ms)
-
-
-def interleaved_ms(fns: dict[str, Callable[[], object]], rep_ms: int, rounds: int) -> dict[str, list[float]]:
-    """Each function's replay time in `rounds` rounds, the functions taking turns within a round in an order that
-    reverses every round, so a drift of the GPU's clocks over the run falls on all of them alike."""
-    graphs = {name: capture(fn) for name, fn in fns.items()}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(rounds):
-        for name in list(graphs)[:: 1 if r % 2 == 0 else -1]:
-            times[name].append(replay_ms(graphs[name], rep_ms))
-    return times
-
-
-def spread_pct(times: dict[str, list[float]]) -> float:
-    """The largest spread of one function's round times, in percent of its median: differences between
-    functions smaller than this are noise."""
-    return max(100.0 * (max(t) - min(t)) / median(t) for t in times.values())
-
-
-def ceilings(rep_ms: int) -> dict:
-    """Measured device-to-device copy bandwidth and bf16 matmul rate, the roofs for GB/s and TFLOP/s below."""
-    import triton.testing
-
-    src = torch.empty(2**31, dtype=torch.uint8, device=DEVICE).random_()
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=rep_ms, return_mode="median")
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEVICE)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=DEVICE)
-    mm_ms = triton.testing.do_bench(lambda: a @ b, rep=rep_ms, return_mode="median")
-    return {"copy_gbps": 2 * src.numel() / copy_ms / 1e6, "bf16_matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
 
 
 def _make_batch(args: argparse.Namespace, specs: list, seed: int):
@@ -296,7 +241,7 @@ def bench_store(args: argparse.Namespace, tokens: int) -> dict:
     batch = _make_batch(args, [prefill(tokens)], seed=tokens)
     k, v, loc, pos = batch.k_new, batch.v_new, batch.out_cache_loc, batch.positions
     k_buf, v_buf, table = batch.k_buffer, batch.v_buffer, batch.kernel_cos_sin
-    staged = alloc_staged_keys(k_buf, batch.seq_lens, batch.extend_start_loc, batch.extend_seq_lens, pos, tokens)
+    staged = alloc_staged_keys(batch.kv(), batch.ext(), tokens)
     fns = {
         "free": lambda: store_kv(k_buf, v_buf, loc, k, v, table),
         "free_staged": lambda: store_kv(k_buf, v_buf, loc, k, v, table, staged, pos),
@@ -343,30 +288,12 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     for batch_size, context in SWEEP_DECODE_SHAPES:
         for cfg in decode_cfgs:
             rows.append({"kind": "decode", "config": asdict(cfg), **bench_decode(args, batch_size, context, cfg)})
-            _log_row(rows[-1])
+            log_row(rows[-1])
     for name, specs in list(extend_cases([SWEEP_PREFILL_LEN]).items())[:1]:
         for cfg in extend_cfgs:
             rows.append({"kind": "extend", "config": asdict(cfg), **bench_extend(args, name, specs, cfg)})
-            _log_row(rows[-1])
+            log_row(rows[-1])
     return rows
-
-
-def _log_row(row: dict) -> None:
-    shapes = {"decode": lambda: f"b{row['batch']} x {row['context']}", "store": lambda: f"{row['tokens']} tokens"}
-    shape = shapes.get(row["kind"], lambda: row["case"])()
-    cfg = row.get("config", "")
-    print(
-        f"  {row['kind']:7s} {shape:32s} free {row['position_free_ms']:8.4f} ms  "
-        f"pre {row['prerotated_ms']:8.4f} ms  overhead {row['overhead_pct']:+6.1f}%  noise {row['noise_pct']:4.1f}%  "
-        f"{_throttle_note(row)}{cfg}",
-        flush=True,
-    )
-
-
-def _throttle_note(row: dict) -> str:
-    """'capped, SM >= N MHz' for a case measured while the GPU throttled under load; '' otherwise."""
-    t = row.get("telemetry", {})
-    return f"capped, SM >= {t['min_sm_mhz']} MHz " if t.get("throttled") else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.time()
             row = {"kind": kind, **bench(args, *bench_args)}
             spans.append((row, start, time.time()))
-            _log_row(row)
+            log_row(row)
             return row
 
         report["decode"] = []
@@ -431,53 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(report)
     print(f"wrote {args.out} in {report['meta']['wall_s']:.0f} s")
     return 0
-
-
-def print_summary(report: dict) -> None:
-    roof = report["ceilings"]
-    roofs = f"copy {roof['copy_gbps']:.0f} GB/s, bf16 matmul {roof['bf16_matmul_tflops']:.0f} TFLOP/s"
-    print(f"\n{report['meta']['device']}: {roofs}; noise: the largest spread of one variant's rounds")
-    print(f"{'decode':>14s} {'free ms':>9s} {'pre ms':>9s} {'free GB/s':>10s} {'pre GB/s':>9s} {'overhead':>9s} noise")
-    for r in report["decode"]:
-        shape = f"b{r['batch']} x {r['context']}"
-        times = f"{r['position_free_ms']:9.4f} {r['prerotated_ms']:9.4f}"
-        rates = f"{r['position_free_gbps']:10.0f} {r['prerotated_gbps']:9.0f}"
-        print(f"{shape:>14s} {times} {rates} {r['overhead_pct']:+8.1f}% {r['noise_pct']:4.1f}% {_throttle_note(r)}")
-    head = f"{'free ms':>9s} {'pre ms':>9s} {'free TF/s':>10s} {'pre TF/s':>9s} {'overhead':>9s} noise"
-    print(f"{'extend (store + attention)':>34s} {head} {'stage ms':>9s} {'in-kernel rotation':>19s} {'attn only':>9s}")
-    for r in report["extend"]:
-        times = f"{r['position_free_ms']:9.3f} {r['prerotated_ms']:9.3f}"
-        rates = f"{r['position_free_tflops']:10.0f} {r['prerotated_tflops']:9.0f}"
-        in_kernel = f"{r['in_kernel_ms']:9.3f} {r['in_kernel_overhead_pct']:+8.1f}%"
-        stage = f"{r['stage_ms']:9.4f}" if r["staged"] else f"{'-':>9s}"
-        attention = f"{r['attention_overhead_pct']:+8.1f}%" if "attention_overhead_pct" in r else f"{'-':>9s}"
-        overhead = f"{r['overhead_pct']:+8.1f}% {r['noise_pct']:4.1f}%"
-        print(f"{r['case']:>34s} {times} {rates} {overhead} {stage} {in_kernel} {attention} {_throttle_note(r)}")
-    for r in report["store"]:
-        print(
-            f"store {r['tokens']} tokens: free {r['position_free_ms']:.4f} ms, free + staged keys "
-            f"{r['position_free_staged_ms']:.4f} ms, pre {r['prerotated_ms']:.4f} ms"
-        )
-    for kind in ("decode", "extend"):
-        if report[kind]:
-            rows = report[kind]
-            geo = math.exp(sum(math.log1p(r["overhead_pct"] / 100) for r in rows) / len(rows))
-            print(f"{kind} overhead, geometric mean: {100 * (geo - 1):+.1f}%")
-    rows = [r for kind in KINDS for r in report[kind] if r.get("telemetry", {}).get("samples")]
-    if rows:
-        capped = sum(r["telemetry"]["throttled"] for r in rows)
-        print(f"cases measured while the GPU throttled under load (power or thermal): {capped} of {len(rows)}")
-    best: dict[str, dict] = {}
-    for r in report.get("sweep", []):
-        shape = r.get("case") or f"decode b{r['batch']} x {r['context']}"
-        for variant in ("position_free", "prerotated"):
-            key = f"{shape} {variant}"
-            if key not in best:
-                best[key] = {"default_ms": r[f"{variant}_ms"], "best_ms": r[f"{variant}_ms"], "config": r["config"]}
-            elif r[f"{variant}_ms"] < best[key]["best_ms"]:
-                best[key].update(best_ms=r[f"{variant}_ms"], config=r["config"])
-    for key, b in best.items():  # the first config swept per shape is the default
-        print(f"sweep {key}: default {b['default_ms']:.4f} ms, best {b['best_ms']:.4f} ms with {b['config']}")
 
 
 if __name__ == "__main__":

@@ -42,25 +42,25 @@ def run(args: argparse.Namespace, priority: bool) -> dict:
         max_running_requests=args.max_running_requests, enable_priority_scheduling=priority,
     )
     with Engine(**{k: v for k, v in engine_args.items() if v is not None}) as engine:
-        tm, sched = engine.tokenizer_manager, engine.scheduler
+        sched = engine.scheduler
 
         def build(text: str, new_tokens: int, prio: int) -> object:
             params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-            return tm.build_requests(GenerateReqInput(text=text, sampling_params=params, priority=prio))[0]
+            return engine.make_reqs(GenerateReqInput(text=text, sampling_params=params, priority=prio))[0]
 
         engine.generate(prompt(rng, 32), {"max_new_tokens": 4})  # warm-up
         backlog = [build(prompt(rng, args.prompt_words), args.backlog_tokens, 0) for _ in range(args.backlog)]
         start = time.perf_counter()
         for req in backlog:
-            req.created_time = time.time()
             sched.add_request(req)
         urgent: list = []
+        sent_at: dict[int, float] = {}  # urgent request -> when it was sent
         done_at: dict[int, float] = {}  # urgent request -> when the step that finished it returned
         steps = 0
         while not all(r.finished() for r in backlog + urgent):
             if len(urgent) < args.urgent and steps >= args.urgent_start and steps % args.urgent_every == 0:
                 req = build(prompt(rng, args.prompt_words), args.urgent_tokens, URGENT_PRIORITY)
-                req.created_time = time.time()
+                sent_at[id(req)] = time.time()
                 sched.add_request(req)
                 urgent.append(req)
             sched.step()
@@ -71,8 +71,8 @@ def run(args: argparse.Namespace, priority: bool) -> dict:
                     done_at[id(req)] = now
         wall = time.perf_counter() - start
         assert len(urgent) == args.urgent, "the backlog finished before every urgent request was sent"
-        ttft = [r.first_token_time - r.created_time for r in urgent]
-        latency = [done_at[id(r)] - r.created_time for r in urgent]
+        ttft = [r.first_token_time - sent_at[id(r)] for r in urgent]
+        latency = [done_at[id(r)] - sent_at[id(r)] for r in urgent]
         return {
             "priority_scheduling": priority,
             "wall_s": wall,

@@ -37,6 +37,8 @@ from rag_workload import RagWorkload, WorkloadConfig, build_workload  # noqa: E4
 
 from sglang_pic import Engine  # noqa: E402
 from sglang_pic.managers.io_struct import GenerateReqInput  # noqa: E402
+from sglang_pic.managers.output_format import output_of  # noqa: E402
+from sglang_pic.managers.req import Req, ReqSegment  # noqa: E402
 from sglang_pic.model_config import resolve_dtype  # noqa: E402
 from sglang_pic.tokenizer import load_tokenizer  # noqa: E402
 
@@ -177,6 +179,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="commit each step's tokens before launching the next")
     p.add_argument("--disable-shared-decode", action="store_true",
                    help="every decode reads its own keys (no shared reads of cached runs, kernels/shared_decode.py)")
+    p.add_argument("--attention-backend", help="the server's --attention-backend (default: its default)")
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -199,6 +202,8 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
         kwargs["disable_overlap_schedule"] = True
     if args.disable_shared_decode:
         kwargs["disable_shared_decode"] = True
+    if args.attention_backend is not None:
+        kwargs["attention_backend"] = args.attention_backend
     if args.span_anchor is not None:
         kwargs["span_anchor"] = args.span_anchor
     if args.span_head_tokens is not None:
@@ -240,7 +245,8 @@ def serve_arrivals(
     prompt joins the queue only once every one of them is cached.
     """
     arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, len(prompts)))
-    tm, sched = engine.tokenizer_manager, engine.scheduler
+    builder, sched = engine.request_builder, engine.scheduler
+    msgs: list = []
     reqs: list = []
     held: list[tuple] = []  # (request, its span jobs) waiting for the barrier
     peak, start = 0.0, perf_counter()
@@ -249,9 +255,13 @@ def serve_arrivals(
             now = perf_counter() - start
             while len(reqs) < len(prompts) and arrivals[len(reqs)] <= now:
                 i = len(reqs)
-                req = tm.build_requests(GenerateReqInput(text=prompts[i], sampling_params=params, rid=f"{desc}-{i}"))[0]
+                (msg,) = builder.build(GenerateReqInput(text=prompts[i], sampling_params=params, rid=f"{desc}-{i}"))
+                req = Req.from_wire(msg)
+                msgs.append(msg)
                 reqs.append(req)
-                jobs = sched.add_span_jobs(tm.span_segments(spans[i])) if spans is not None else []
+                jobs = []
+                if spans is not None:
+                    jobs = sched.add_span_jobs([ReqSegment.from_wire(s) for s in builder.span_segments(spans[i])])
                 held.append((req, jobs))
             for item in [h for h in held if all(job.finished() for job in h[1])]:
                 held.remove(item)
@@ -262,7 +272,7 @@ def serve_arrivals(
             done = sum(r.finished() for r in sched.step() if not r.warmup)
             bar.update(done)
             peak = max(peak, sched.token_usage())
-    return [tm.format_output(r) for r in reqs], peak
+    return [output_of(engine.formatter, m, r) for m, r in zip(msgs, reqs)], peak
 
 
 # ---- one mode ----------------------------------------------------------------------------------------------------

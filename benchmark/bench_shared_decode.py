@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_attention_kernels import graph_time_ms  # noqa: E402
 from bench_rag_spans import add_engine_args, device_name, engine_kwargs, resolve_paths  # noqa: E402
 from bench_span_ttft import make_span  # noqa: E402
+from graph_timing import graph_time_ms  # noqa: E402
 
 TAIL_TOKENS = 64
 PREFACE_RANGE = (64, 512)
@@ -89,8 +89,7 @@ def bench_kernel(args: argparse.Namespace, batch_size: int, span: int) -> dict[s
     def shared() -> None:
         from sglang_pic.kernels.shared_decode import shared_decode_attention_fwd
 
-        shared_decode_attention_fwd(batch.q, batch.k_buffer, batch.v_buffer, shared_out, batch.req_to_token, plan,
-                                    batch.kernel_cos_sin, batch.sm_scale)
+        shared_decode_attention_fwd(batch.q, shared_out, batch.kv(), plan, batch.kernel_cos_sin, batch.sm_scale)
 
     per_request_ms = graph_time_ms(per_request, args.rep_ms)
     shared_ms = graph_time_ms(shared, args.rep_ms)

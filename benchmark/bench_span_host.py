@@ -3,7 +3,7 @@
 The cached path of bench_span_ttft.py (a warmed span behind a new prefix, one output token) on a tiny Llama with a
 real tokenizer: on a GPU the forward is the device's share and everything measured here is added to the TTFT.
 Per span length, the median over --repeats runs of:
-  tokenize   TokenizerManager.build_requests: split at the markers, tokenize each segment, build the Req
+  tokenize   RequestBuilder.build: split at the markers, tokenize each segment, build the wire message
   schedule   Scheduler steps until the first token (match, batch building, sampling, caching), minus the forward
   host       tokenize + schedule
   forward    wall time of the model's forward (torch_native attention on CPU; not host overhead)
@@ -56,7 +56,7 @@ class ForwardClock:
 
     def __init__(self, engine: Engine) -> None:
         self.wall_s = self.cpu_s = 0.0
-        inner = engine.runner.forward
+        inner = engine.runner.forward_local
 
         def timed(batch):
             wall, cpu = perf_counter(), thread_time()
@@ -66,7 +66,7 @@ class ForwardClock:
                 self.wall_s += perf_counter() - wall
                 self.cpu_s += thread_time() - cpu
 
-        engine.runner.forward = timed
+        engine.runner.forward_local = timed
 
     def reset(self) -> None:
         self.wall_s = self.cpu_s = 0.0
@@ -99,16 +99,15 @@ def measure(engine: Engine, clock: ForwardClock, doc: str, repeats: int) -> Leng
     """Warm the span with prompt A, then time prompt B (same span, new prefix) up to its first token."""
     prompt_a = rag_prompt(SYSTEM_PROMPT, [doc], QUESTION)
     prompt_b = rag_prompt(OTHER_SYSTEM_PROMPT, [doc], QUESTION)
-    tm = engine.tokenizer_manager
     tokenize, schedule, forward, reused = [], [], [], []
     for _ in range(repeats):
         engine.flush_cache()
         engine.generate(prompt_a, ONE_TOKEN)
         start = thread_time()
-        reqs = tm.build_requests(GenerateReqInput(text=prompt_b, sampling_params=ONE_TOKEN))
+        msgs = engine.request_builder.build(GenerateReqInput(text=prompt_b, sampling_params=ONE_TOKEN))
         tokenized = thread_time()
         clock.reset()
-        engine._submit(reqs)
+        reqs = engine._submit(msgs)
         engine._run_until_done(reqs)
         tokenize.append(tokenized - start)
         schedule.append(thread_time() - tokenized - clock.cpu_s)

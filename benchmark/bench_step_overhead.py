@@ -12,8 +12,8 @@ Two phases per batch size B:
           while as many finish.
 Per step it reports CPU time of this thread (torch runs single-threaded, so other load on the box barely moves it):
   sched   Scheduler.step minus the forward and garbage collection
-  output  a streamed chunk (TokenizerManager.format_output) for every request that moved, as
-          Engine.generate(stream=True) yields
+  output  a streamed chunk (managers/output_format.py: a report, then its formatting) for every request that
+          moved, as Engine.generate(stream=True) yields
   gc      Python's cyclic garbage collector, wherever it struck during the step
   host    sched + output + gc, the mean per step
 
@@ -43,6 +43,7 @@ from tiny_models import build_tiny_model  # noqa: E402
 
 from sglang_pic import Engine  # noqa: E402
 from sglang_pic.managers.io_struct import GenerateReqInput  # noqa: E402
+from sglang_pic.managers.output_format import Reporter, RequestOutputs  # noqa: E402
 
 SSEP, PDEP = -1, -2  # the engine's default marker ids in input_ids
 FIRST_ID = 4  # ids below are the tiny tokenizer's special tokens
@@ -92,8 +93,10 @@ class StepClock:
         self.forward_s = self.gc_s = 0.0
         self.batch_size = self.prefill_tokens = 0
         self._gc_start = 0.0
+        self.reporter = Reporter(engine.server_args.stream_interval)  # the streamed requests' output path
+        self.outputs = RequestOutputs(engine.formatter)
         runner = engine.runner
-        inner = runner.forward
+        inner = runner.forward_local
         vocab = runner.model_config.vocab_size
 
         def timed_forward(batch):
@@ -104,7 +107,7 @@ class StepClock:
             self.prefill_tokens = sum(n for n in batch.extend_seq_lens_cpu if n > 1)
             return logits
 
-        runner.forward = timed_forward
+        runner.forward_local = timed_forward
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -119,9 +122,8 @@ class StepClock:
         start = thread_time()
         updated = engine._step()
         mid, gc_mid = thread_time(), self.gc_s
-        for req in updated:
-            if not req.warmup:
-                engine.tokenizer_manager.format_output(req)
+        for delta in self.reporter.deltas(updated):
+            self.outputs.apply(delta)
         end = thread_time()
         sched = mid - start - self.forward_s - gc_mid
         return sched, end - mid - (self.gc_s - gc_mid), self.gc_s, self.forward_s
@@ -130,11 +132,14 @@ class StepClock:
         gc.callbacks.remove(self._on_gc)
 
 
-def submit(engine: Engine, prompts: list[list[int]], max_new_tokens: int, args: argparse.Namespace) -> None:
+def submit(engine: Engine, clock: StepClock, prompts: list[list[int]], max_new_tokens: int,
+           args: argparse.Namespace) -> None:
     params = {"temperature": args.temperature, **args.sampling_params, "max_new_tokens": max_new_tokens,
               "ignore_eos": True}
-    obj = GenerateReqInput(input_ids=prompts, sampling_params=params, stream=True)
-    engine._submit(engine.tokenizer_manager.build_requests(obj))
+    msgs = engine.request_builder.build(GenerateReqInput(input_ids=prompts, sampling_params=params, stream=True))
+    for msg in msgs:
+        clock.reporter.add(msg)
+    engine._submit(msgs)
 
 
 def warm_cache(engine: Engine, workload: Workload, batch: int) -> None:
@@ -159,7 +164,7 @@ def run_phase(engine: Engine, clock: StepClock, workload: Workload, phase: str, 
     arrivals = max(batch // new_tokens, 1)
 
     def arrive(n: int, max_new_tokens: int) -> None:
-        submit(engine, [workload.prompt() for _ in range(n)], max_new_tokens, args)
+        submit(engine, clock, [workload.prompt() for _ in range(n)], max_new_tokens, args)
 
     if phase == "decode":
         arrive(batch, args.prior_tokens + steps + 2 * new_tokens)

@@ -1,8 +1,8 @@
-"""Host time of turning a batch of RAG prompts into requests (TokenizerManager.build_requests), on CPU.
+"""Host time of turning a batch of RAG prompts into requests (RequestBuilder.build), on CPU.
 
 The offline Engine tokenizes a whole batch before its first step, and the server's tokenizer process tokenizes a
 batched /generate request in one go, so this time precedes every token of the batch. Each repeat builds a fresh
-TokenizerManager (an empty segment memo: every passage is encoded once, as for a batch of new documents).
+RequestBuilder (an empty segment memo: every passage is encoded once, as for a batch of new documents).
 
 Usage: python benchmark/bench_tokenize.py [--tokenizer-path build/llama3-8b-dummy] [--num-samples 600] [--repeats 5]
 """
@@ -21,7 +21,7 @@ from bench_rag_spans import args_json, write_json  # noqa: E402
 from rag_workload import WorkloadConfig, build_workload  # noqa: E402
 
 from sglang_pic.managers.io_struct import GenerateReqInput  # noqa: E402
-from sglang_pic.managers.tokenizer_manager import TokenizerManager  # noqa: E402
+from sglang_pic.managers.request_builder import RequestBuilder  # noqa: E402
 from sglang_pic.model_config import ModelConfig  # noqa: E402
 from sglang_pic.server_args import ServerArgs  # noqa: E402
 from sglang_pic.tokenizer import load_tokenizer  # noqa: E402
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> dict:
     obj = GenerateReqInput(text=prompts, sampling_params={"max_new_tokens": 32})
     times = []
     for _ in range(args.repeats + 1):  # the first run warms the tokenizer's thread pool and is dropped
-        manager = TokenizerManager(server_args, tokenizer, model_config)
+        builder = RequestBuilder(server_args, tokenizer, model_config)
         start = perf_counter()
-        reqs = manager.build_requests(obj)
+        reqs = builder.build(obj)
         times.append(perf_counter() - start)
     ms = statistics.median(times[1:]) * 1e3
     tokens = sum(r.prompt_len for r in reqs)

@@ -194,7 +194,7 @@ def retrieval_prompts(tokenizer, n: int, tokens: int) -> list[Prompt]:
 
 def submit(engine: Engine, ids: list[list[int]], params: dict) -> list[Req]:
     """Queue requests on the scheduler directly, keeping them (they carry their speculation records)."""
-    reqs = engine.tokenizer_manager.build_requests(GenerateReqInput(input_ids=ids, sampling_params=params))
+    reqs = engine.make_reqs(GenerateReqInput(input_ids=ids, sampling_params=params))
     for req in reqs:
         engine.scheduler.add_request(req)
     return reqs
@@ -217,7 +217,7 @@ def set_speculation(engine: Engine, **fields) -> None:
     for key, value in fields.items():
         setattr(engine.server_args, key, value)
     sched = engine.scheduler
-    sched.spec_worker = VeriCacheWorker(sched) if engine.server_args.speculative_algorithm else None
+    sched.spec_worker = VeriCacheWorker(sched.spec_host) if engine.server_args.speculative_algorithm else None
 
 
 def bench_acceptance(args) -> dict:

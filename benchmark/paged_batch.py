@@ -7,11 +7,13 @@ must set TRITON_INTERPRET before that happens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_pic.forward_batch import BatchRows
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
 from sglang_pic.kernels.reference import rope_f64
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
@@ -19,9 +21,9 @@ if TYPE_CHECKING:
     from sglang_pic.forward_batch import ForwardBatch
     from sglang_pic.kernels.decode_attention import DecodeConfig
     from sglang_pic.kernels.extend_attention import ExtendConfig
-    from sglang_pic.managers.shared_decode_planner import KeyRun, SharedDecodeSettings
     from sglang_pic.kernels.stage_keys import StagedKeys
     from sglang_pic.layers.attention_backend import AttentionBackend
+    from sglang_pic.managers.shared_decode_planner import KeyRun, SharedDecodeSettings
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,10 @@ def spans(seq_len: int, new_spans: list[tuple[int, int]], tail: int) -> RequestS
 @dataclass
 class PagedBatch:
     """A batch laid out like the engine's: shuffled pages, shuffled request rows, NaN in every unused KV slot
-    except the dummy page. The new tokens' k/v are already in the pool (k_new, v_new hold them unrotated)."""
+    except the dummy page. The new tokens' k/v are already in the pool (k_new, v_new hold them unrotated).
+    `rows` holds the batch's integers on the host, the tensors below the same on the device."""
 
+    rows: BatchRows
     q: torch.Tensor
     k_new: torch.Tensor
     v_new: torch.Tensor
@@ -86,26 +90,29 @@ class PagedBatch:
     kernel_cos_sin: torch.Tensor  # cos_sin_cache in the pool's dtype, what the engine hands the kernels
     sm_scale: float
     page_size: int = 1
-    seq_lens_cpu: list[int] = field(default_factory=list)
-    extend_seq_lens_cpu: list[int] = field(default_factory=list)
     staged: "StagedKeys | None" = None  # the key-staging workspace (NaN at first), built by the first staged run
 
-    def attention_args(self) -> tuple:
-        """Positional arguments shared by attention_reference and paged_attention_torch."""
-        return (
-            self.q,
-            self.k_buffer,
-            self.v_buffer,
-            self.req_to_token,
-            self.req_pool_indices,
-            self.seq_lens,
-            self.extend_start_loc,
-            self.extend_seq_lens,
-            self.positions,
-            self.attn_lo,
-            self.cos_sin_cache,
-            self.sm_scale,
-        )
+    @property
+    def seq_lens_cpu(self) -> list[int]:
+        return self.rows.seq_lens
+
+    @property
+    def extend_seq_lens_cpu(self) -> list[int]:
+        return self.rows.extend_seq_lens
+
+    def kv(self, k_buffer: torch.Tensor | None = None) -> PagedKV:
+        """The requests' keys (in k_buffer, by default the batch's own pool), with their longest context."""
+        k_buffer = self.k_buffer if k_buffer is None else k_buffer
+        return PagedKV(k_buffer, self.v_buffer, self.req_to_token, self.req_pool_indices, self.seq_lens,
+                       max(self.seq_lens_cpu))
+
+    def ext(self) -> ExtendRows:
+        return ExtendRows(self.extend_start_loc, self.extend_seq_lens, self.positions, self.attn_lo,
+                          max(self.extend_seq_lens_cpu))
+
+    def attention_args(self, k_buffer: torch.Tensor | None = None) -> tuple:
+        """Arguments shared by attention_reference and paged_attention_torch (keys from k_buffer if given)."""
+        return self.q, self.kv(k_buffer), self.ext(), self.cos_sin_cache, self.sm_scale
 
     def poisoned_output(self) -> torch.Tensor:
         """[T, Hq, Dv] of NaN, so that a row the kernel forgets to write cannot pass a check."""
@@ -132,30 +139,13 @@ class PagedBatch:
         from sglang_pic.kernels.stage_keys import should_stage_keys
 
         out = self.poisoned_output() if out is None else out
-        k_buffer = self.k_buffer if k_buffer is None else k_buffer
+        kv = self.kv(k_buffer)
         if stage is None:
-            stage = should_stage_keys(sum(self.seq_lens_cpu), k_buffer, self.query_rows())
-        staged = self.stage_keys(k_buffer) if stage and not keys_rotated else None
+            stage = should_stage_keys(sum(self.seq_lens_cpu), kv.k_buffer, self.query_rows())
+        staged = self.stage_keys(kv.k_buffer) if stage and not keys_rotated else None
         extend_attention_fwd(
-            self.q,
-            k_buffer,
-            self.v_buffer,
-            out,
-            self.req_to_token,
-            self.req_pool_indices,
-            self.extend_start_loc,
-            self.extend_seq_lens,
-            self.positions,
-            self.attn_lo,
-            self.kernel_cos_sin,
-            self.sm_scale,
-            max(self.extend_seq_lens_cpu),
-            keys_rotated=keys_rotated,
-            config=config,
-            num_splits=num_splits,
-            max_seq_len=max(self.seq_lens_cpu),
-            num_sms=_num_sms(self.q.device),
-            staged_keys=staged,
+            self.q, out, kv, self.ext(), self.kernel_cos_sin, self.sm_scale, keys_rotated=keys_rotated, config=config,
+            num_splits=num_splits, num_sms=_num_sms(self.q.device), staged_keys=staged,
         )
         return out
 
@@ -167,35 +157,21 @@ class PagedBatch:
         from sglang_pic.kernels.stage_keys import alloc_staged_keys, has_cached_keys
         from sglang_pic.kernels.store_kv import store_kv
 
-        k_buffer = self.k_buffer if k_buffer is None else k_buffer
+        kv = self.kv(k_buffer)
         if self.staged is None:
-            self.staged = alloc_staged_keys(
-                k_buffer, self.seq_lens, self.extend_start_loc, self.extend_seq_lens, self.positions,
-                sum(self.seq_lens_cpu),
-            )
+            self.staged = alloc_staged_keys(kv, self.ext(), sum(self.seq_lens_cpu))
             self.staged.workspace.fill_(float("nan"))
         new_kv = (self.out_cache_loc, self.k_new, self.v_new)
-        store_kv(k_buffer, self.v_buffer, *new_kv, self.kernel_cos_sin, self.staged, self.positions)
+        store_kv(kv.k_buffer, self.v_buffer, *new_kv, self.kernel_cos_sin, self.staged, self.positions)
         if not has_cached_keys(self.seq_lens_cpu, self.extend_seq_lens_cpu):
             return self.staged
-        return self.stage_cached_keys(k_buffer)
+        return self.stage_cached_keys(kv.k_buffer)
 
     def stage_cached_keys(self, k_buffer: torch.Tensor | None = None) -> StagedKeys:
         """The staging pass alone: the cached keys into the workspace stage_keys built (benchmarks time it)."""
         from sglang_pic.kernels.stage_keys import stage_keys
 
-        return stage_keys(
-            self.staged,
-            self.k_buffer if k_buffer is None else k_buffer,
-            self.req_to_token,
-            self.req_pool_indices,
-            self.seq_lens,
-            self.extend_start_loc,
-            self.extend_seq_lens,
-            self.positions,
-            self.kernel_cos_sin,
-            max(self.seq_lens_cpu),
-        )
+        return stage_keys(self.staged, self.kv(k_buffer), self.ext(), self.kernel_cos_sin)
 
     def run_decode(
         self,
@@ -214,17 +190,7 @@ class PagedBatch:
             num_heads, v_dim = self.q.shape[1], self.v_buffer.shape[-1]
             buffers = alloc_decode_buffers(self.q.shape[0], num_heads, v_dim, max_splits, self.q.device)
         decode_attention_fwd(
-            self.q,
-            self.k_buffer if k_buffer is None else k_buffer,
-            self.v_buffer,
-            out,
-            self.req_to_token,
-            self.req_pool_indices,
-            self.seq_lens,
-            self.kernel_cos_sin,
-            self.sm_scale,
-            *buffers,
-            keys_rotated=keys_rotated,
+            self.q, out, self.kv(k_buffer), self.kernel_cos_sin, self.sm_scale, *buffers, keys_rotated=keys_rotated,
             config=config,
         )
         return out
@@ -252,9 +218,7 @@ class PagedBatch:
 
         out = self.poisoned_output()
         plan = plan_shared_decode(self.req_pool_indices.tolist(), self.seq_lens_cpu, runs, settings, self.q.device)
-        shared_decode_attention_fwd(
-            self.q, self.k_buffer, self.v_buffer, out, self.req_to_token, plan, self.kernel_cos_sin, self.sm_scale
-        )
+        shared_decode_attention_fwd(self.q, out, self.kv(), plan, self.kernel_cos_sin, self.sm_scale)
         return out
 
     def run_store(self, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,18 +283,20 @@ def make_paged_batch(
     need_pages = sum(-(-(e - s) // page_size) for sp in specs for s, e in _segments(sp))
     num_pages = need_pages + 2  # the dummy page 0 and one page nobody owns
     pages = torch.randperm(num_pages - 1, generator=gen) + 1
-    rows = torch.randperm(len(specs) + 3, generator=gen)[: len(specs)]
+    pool_rows = torch.randperm(len(specs) + 3, generator=gen)[: len(specs)].tolist()
 
     poison_slot = int(pages[-1]) * page_size
     req_to_token = torch.full((len(specs) + 3, max_len + page_size), poison_slot, dtype=torch.int64)
     owned = torch.zeros(num_pages * page_size, dtype=torch.bool)
     loc_parts = []
     next_page = 0
-    for spec, row in zip(specs, rows.tolist()):
+    rows = BatchRows()
+    for spec, row in zip(specs, pool_rows):
         slots, next_page = _slot_table(spec, page_size, pages, next_page)
         req_to_token[row, : spec.seq_len] = slots
         owned[slots] = True
         loc_parts.append(slots[list(spec.positions)])
+        rows.add(row, list(spec.positions), list(spec.attn_lo), spec.seq_len)
 
     dev_gen = torch.Generator(device=device).manual_seed(seed + 1)
     buffers = []
@@ -341,31 +307,32 @@ def make_paged_batch(
         buffers.append(buf)
     k_buffer, v_buffer = buffers
 
-    ext = [len(s.positions) for s in specs]
-    ext_t = torch.tensor(ext, dtype=torch.int64)
+    def on_device(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    ext = torch.tensor(rows.extend_seq_lens, dtype=torch.int64)
     loc = torch.cat(loc_parts).to(device)
-    q = torch.randn((sum(ext), num_heads, head_dim), generator=dev_gen, device=device, dtype=dtype)
+    q = torch.randn((rows.num_tokens, num_heads, head_dim), generator=dev_gen, device=device, dtype=dtype)
     rope = RotaryEmbedding(head_dim, max_len + 1, base=rope_base, rotary_dim=rotary_dim, device=device)
     return PagedBatch(
+        rows=rows,
         q=q,
         k_new=k_buffer[loc].clone(),
         v_new=v_buffer[loc].clone(),
         k_buffer=k_buffer,
         v_buffer=v_buffer,
         req_to_token=req_to_token.to(device),
-        req_pool_indices=rows.to(device),
-        seq_lens=torch.tensor([s.seq_len for s in specs], dtype=torch.int64, device=device),
-        extend_start_loc=(torch.cumsum(ext_t, 0) - ext_t).to(device),
-        extend_seq_lens=ext_t.to(device),
-        positions=torch.tensor([p for s in specs for p in s.positions], dtype=torch.int64, device=device),
-        attn_lo=torch.tensor([lo for s in specs for lo in s.attn_lo], dtype=torch.int64, device=device),
+        req_pool_indices=on_device(rows.req_pool_indices),
+        seq_lens=on_device(rows.seq_lens),
+        extend_start_loc=(torch.cumsum(ext, 0) - ext).to(device),
+        extend_seq_lens=ext.to(device),
+        positions=on_device(rows.positions),
+        attn_lo=on_device(rows.attn_lo),
         out_cache_loc=loc,
         cos_sin_cache=rope.cos_sin_cache,
         kernel_cos_sin=rope.kernel_table(dtype),
         sm_scale=head_dim**-0.5,
         page_size=page_size,
-        seq_lens_cpu=[s.seq_len for s in specs],
-        extend_seq_lens_cpu=ext,
     )
 
 
@@ -393,21 +360,8 @@ def forward_batch_for(
     kv_pool.v_buffer[0][batch.out_cache_loc] = float("nan")
     req_pool = ReqToTokenPool(batch.req_to_token.shape[0], batch.req_to_token.shape[1], device)
     req_pool.req_to_token[: batch.req_to_token.shape[0]].copy_(batch.req_to_token)
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-        batch_size=len(batch.seq_lens_cpu),
-        input_ids=torch.zeros(batch.q.shape[0], dtype=torch.int64, device=device),
-        positions=batch.positions,
-        attn_lo=batch.attn_lo,
-        out_cache_loc=batch.out_cache_loc,
-        req_pool_indices=batch.req_pool_indices,
-        seq_lens=batch.seq_lens,
-        extend_seq_lens=batch.extend_seq_lens,
-        extend_start_loc=batch.extend_start_loc,
-        seq_lens_cpu=batch.seq_lens_cpu,
-        extend_seq_lens_cpu=batch.extend_seq_lens_cpu,
-        req_to_token_pool=req_pool,
-        token_to_kv_pool=kv_pool,
-        attn_backend=backend,
-        num_decode_tail=decode_tail,
+    return ForwardBatch.build(
+        ForwardMode.DECODE if decode else ForwardMode.EXTEND, batch.rows, batch.out_cache_loc, device,
+        req_to_token_pool=req_pool, token_to_kv_pool=kv_pool, attn_backend=backend,
+        input_ids=torch.zeros(batch.q.shape[0], dtype=torch.int64, device=device), num_decode_tail=decode_tail,
     )

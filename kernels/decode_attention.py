@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_pic.kernels.paged_layout import PagedKV
 from sglang_pic.kernels.rope import (
     HeadSplit,
     attend_paged_keys,
@@ -253,12 +254,8 @@ def decode_kernel_params(
 
 def decode_attention_fwd(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
     out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    kv: PagedKV,
     cos_sin_cache: torch.Tensor,
     sm_scale: float,
     mid_o: torch.Tensor,
@@ -266,14 +263,16 @@ def decode_attention_fwd(
     keys_rotated: bool = False,
     config: DecodeConfig | None = None,
 ) -> None:
-    """out [B, Hq, Dv] for q [B, Hq, D] (unrotated, row b at position seq_lens[b] - 1; every seq_len >= 1).
+    """out [B, Hq, Dv] for q [B, Hq, D] (unrotated, row b at position kv.seq_lens[b] - 1; every seq_len >= 1).
 
-    The split count is mid_o.shape[2]. Keys are rotated in the dtype of `cos_sin_cache` (pass it in the pool's
-    dtype, see RotaryEmbedding.kernel_table). keys_rotated=True is the baseline that reads pre-rotated keys.
+    The split count is mid_o.shape[2] (buffers from alloc_decode_buffers). Keys are rotated in the dtype of
+    `cos_sin_cache` (pass it in the pool's dtype, see RotaryEmbedding.kernel_table). keys_rotated=True is the
+    baseline that reads pre-rotated keys.
     """
     batch_size, num_heads, head_dim = q.shape
     if batch_size == 0:
         return
+    k_buffer, v_buffer = kv.k_buffer, kv.v_buffer
     check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
     num_kv_heads = k_buffer.shape[1]
     max_splits = mid_o.shape[2]
@@ -286,9 +285,9 @@ def decode_attention_fwd(
         k_buffer,
         v_buffer,
         cos_sin_cache,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
+        kv.req_to_token,
+        kv.req_pool_indices,
+        kv.seq_lens,
         mid_o,
         mid_lse,
         sm_scale * LOG2E,
@@ -296,7 +295,7 @@ def decode_attention_fwd(
         q.stride(0),
         k_buffer.stride(0),
         v_buffer.stride(0),
-        req_to_token.stride(0),
+        kv.req_to_token.stride(0),
         cos_sin_cache.stride(0),
         mid_o.stride(0),
         mid_o.stride(1),
@@ -305,7 +304,7 @@ def decode_attention_fwd(
         mid_lse.stride(1),
         **split_params,
     )
-    merge_splits(mid_o, mid_lse, out, seq_lens, merge_params)
+    merge_splits(mid_o, mid_lse, out, kv.seq_lens, merge_params)
 
 
 def merge_splits(

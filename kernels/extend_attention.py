@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
 from sglang_pic.kernels.rope import (
     HeadSplit,
     attend_block,
@@ -305,37 +306,30 @@ def extend_kernel_params(
 
 def extend_attention_fwd(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
     out: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    attn_lo: torch.Tensor,
+    kv: PagedKV,
+    ext: ExtendRows,
     cos_sin_cache: torch.Tensor,
     sm_scale: float,
-    max_extend_len: int,
+    *,
     keys_rotated: bool = False,
     config: ExtendConfig | None = None,
     num_splits: int | None = None,
-    max_seq_len: int = 0,
     num_sms: int = 1,
     staged_keys: StagedKeys | None = None,
 ) -> None:
-    """out [T, Hq, Dv] = attention of q [T, Hq, D] (unrotated) over the pool.
+    """out [T, Hq, Dv] = attention of q [T, Hq, D] (unrotated, rows as `ext` lays them out) over `kv`.
 
     The key range is cut into `num_splits` chunks (default: `num_extend_splits` from the longest context,
-    `max_seq_len`, and the device's `num_sms`).
+    kv.max_seq_len, and the device's `num_sms`). ext.max_extend_len sizes the grid; it may exceed the true maximum.
 
     Keys are rotated in the dtype of `cos_sin_cache` (pass it in the pool's dtype, see RotaryEmbedding.kernel_table).
     keys_rotated=True is the baseline: the pool holds keys already rotated by their position, so only queries
     are rotated. With `staged_keys` (from stage_keys over the same requests) keys are read, rotated, from its
-    workspace instead of k_buffer; values still come from the pool. `max_extend_len` (a host int) sizes the grid;
-    it may exceed the true maximum.
+    workspace instead of kv.k_buffer; values still come from the pool.
     """
     num_tokens, num_heads, head_dim = q.shape
+    max_extend_len, k_buffer, v_buffer = ext.max_extend_len, kv.k_buffer, kv.v_buffer
     if num_tokens == 0 or max_extend_len == 0:
         return
     check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
@@ -350,13 +344,13 @@ def extend_attention_fwd(
     )
     q_blocks = triton.cdiv(max_extend_len, params["BLOCK_M"] // params["GROUP"])
     if num_splits is None:
-        programs = req_pool_indices.shape[0] * num_kv_heads * q_blocks
-        num_splits = num_extend_splits(programs, max_seq_len, num_sms, params["num_warps"])
+        programs = kv.req_pool_indices.shape[0] * num_kv_heads * q_blocks
+        num_splits = num_extend_splits(programs, kv.max_seq_len, num_sms, params["num_warps"])
     params["SPLIT"] = num_splits > 1
     v_dim = v_buffer.shape[-1]
     mid_o = q.new_empty((num_tokens, num_heads, num_splits, v_dim) if num_splits > 1 else (0,), dtype=torch.float32)
     mid_lse = q.new_empty((num_tokens, num_heads, num_splits) if num_splits > 1 else (0,), dtype=torch.float32)
-    grid = (req_pool_indices.shape[0], num_kv_heads, q_blocks * num_splits)
+    grid = (kv.req_pool_indices.shape[0], num_kv_heads, q_blocks * num_splits)
     _extend_attention_kernel[grid](
         q,
         k_buffer,
@@ -365,13 +359,13 @@ def extend_attention_fwd(
         mid_o,
         mid_lse,
         cos_sin_cache,
-        req_to_token,
-        req_pool_indices,
-        extend_start_loc,
-        extend_seq_lens,
-        positions,
-        attn_lo,
-        staged_keys.row_start if staged else req_pool_indices,  # any int64 pointer when unused
+        kv.req_to_token,
+        kv.req_pool_indices,
+        ext.extend_start_loc,
+        ext.extend_seq_lens,
+        ext.positions,
+        ext.attn_lo,
+        staged_keys.row_start if staged else kv.req_pool_indices,  # any int64 pointer when unused
         sm_scale * LOG2E,
         cos_sin_cache.shape[0],
         num_splits,
@@ -381,7 +375,7 @@ def extend_attention_fwd(
         num_heads * num_splits,
         k_buffer.stride(0),
         v_buffer.stride(0),
-        req_to_token.stride(0),
+        kv.req_to_token.stride(0),
         cos_sin_cache.stride(0),
         **params,
     )

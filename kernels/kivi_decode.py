@@ -18,6 +18,8 @@ registers; a key block lies inside one group, so its scales are one row per chan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -239,36 +241,45 @@ def kivi_kernel_params(
     return split_params, merge_params
 
 
+@dataclass(frozen=True)
+class KiviKV:
+    """One layer's draft keys of a batch of requests (see the module docstring): request b's keys below
+    prefix_lens[b] are its quantized prefix, the rest pool slots table[b, j - prefix_lens[b]] of the buffers."""
+
+    k_buffer: torch.Tensor  # [slots, Hkv, D] the exact rows' pool
+    v_buffer: torch.Tensor  # [slots, Hkv, Dv]
+    table: torch.Tensor  # [B, W] int64
+    totals: torch.Tensor  # [B] int64 keys per request, prefix included
+    prefix_lens: torch.Tensor  # [B] int64
+    quant_ptrs: torch.Tensor  # [B, QUANT_FIELDS] int64 addresses of each request's quantized tensors
+    quant_group: int  # tokens per key quantization group
+    value_group: int  # channels per value quantization group
+
+
 def kivi_decode_fwd(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
     out: torch.Tensor,
-    table: torch.Tensor,
-    totals: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    quant_ptrs: torch.Tensor,
+    kv: KiviKV,
     cos_sin_cache: torch.Tensor,
     sm_scale: float,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
-    quant_group: int,
-    value_group: int,
 ) -> None:
-    """out [B, Hq, Dv] for unrotated q [B, Hq, D], row b at position totals[b] - 1 (see the module docstring).
+    """out [B, Hq, Dv] for unrotated q [B, Hq, D], row b at position kv.totals[b] - 1.
 
-    quant_ptrs [B, 6] int64: addresses of request b's six quantized tensors for this layer (any valid address
-    when prefix_lens[b] is 0: it is never read). The split count is mid_o.shape[2].
+    kv.quant_ptrs may hold any valid address for a request whose prefix_lens is 0: it is never read. The split
+    count is mid_o.shape[2].
     """
     batch_size, num_heads, head_dim = q.shape
     if batch_size == 0:
         return
+    k_buffer, v_buffer, table = kv.k_buffer, kv.v_buffer, kv.table
     check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
     num_kv_heads = k_buffer.shape[1]
     max_splits = mid_o.shape[2]
     split_params, merge_params = kivi_kernel_params(
-        num_heads, num_kv_heads, head_dim, cos_sin_cache.shape[-1], v_buffer.shape[-1], quant_group, value_group,
-        k_buffer.dtype, q.device,
+        num_heads, num_kv_heads, head_dim, cos_sin_cache.shape[-1], v_buffer.shape[-1], kv.quant_group,
+        kv.value_group, k_buffer.dtype, q.device,
     )
     _kivi_split_kernel[(batch_size, num_kv_heads, max_splits)](
         q,
@@ -276,9 +287,9 @@ def kivi_decode_fwd(
         v_buffer,
         cos_sin_cache,
         table,
-        totals,
-        prefix_lens,
-        quant_ptrs,
+        kv.totals,
+        kv.prefix_lens,
+        kv.quant_ptrs,
         mid_o,
         mid_lse,
         sm_scale * LOG2E,
@@ -296,4 +307,4 @@ def kivi_decode_fwd(
         mid_lse.stride(1),
         **split_params,
     )
-    merge_splits(mid_o, mid_lse, out, totals, merge_params)
+    merge_splits(mid_o, mid_lse, out, kv.totals, merge_params)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
+
 QUERY_CHUNK = 512
 
 
@@ -25,33 +27,27 @@ def rope_f64(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tens
 
 def attention_reference(
     q: torch.Tensor,  # [T, Hq, D] unrotated
-    k_buffer: torch.Tensor,  # [S, Hkv, D]
-    v_buffer: torch.Tensor,  # [S, Hkv, Dv]
-    req_to_token: torch.Tensor,  # [R, L]
-    req_pool_indices: torch.Tensor,  # [B]
-    seq_lens: torch.Tensor,  # [B]
-    extend_start_loc: torch.Tensor,  # [B]
-    extend_seq_lens: torch.Tensor,  # [B]
-    positions: torch.Tensor,  # [T]
-    attn_lo: torch.Tensor,  # [T]
+    kv: PagedKV,
+    ext: ExtendRows,
     cos_sin_cache: torch.Tensor,  # [P, rotary_dim]
     sm_scale: float,
     keys_rotated: bool = False,
 ) -> torch.Tensor:
     """[T, Hq, Dv] float64. Query t sees keys j of its request with attn_lo[t] <= j <= positions[t]."""
     num_heads = q.shape[1]
-    group = num_heads // k_buffer.shape[1]
-    out = torch.zeros((q.shape[0], num_heads, v_buffer.shape[-1]), dtype=torch.float64, device=q.device)
-    for b in range(req_pool_indices.shape[0]):
-        seq_len = int(seq_lens[b])
-        start, count = int(extend_start_loc[b]), int(extend_seq_lens[b])
+    group = num_heads // kv.k_buffer.shape[1]
+    out = torch.zeros((q.shape[0], num_heads, kv.v_buffer.shape[-1]), dtype=torch.float64, device=q.device)
+    positions, attn_lo = ext.positions, ext.attn_lo
+    for b in range(kv.req_pool_indices.shape[0]):
+        seq_len = int(kv.seq_lens[b])
+        start, count = int(ext.extend_start_loc[b]), int(ext.extend_seq_lens[b])
         key_idx = torch.arange(seq_len, device=q.device)
-        slots = req_to_token[req_pool_indices[b], :seq_len]
-        keys = k_buffer[slots].to(torch.float64)
+        slots = kv.req_to_token[kv.req_pool_indices[b], :seq_len]
+        keys = kv.k_buffer[slots].to(torch.float64)
         if not keys_rotated:
             keys = rope_f64(keys, key_idx, cos_sin_cache)
         keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
-        values = v_buffer[slots].to(torch.float64).repeat_interleave(group, dim=1)
+        values = kv.v_buffer[slots].to(torch.float64).repeat_interleave(group, dim=1)
         for c in range(start, start + count, QUERY_CHUNK):
             rows = torch.arange(c, min(c + QUERY_CHUNK, start + count), device=q.device)
             pos = positions[rows]

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_pic.kernels.paged_layout import PagedKV
 from sglang_pic.kernels.rope import (
     HeadSplit,
     attend_paged_keys,
@@ -195,20 +196,21 @@ def alloc_shared_buffers(
 
 def shared_decode_attention_fwd(
     q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
     out: torch.Tensor,
-    req_to_token: torch.Tensor,
+    kv: PagedKV,
     plan: SharedDecodePlan,
     cos_sin_cache: torch.Tensor,
     sm_scale: float,
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out [B, Hq, Dv] for the decode queries q [B, Hq, D] (unrotated; row b of the plan's requests), keys
-    position-free in the pool. The partials go to `buffers` (alloc_shared_buffers; allocated here if None)."""
+    position-free in kv's buffers. The plan names the rows of kv.req_to_token each request reads, so kv's own
+    request rows and lengths go unread. The partials go to `buffers` (alloc_shared_buffers; allocated here if
+    None)."""
     batch_size, num_heads, head_dim = q.shape
     if batch_size == 0:
         return
+    k_buffer, v_buffer, req_to_token = kv.k_buffer, kv.v_buffer, kv.req_to_token
     check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
     num_kv_heads = k_buffer.shape[1]
     split = head_split(head_dim, cos_sin_cache, v_buffer.shape[-1])

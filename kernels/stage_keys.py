@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
 from sglang_pic.kernels.rope import HeadSplit, check_dense_heads, copy_key_rows
 
 STAGE_MAX_BYTES = 512 * 2**20  # workspace bound: beyond it (many long contexts in one batch) keys rotate in-kernel
@@ -53,24 +54,18 @@ class StagedKeys:
     token_rows: torch.Tensor
 
 
-def alloc_staged_keys(
-    k_buffer: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    total_keys: int,
-) -> StagedKeys:
-    """A workspace for the keys of extends with these lengths (`total_keys`: their sum, a host int), requests back to
-    back, and the row of each of the `positions.shape[0]` new tokens. Tokens past the last request's new tokens (a
-    CUDA graph's padding) get row -1. Nothing synchronizes, so this may run inside a graph capture."""
-    tokens = positions.shape[0]
-    row_start = torch.cumsum(seq_lens, 0) - seq_lens
-    token = torch.arange(tokens, device=positions.device)
-    request = torch.searchsorted(extend_start_loc, token, right=True) - 1
-    live = token < extend_start_loc[-1:] + extend_seq_lens[-1:]
+def alloc_staged_keys(kv: PagedKV, ext: ExtendRows, total_keys: int) -> StagedKeys:
+    """A workspace for the keys of the extends `kv` and `ext` describe (`total_keys`: their seq_lens summed, a host
+    int), requests back to back, and the row of each of the `ext.positions.shape[0]` new tokens. Tokens past the
+    last request's new tokens (a CUDA graph's padding) get row -1. Nothing synchronizes, so this may run inside a
+    graph capture."""
+    positions, starts, counts = ext.positions, ext.extend_start_loc, ext.extend_seq_lens
+    row_start = torch.cumsum(kv.seq_lens, 0) - kv.seq_lens
+    token = torch.arange(positions.shape[0], device=positions.device)
+    request = torch.searchsorted(starts, token, right=True) - 1
+    live = token < starts[-1:] + counts[-1:]
     token_rows = torch.where(live, row_start[request] + positions, -1)
-    workspace = k_buffer.new_empty((total_keys, *k_buffer.shape[1:]))
+    workspace = kv.k_buffer.new_empty((total_keys, *kv.k_buffer.shape[1:]))
     return StagedKeys(workspace, row_start, token_rows)
 
 
@@ -135,40 +130,30 @@ def stage_kernel_params(split: HeadSplit) -> dict:
     return {"BLOCK_J": BLOCK_KEYS, "num_warps": 4, **{k: c[k] for k in keys}}
 
 
-def stage_keys(
-    staged: StagedKeys,
-    k_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    extend_start_loc: torch.Tensor,
-    extend_seq_lens: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    max_seq_len: int,
-) -> StagedKeys:
-    """Stage request b's cached keys (of 0..seq_lens[b]-1, see _stage_keys_kernel), rotated by their index, at rows
-    row_start[b] + j of `staged`, after the store has written the new ones. `max_seq_len` is a host int bounding
-    seq_lens: nothing synchronizes."""
+def stage_keys(staged: StagedKeys, kv: PagedKV, ext: ExtendRows, cos_sin_cache: torch.Tensor) -> StagedKeys:
+    """Stage request b's cached keys (of 0..kv.seq_lens[b]-1, see _stage_keys_kernel), rotated by their index, at
+    rows row_start[b] + j of `staged`, after the store has written the new ones. kv.max_seq_len, a host int
+    bounding seq_lens, sizes the grid: nothing synchronizes."""
+    k_buffer = kv.k_buffer
     check_dense_heads(k_buffer=k_buffer)
     _, num_kv_heads, head_dim = k_buffer.shape
     if staged.workspace.shape[0] == 0:
         return staged
-    grid = (req_pool_indices.shape[0], triton.cdiv(max_seq_len, BLOCK_KEYS), num_kv_heads)
+    grid = (kv.req_pool_indices.shape[0], triton.cdiv(kv.max_seq_len, BLOCK_KEYS), num_kv_heads)
     _stage_keys_kernel[grid](
         k_buffer,
         staged.workspace,
         cos_sin_cache,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
+        kv.req_to_token,
+        kv.req_pool_indices,
+        kv.seq_lens,
         staged.row_start,
-        extend_start_loc,
-        extend_seq_lens,
-        positions,
+        ext.extend_start_loc,
+        ext.extend_seq_lens,
+        ext.positions,
         k_buffer.stride(0),
         staged.workspace.stride(0),
-        req_to_token.stride(0),
+        kv.req_to_token.stride(0),
         cos_sin_cache.stride(0),
         **stage_kernel_params(HeadSplit(head_dim, cos_sin_cache.shape[-1], head_dim)),
     )

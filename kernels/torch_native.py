@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
+
 
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """Rotate x [..., H, D] by positions [...] in float32 (neox rotate_half form; cos|sin halves in the cache)."""
@@ -30,40 +32,34 @@ def store_kv_torch(
 
 def paged_attention_torch(
     q: torch.Tensor,  # [T, Hq, D] unrotated
-    k_buffer: torch.Tensor,  # [S, Hkv, D] unrotated keys
-    v_buffer: torch.Tensor,  # [S, Hkv, Dv]
-    req_to_token: torch.Tensor,  # [R, L]
-    req_pool_indices: torch.Tensor,  # [B]
-    seq_lens: torch.Tensor,  # [B]
-    extend_start_loc: torch.Tensor,  # [B]
-    extend_seq_lens: torch.Tensor,  # [B]
-    positions: torch.Tensor,  # [T]
-    attn_lo: torch.Tensor,  # [T]
+    kv: PagedKV,
+    ext: ExtendRows,
     cos_sin_cache: torch.Tensor,  # [P, rotary_dim]
     sm_scale: float,
-    max_q: int | None = None,
-    max_kv: int | None = None,
     keys_rotated: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Batched (padded) masked attention for extend and decode alike. Returns [T, Hq, Dv] in q's dtype: `out` when
-    given, with the rows of these requests written (callers attend groups of a batch's requests into one output).
+    """Batched masked attention for extend and decode alike, each request's queries padded to ext.max_extend_len
+    and keys to kv.max_seq_len (the true maximum when 0, which reads it from the device). Returns [T, Hq, Dv]
+    in q's dtype: `out` when given, with the rows of these requests written (callers attend groups of a batch's
+    requests into one output).
 
     keys_rotated=True reads keys that were stored already rotated (the baseline engines use); then only
     queries are rotated here.
     """
     T, hq, d = q.shape
+    k_buffer, v_buffer, seq_lens = kv.k_buffer, kv.v_buffer, kv.seq_lens
     hkv = k_buffer.shape[1]
     group = hq // hkv
-    bsz = req_pool_indices.shape[0]
+    bsz = kv.req_pool_indices.shape[0]
     device = q.device
-    max_q = int(extend_seq_lens.max()) if max_q is None else max_q
-    max_kv = int(seq_lens.max()) if max_kv is None else max_kv
+    max_q = ext.max_extend_len
+    max_kv = kv.max_seq_len or int(seq_lens.max())
 
     # Gather each request's keys and values, padded to max_kv.
     kv_idx = torch.arange(max_kv, device=device)
     kv_valid = kv_idx[None, :] < seq_lens[:, None]  # [B, K]
-    slots = req_to_token[req_pool_indices][:, :max_kv]
+    slots = kv.req_to_token[kv.req_pool_indices][:, :max_kv]
     slots = torch.where(kv_valid, slots, torch.zeros_like(slots))
     keys = k_buffer[slots]  # [B, K, Hkv, D]
     if keys_rotated:
@@ -74,10 +70,11 @@ def paged_attention_torch(
 
     # Scatter each request's queries into [B, Q] rows.
     q_off = torch.arange(max_q, device=device)
-    q_valid = q_off[None, :] < extend_seq_lens[:, None]  # [B, Q]
-    rows = torch.where(q_valid, extend_start_loc[:, None] + q_off[None, :], torch.zeros_like(q_valid, dtype=torch.long))
-    q_pos = positions[rows]
-    q_lo = attn_lo[rows]
+    q_valid = q_off[None, :] < ext.extend_seq_lens[:, None]  # [B, Q]
+    zero = torch.zeros_like(q_valid, dtype=torch.long)
+    rows = torch.where(q_valid, ext.extend_start_loc[:, None] + q_off[None, :], zero)
+    q_pos = ext.positions[rows]
+    q_lo = ext.attn_lo[rows]
     q_rot = rope_rotate(q[rows], q_pos, cos_sin_cache)  # [B, Q, Hq, D]
 
     visible = (kv_idx[None, None, :] <= q_pos[:, :, None]) & (kv_idx[None, None, :] >= q_lo[:, :, None])

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sglang_pic.radix_ext.radix_cache import TreeNode
+    from sglang_pic.radix_ext.radix_tree import TreeNode
 
 
 class LruHeap:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from sglang_pic.radix_ext.radix_cache import RadixKey
+from sglang_pic.radix_ext.radix_tree import RadixKey
 
 SegmentKind = Literal["prefix", "span", "pdep"]
 SPAN_NAMESPACE = "span"

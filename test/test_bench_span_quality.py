@@ -111,7 +111,7 @@ def test_dense_and_span_prompts_are_the_same_ids(setup):
         for item in task.make(2, 0, sizes, builder.count):
             prompt = builder.build(item)
             assert SSEP_MARKER in prompt.marked, task.name  # documents (and tools) are spans
-            segments = builder.tokenizer_manager.tokenize(prompt.marked)
+            segments = builder.request_builder.tokenize(prompt.marked)
             assert [t for s in segments for t in s.token_ids] == prompt.ids, task.name
             assert builder.tokenizer.decode(prompt.ids) == strip_markers(prompt.marked), task.name
             if not item.tools:  # documents end in a newline, so tokenizing the plain text whole cuts them alike

@@ -111,7 +111,7 @@ def test_concurrent_requests_compute_a_shared_uncached_prefix_once(tiny_llama, c
         n_prompt = with_span[0]["meta_info"]["prompt_tokens"]
         # a copy computes itself the last tokens of a segment that are fewer than SHARED_PREFIX_MIN when it matches
         extra = 2 if chunked_prefill_size is None else 2 * SHARED_PREFIX_MIN
-        anchor = len(engine.tokenizer_manager.span_policy.anchor)  # the span job computes it too (span_policy.py)
+        anchor = len(engine.request_builder.span_policy.anchor)  # the span job computes it too (span_policy.py)
         assert stats.computed_prefill_tokens - before <= n_prompt + extra + anchor
         assert len({tuple(o["output_ids"]) for o in with_span}) == 1
         assert_idle_accounting(engine)
@@ -176,7 +176,7 @@ def test_release_frees_the_slots_the_request_was_given_not_what_its_row_says(tin
     with Engine(model_path=str(tiny_llama), dtype="float32", page_size=4, max_total_tokens=2048,
                 disable_radix_cache=disable_radix_cache) as engine:
         kv = engine.scheduler.kv
-        (req,) = engine.tokenizer_manager.build_requests(
+        (req,) = engine.make_reqs(
             GenerateReqInput(text=PROMPTS[1] + " by", sampling_params=greedy())
         )
         req.req_pool_idx = engine.runner.req_to_token_pool.alloc()
@@ -230,8 +230,8 @@ def test_lpm_policy_serves_longest_match_first_with_same_tokens(tiny_llama):
     ) as lpm:
         lpm.generate(base, {"max_new_tokens": 1})
         order = []
-        original = lpm.scheduler._count_admission
-        lpm.scheduler._count_admission = lambda req: order.append(req.prompt_len) or original(req)
+        original = lpm.scheduler.admission._count_admission
+        lpm.scheduler.admission._count_admission = lambda req: order.append(req.prompt_len) or original(req)
         outs = lpm.generate(prompts, greedy())
         assert [o["output_ids"] for o in outs] == expected
         # the two prompts sharing the cached prefix are admitted before the others

@@ -76,9 +76,9 @@ def test_shared_decode_matches_cpu_float32_without_waiting_for_the_gpu(tiny_llam
         sched = gpu.scheduler
         launch = sched._launch
 
-        def strict_launch(plan, updated):
+        def strict_launch(plan, last):
             with no_device_syncs():
-                return launch(plan, updated)
+                return launch(plan, last)
 
         sched._launch = strict_launch
         got = [o["output_ids"] for o in gpu.generate(prompts, GREEDY)]
@@ -97,7 +97,7 @@ def test_admission_and_caching_never_wait_for_the_gpu(tiny_llama, page_size):
     with Engine(device="cuda", model_path=str(tiny_llama), dtype="float32", page_size=page_size,
                 max_total_tokens=4096, span_anchor="none", span_head_tokens=0) as e:
         e.generate(PROMPTS, GREEDY)  # the shared spans are cached; the fresh one is not
-        req = e.tokenizer_manager.build_requests(GenerateReqInput(text=prompt, sampling_params=GREEDY))[0]
+        req = e.make_reqs(GenerateReqInput(text=prompt, sampling_params=GREEDY))[0]
         kv = e.scheduler.kv
         req.req_pool_idx = e.runner.req_to_token_pool.alloc()
         torch.cuda.synchronize()
@@ -133,10 +133,10 @@ def test_launching_a_step_never_waits_for_the_gpu(tiny_llama, params, logprobs):
         launch = sched._launch
         ahead = []
 
-        def strict_launch(plan, updated):
-            ahead.append((sched.inflight is not None, bool(plan.entries)))
+        def strict_launch(plan, last):
+            ahead.append((last.step is not None, bool(plan.entries)))
             with no_device_syncs():
-                return launch(plan, updated)
+                return launch(plan, last)
 
         sched._launch = strict_launch
         outs = e.generate(PROMPTS, params, **logprobs)

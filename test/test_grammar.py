@@ -74,17 +74,18 @@ def test_constrained_step_commits_behind_the_next_forward(tiny_llama):
     events = []
     with engine_for(tiny_llama) as engine:
         sched = engine.scheduler
-        forward, commit = sched.runner.forward, sched._commit
+        forward, commit = sched.runner.forward_local, sched.finishing.commit
 
         def record_forward(batch):
+            logits = forward(batch)
             events.append("forward")
-            return forward(batch)
+            return logits
 
-        def record_commit(step, updated):
+        def record_commit(step):
             events.append("commit")
-            return commit(step, updated)
+            return commit(step)
 
-        sched.runner.forward, sched._commit = record_forward, record_commit
+        sched.runner.forward_local, sched.finishing.commit = record_forward, record_commit
         out = engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 64, **CONSTRAINED[0]})
     check(CONSTRAINED[0], out["text"])
     steps = out["meta_info"]["completion_tokens"]

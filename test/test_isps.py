@@ -9,6 +9,7 @@ import pytest
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.req import ReqSegment
 
 # Isolated spans (span_policy.py): ISPS's scheduling of spans a request may compute itself. Spans from jobs
 # (anchored, recomputed heads) are scheduled in test_span_policy.py and test_scheduler_liveness.py.
@@ -72,8 +73,8 @@ def test_isps_never_starves_a_request(tiny_llama):
         model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="isps",
         step_token_budget=24, isps_max_wait_steps=max_wait,
     ) as engine:
-        tm, sched = engine.tokenizer_manager, engine.scheduler
-        lonely = tm.build_requests(GenerateReqInput(text="Alone." + span(DOCS[3] * 2) + "?", sampling_params=GREEDY))[0]
+        sched = engine.scheduler
+        lonely = engine.make_reqs(GenerateReqInput(text="Alone." + span(DOCS[3] * 2) + "?", sampling_params=GREEDY))[0]
         sched.add_request(lonely)
         steps = 0
         while lonely.first_token_time is None:
@@ -82,7 +83,7 @@ def test_isps_never_starves_a_request(tiny_llama):
                 popular = f"Popular document {steps} {j} about the market and the sea and the town."
                 for k in range(2):
                     text = f"Reader {k}." + span(popular) + "Summarize."
-                    for req in tm.build_requests(GenerateReqInput(text=text, sampling_params=GREEDY)):
+                    for req in engine.make_reqs(GenerateReqInput(text=text, sampling_params=GREEDY)):
                         sched.add_request(req)
             sched.step()
             steps += 1
@@ -132,9 +133,9 @@ def test_isps_starts_decodes_while_span_prefills_remain(tiny_llama):
         model_path=str(tiny_llama), dtype="float32", max_total_tokens=8192, schedule_policy="isps",
         step_token_budget=40, isps_max_wait_steps=1000,
     ) as engine:
-        tm, sched = engine.tokenizer_manager, engine.scheduler
+        sched = engine.scheduler
         for text in texts:
-            for req in tm.build_requests(GenerateReqInput(text=text, sampling_params=GREEDY)):
+            for req in engine.make_reqs(GenerateReqInput(text=text, sampling_params=GREEDY)):
                 sched.add_request(req)
         overlapped, steps = 0, 0
         while not sched.is_idle():
@@ -200,10 +201,10 @@ def test_an_aborted_span_job_is_replaced_for_the_requests_that_need_its_span(tin
     with Engine(
         **ISOLATED, model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, schedule_policy="isps"
     ) as engine:
-        sched, tm = engine.scheduler, engine.tokenizer_manager
-        (job,) = sched.add_span_jobs(tm.span_segments([DOCS[0]]))
+        sched = engine.scheduler
+        (job,) = sched.add_span_jobs([ReqSegment.from_wire(s) for s in engine.request_builder.span_segments([DOCS[0]])])
         assert sched.abort_request(job.rid) is not None
-        (req,) = tm.build_requests(GenerateReqInput(text="Q." + span(DOCS[0]) + "A?", sampling_params=GREEDY))
+        (req,) = engine.make_reqs(GenerateReqInput(text="Q." + span(DOCS[0]) + "A?", sampling_params=GREEDY))
         sched.add_request(req)
         for _ in range(40):
             sched.step()

@@ -77,9 +77,7 @@ def test_decode(case: str, keys_rotated: bool) -> None:
     k_buffer = batch.rotated_pool() if keys_rotated else batch.k_buffer
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = batch.run_decode(num_kv_splits(len(lens), HKV, sms), keys_rotated=keys_rotated, k_buffer=k_buffer)
-    args = list(batch.attention_args())
-    args[1] = k_buffer
-    _check(out, attention_reference(*args, keys_rotated=keys_rotated), dtype)
+    _check(out, attention_reference(*batch.attention_args(k_buffer), keys_rotated=keys_rotated), dtype)
 
 
 SHARED_DECODE_CASES = {
@@ -143,9 +141,7 @@ def test_extend(case: str, dtype: torch.dtype, keys_rotated: bool, stage: bool) 
     batch = _batch(_extend_specs(case), dtype, seed=EXTEND_CASES.index(case))
     k_buffer = batch.rotated_pool() if keys_rotated else batch.k_buffer
     out = batch.run_extend(keys_rotated=keys_rotated, k_buffer=k_buffer, stage=stage)
-    args = list(batch.attention_args())
-    args[1] = k_buffer
-    _check(out, attention_reference(*args, keys_rotated=keys_rotated), dtype)
+    _check(out, attention_reference(*batch.attention_args(k_buffer), keys_rotated=keys_rotated), dtype)
 
 
 @pytest.mark.parametrize("num_splits", [None, 7], ids=["engine_choice", "forced"])
@@ -229,7 +225,7 @@ def test_decode_cuda_graph_replay_with_new_lengths() -> None:
 def test_triton_backend_matches_reference(decode_mode: bool) -> None:
     from paged_batch import decode, extend, forward_batch_for, spans
     from sglang_pic.kernels.reference import attention_reference
-    from sglang_pic.layers.attention_backend import create_attention_backend
+    from sglang_pic.layers.triton_backend import TritonAttnBackend
     from sglang_pic.layers.radix_attention import RadixAttention
     from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
@@ -241,7 +237,7 @@ def test_triton_backend_matches_reference(decode_mode: bool) -> None:
     expect = attention_reference(*batch.attention_args())
     rotary = RotaryEmbedding(DIM, batch.cos_sin_cache.shape[0], base=5e5, device="cuda")
     layer = RadixAttention(HQ, DIM, batch.sm_scale, HKV, layer_id=0, rotary=rotary)
-    backend = create_attention_backend("triton")
+    backend = TritonAttnBackend()
     fb = forward_batch_for(batch, backend, decode_mode)
     backend.init_forward_metadata(fb)
     out = layer(batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1), fb)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_pic.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
 from sglang_pic.layers.attention_backend import TorchNativeAttnBackend
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -37,34 +37,19 @@ class MiniRunner:
         self.last_slot: list[int] = []
 
     def _run(self, mode: ForwardMode, chunks: list[list[int]]) -> torch.Tensor:
-        ids, positions, locs = [], [], []
+        rows, locs = BatchRows(), []
         for i, chunk in enumerate(chunks):
             slots = self.allocator.alloc(len(chunk), self.last_slot[i])
             start = self.lens[i]
             self.req_pool.write(self.rows[i], slice(start, start + len(chunk)), slots)
-            ids += chunk
-            positions += range(start, start + len(chunk))
+            rows.input_ids += chunk
+            rows.add(self.rows[i], range(start, start + len(chunk)), [0] * len(chunk))
             locs.append(slots)
             self.lens[i] += len(chunk)
             self.last_slot[i] = int(slots[-1])
-        extend = [len(c) for c in chunks]
-        dev = self.device
-        fb = ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(chunks),
-            input_ids=torch.tensor(ids, device=dev),
-            positions=torch.tensor(positions, device=dev),
-            attn_lo=torch.zeros(len(ids), dtype=torch.int64, device=dev),
-            out_cache_loc=torch.cat(locs),
-            req_pool_indices=torch.tensor(self.rows, device=dev),
-            seq_lens=torch.tensor(self.lens, device=dev),
-            extend_seq_lens=torch.tensor(extend, device=dev),
-            extend_start_loc=torch.tensor([sum(extend[:i]) for i in range(len(extend))], device=dev),
-            seq_lens_cpu=list(self.lens),
-            extend_seq_lens_cpu=extend,
-            req_to_token_pool=self.req_pool,
-            token_to_kv_pool=self.kv_pool,
-            attn_backend=self.backend,
+        fb = ForwardBatch.build(
+            mode, rows, torch.cat(locs), torch.device(self.device), req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool, attn_backend=self.backend,
         )
         self.backend.init_forward_metadata(fb)
         with torch.inference_mode():

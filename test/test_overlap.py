@@ -32,16 +32,16 @@ def run(
     kwargs = {"max_total_tokens": 2048, **kwargs}
     with Engine(model_path=str(path), dtype="float32", disable_overlap_schedule=not overlap, **kwargs) as engine:
         sched = engine.scheduler
-        forward = engine.runner.forward
+        forward = engine.runner.forward_local
         stats = RunStats()
 
         def counting_forward(batch):
-            if sched.inflight is not None:
+            if sched.last_step is not None:
                 stats.ahead += 1
                 stats.ahead_extends += batch.forward_mode.is_extend()
             return forward(batch)
 
-        engine.runner.forward = counting_forward
+        engine.runner.forward_local = counting_forward
         outs = engine.generate(prompts, params, **(generate_kwargs or {}))
         assert_idle_accounting(engine)
         stats.steps = sched.stats.num_steps
@@ -183,10 +183,10 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
         expected = engine.generate(PROMPTS[1], params)["output_ids"]
         sched = engine.scheduler
-        reqs = engine.tokenizer_manager.build_requests(GenerateReqInput(text=PROMPTS[:2], sampling_params=params))
+        reqs = engine.make_reqs(GenerateReqInput(text=PROMPTS[:2], sampling_params=params))
         for req in reqs:
             sched.add_request(req)
-        while sched.inflight is None:
+        while sched.last_step is None:
             sched.step()
         assert sched.abort_request(reqs[0].rid) is reqs[0]
         while not reqs[1].finished():
@@ -200,9 +200,9 @@ def test_abort_of_the_last_running_request_leaves_the_scheduler_idle(tiny_llama)
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
         sched = engine.scheduler
-        (req,) = engine.tokenizer_manager.build_requests(GenerateReqInput(text=PROMPTS[0], sampling_params=params))
+        (req,) = engine.make_reqs(GenerateReqInput(text=PROMPTS[0], sampling_params=params))
         sched.add_request(req)
-        while sched.inflight is None:
+        while sched.last_step is None:
             sched.step()
         sched.abort_request(req.rid)
         assert_idle_accounting(engine)
@@ -245,11 +245,11 @@ def test_a_step_reports_each_request_once(tiny_llama):
     plain = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048) as engine:
         sched = engine.scheduler
-        build = engine.tokenizer_manager.build_requests
+        build = engine.make_reqs
         (a,) = build(GenerateReqInput(text=PROMPTS[0], sampling_params=plain))
         (b,) = build(GenerateReqInput(text=PROMPTS[1], sampling_params={**plain, "repetition_penalty": 1.2}))
         sched.add_request(a)
-        while sched.inflight is None:
+        while sched.last_step is None:
             sched.step()
         sched.add_request(b)
         reports = []

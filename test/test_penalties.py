@@ -123,7 +123,7 @@ def test_engine_penalties_match_a_from_scratch_reference(tiny_llama):
     ]
     with Engine(model_path=str(tiny_llama), dtype="float32") as engine:
         outs = engine.generate(PENALTY_PROMPTS, params)
-        rows = engine.scheduler.penalties
+        rows = engine.runner.sampler.penalties
         again = engine.generate(PENALTY_PROMPTS[0], params[0])
         assert len(rows.rows) <= 1  # finished requests hand their rows back (lazily, at the next penalised step)
     expected = [

@@ -23,7 +23,7 @@ NEW = 8
 
 def flatten(engine: Engine, text: str) -> tuple[list[int], list[int]]:
     """Token ids and per-token lowest visible key, from the engine's own segmenter (tokenization only)."""
-    req = engine.tokenizer_manager.build_requests(
+    req = engine.make_reqs(
         __import__("sglang_pic.managers.io_struct", fromlist=["GenerateReqInput"]).GenerateReqInput(text=text)
     )[0]
     ids, lo = [], []

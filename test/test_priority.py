@@ -30,7 +30,7 @@ def greedy(n: int) -> dict:
 
 def build(engine: Engine, text: str, n: int, priority: int | None = None) -> Req:
     obj = GenerateReqInput(text=text, sampling_params=greedy(n), priority=priority)
-    return engine.tokenizer_manager.build_requests(obj)[0]
+    return engine.make_reqs(obj)[0]
 
 
 def run(engine: Engine, reqs: list[Req], until=None) -> list[Req]:

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.radix_ext import MatchResult, RadixCache, RadixKey, TreeNode
-from sglang_pic.radix_ext.radix_cache import common_prefix_len
+from sglang_pic.radix_ext.radix_tree import common_prefix_len
 
 
 def make(page_size: int, pages: int = 64, disable: bool = False) -> tuple[TokenToKVPoolAllocator, RadixCache]:

@@ -120,7 +120,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         opening = GenerateReqInput(
             input_ids=[[*range(40, 60), SSEP, *range(100, 124), PDEP, 30 + i] for i in range(2)],
             sampling_params={"max_new_tokens": 2}, span_anchor=anchor, span_head_tokens=head)
-        for req in engine.tokenizer_manager.build_requests(opening):
+        for req in engine.make_reqs(opening):
             self.sched.add_request(req)
             self.submitted.append(req)
 
@@ -131,11 +131,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         owner_of = type(sched.kv).inflight_owner
         missing_of = type(sched.kv).missing_job_spans
 
-        def spy_launch(plan, updated):
+        def spy_launch(plan, last):
             machine.launched.extend(e.req for e in plan.entries)
             # requests ISPS holds back until their spans' jobs finish
             machine.held_back += sum(map(len, sched.planner.blocked_on.values()))
-            return launch(sched, plan, updated)
+            return launch(sched, plan, last)
 
         def spy_owner(req):
             owner = owner_of(sched.kv, req)
@@ -190,7 +190,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             anchor, head = policy if self.engine.server_args.spans_from_jobs() else (None, None)
             obj = GenerateReqInput(input_ids=ids, sampling_params=params, priority=r["priority"],
                                    span_anchor=anchor, span_head_tokens=head)
-            for req in self.engine.tokenizer_manager.build_requests(obj):
+            for req in self.engine.make_reqs(obj):
                 self.sched.add_request(req)
                 self.submitted.append(req)
 
@@ -198,7 +198,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def flood(self, prompts: list[list[int]]) -> None:
         """Long unshared prompts with long outputs at once: small pools overcommit, then decode must retract."""
         obj = GenerateReqInput(input_ids=prompts, sampling_params={"max_new_tokens": 16, "ignore_eos": True})
-        for req in self.engine.tokenizer_manager.build_requests(obj):
+        for req in self.engine.make_reqs(obj):
             self.sched.add_request(req)
             self.submitted.append(req)
 
@@ -208,7 +208,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Requests sent together that share an uncached prefix and span: all but one wait for the one computing them."""
         prompts = [prefix + [SSEP, *span_ids, PDEP, 30 + i] for i in range(k)]
         obj = GenerateReqInput(input_ids=prompts, sampling_params={"max_new_tokens": 2})
-        for req in self.engine.tokenizer_manager.build_requests(obj):
+        for req in self.engine.make_reqs(obj):
             self.sched.add_request(req)
             self.submitted.append(req)
 
@@ -217,11 +217,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         ids, message = case
         obj = GenerateReqInput(input_ids=ids or None, sampling_params={"max_new_tokens": 2})
         with pytest.raises(ValueError, match=message):
-            self.engine.tokenizer_manager.build_requests(obj)
+            self.engine.make_reqs(obj)
 
     @rule(spans=st.lists(st.sampled_from(SPAN_POOL), min_size=1, max_size=3))
     def warm(self, spans) -> None:
-        anchor = self.engine.tokenizer_manager.span_policy.anchor
+        anchor = self.engine.request_builder.span_policy.anchor
         self.jobs += self.sched.add_span_jobs(
             [ReqSegment("span", list(s), segment_keys([Segment("span", s, anchor)])[0].extra_key, key_lead=anchor)
              for s in spans])
@@ -270,7 +270,7 @@ def assert_idle(engine: Engine) -> None:
     planner = sched.planner
     assert not planner.jobs and not planner.owner and not planner.blocked_on and not planner.held
     assert not planner._refs
-    assert not sched.jumping and not sched.finished_early
+    assert not sched.jumping and not sched.queues.to_report
     pool = engine.runner.req_to_token_pool
     assert pool.available_size() == pool.size
 
@@ -295,7 +295,7 @@ def test_every_request_finishes_or_is_refused(tiny_llama, config):
 
 def run_bounded(engine: Engine, obj: GenerateReqInput, max_steps: int = 200) -> list:
     """Run requests through the scheduler for at most `max_steps` steps (a hang fails instead of blocking)."""
-    reqs = engine.tokenizer_manager.build_requests(obj)
+    reqs = engine.make_reqs(obj)
     for req in reqs:
         engine.scheduler.add_request(req)
     for _ in range(max_steps):

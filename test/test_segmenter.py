@@ -158,14 +158,14 @@ def test_from_ids_matches_the_per_token_scan(segmenter):
 @pytest.mark.parametrize("ids", [[5, True, 6], [5, 6.0], [5, "6"]])
 def test_input_ids_must_be_plain_ints(tiny_llama, ids):
     from sglang_pic.managers.io_struct import GenerateReqInput
-    from sglang_pic.managers.tokenizer_manager import TokenizerManager
+    from sglang_pic.managers.request_builder import RequestBuilder
     from sglang_pic.model_config import ModelConfig
 
     args = ServerArgs.from_kwargs(model_path=str(tiny_llama))
-    tm = TokenizerManager(args, load_tokenizer(str(tiny_llama)), ModelConfig.from_path(str(tiny_llama), device="cpu"))
+    rb = RequestBuilder(args, load_tokenizer(str(tiny_llama)), ModelConfig.from_path(str(tiny_llama), device="cpu"))
     with pytest.raises(ValueError, match="input_ids must be a list of integers"):
-        tm.build_requests(GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": 1}))
-    assert tm.build_requests(GenerateReqInput(input_ids=[5, -1, 6], sampling_params={"max_new_tokens": 1}))
+        rb.build(GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": 1}))
+    assert rb.build(GenerateReqInput(input_ids=[5, -1, 6], sampling_params={"max_new_tokens": 1}))
 
 
 def test_tokenize_benchmark_runs(tmp_path):

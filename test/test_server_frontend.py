@@ -148,7 +148,7 @@ def rag(s, docs, question):
 def test_span_program_reuses_warmed_spans(backend, engine):
     info = warm_spans(backend, DOCS)
     # The span jobs compute each span once, and the anchor it follows (span_policy.py) at most once each.
-    anchor = len(engine.tokenizer_manager.span_policy.anchor)
+    anchor = len(engine.request_builder.span_policy.anchor)
     assert info["num_spans"] == 2 and info["span_tokens"] <= info["computed_tokens"] <= info["span_tokens"] + 2 * anchor
     state = rag.run(docs=DOCS[::-1], question="Where is Paris?")
     meta = state.get_meta_info("answer")
@@ -184,7 +184,7 @@ def test_parallel_encoding_reuses_each_forks_statement(backend, engine):
     statements = [f"Statement {i}: {fact}\n" for i, fact in enumerate(FACTS)]
     marked = ASK + "".join(span(s, anchor="prefix") for s in statements) + QUESTION  # the server's head: 0
     assert state["answer"] == engine_text(engine, marked, max_new_tokens=8, ignore_eos=True)
-    (req,) = engine.tokenizer_manager.build_requests(GenerateReqInput(text=marked))
+    (req,) = engine.make_reqs(GenerateReqInput(text=marked))
     spans = [seg for seg in req.segments if seg.kind == "span"]
     assert len(spans) == 3
     assert state.get_meta_info("answer")["cached_span_tokens"] == sum(len(seg.tokens) for seg in spans)

@@ -207,7 +207,7 @@ def test_sglang_extensions_asking_for_more_are_refused_by_name(client, server):
 
 
 def test_chat_template_sources(tmp_path):
-    from sglang_pic.entrypoints.openai_api import BUILTIN_CHAT_TEMPLATES, load_chat_template
+    from sglang_pic.entrypoints.chat_template import BUILTIN_CHAT_TEMPLATES, load_chat_template
 
     class Tok:
         chat_template = "{{ messages[0]['content'] }}"

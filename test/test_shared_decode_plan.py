@@ -167,6 +167,7 @@ def test_a_step_whose_plan_does_not_fit_the_graph_records_no_sharing():
     """A decode step replays the per-request graph when its plan does not fit the static plan; the batch then
     says so (the engine's shared-step counters read it), and a plan that fits is loaded and kept."""
     from sglang_pic.forward_batch import ForwardMode
+    from sglang_pic.layers.triton_backend import TritonAttnBackend
     from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
 
     loaded = []
@@ -176,6 +177,7 @@ def test_a_step_whose_plan_does_not_fit_the_graph_records_no_sharing():
         runner.shared_plan = _Stub(fits=lambda plan, size: fits, load=lambda *args: loaded.append(args))
         runner.decode_inputs = _Stub(load=lambda *args: None)
         runner.req_to_token_pool = _Stub(padding_row=0)
+        runner.attn_backend = TritonAttnBackend()  # nothing to plan before a replay
         key = (ForwardMode.DECODE, 4, fits)
         runner.graphs, runner.outputs = {key: _Stub(replay=lambda: None)}, {key: torch.zeros(4, 2)}
         runner.num_replays, runner.num_shared_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}, 0

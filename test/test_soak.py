@@ -16,6 +16,9 @@ from server_utils import start_server, stop_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 
 import soak  # noqa: E402
+from soak_client import BAD_CASES  # noqa: E402
+from soak_report import format_report  # noqa: E402
+from soak_server import cpu_s, scheduler_process  # noqa: E402
 
 # Renders each tool as one JSON line, as Qwen2.5's template does, so tool_spans finds them.
 TOOLS_TEMPLATE = (
@@ -39,13 +42,13 @@ def server(tiny_qwen2, tmp_path_factory):
 
 
 def test_idle_scheduler_uses_no_cpu(server):
-    scheduler = soak.scheduler_process(server.pid)
+    scheduler = scheduler_process(server.pid)
     assert scheduler is not None
     assert server.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 2}}).ok
     time.sleep(0.5)  # let the request's last step and output pass
-    before = soak.cpu_s(scheduler)
+    before = cpu_s(scheduler)
     time.sleep(IDLE_WINDOW_S)
-    assert soak.cpu_s(scheduler) - before < IDLE_CPU_LIMIT_S
+    assert cpu_s(scheduler) - before < IDLE_CPU_LIMIT_S
 
 
 @pytest.mark.slow  # a 20 s soak
@@ -55,13 +58,13 @@ def test_soak_short(server):
         idle_cpu_window_s=IDLE_WINDOW_S, idle_cpu_limit_s=IDLE_CPU_LIMIT_S,
     )
     report = asyncio.run(soak.run_soak(config, server.pid))
-    summary = soak.format_report(report)
+    summary = format_report(report)
     assert report["skipped_kinds"] == {}, summary
     totals = report["totals"]
     assert totals["5xx"] == 0 and totals["hung"] == 0 and totals["transport_errors"] == 0, summary
     assert totals["failures"] == 0, summary
     kinds = report["kinds"]
-    for case in soak.BAD_CASES:
+    for case in BAD_CASES:
         stats = kinds[f"bad:{case}"]
         assert stats["count"] > 0 and stats["4xx"] == stats["count"], (case, summary)
     for name, stats in kinds.items():

@@ -48,7 +48,7 @@ def setup(tiny_llama):
 def layout(engine: Engine, text: str, anchor: str, head: int) -> tuple[list[int], list[int], list, list[bool]]:
     """The reference's flat sequence for a prompt: ids, positions, each token's scope (None: it sees every visible
     token before it; a span's number: it sees that span's hidden copy and tail) and whether later tokens see it."""
-    req = engine.tokenizer_manager.build_requests(
+    req = engine.make_reqs(
         GenerateReqInput(text=text, span_anchor=anchor, span_head_tokens=head)
     )[0]
     ids, pos, scope, visible = [], [], [], []
@@ -147,7 +147,7 @@ def test_heads_covering_the_span_equal_pdep_text(setup):
 
 def _span_slots(engine: Engine, text: str, anchor: str) -> torch.Tensor:
     """The tree's slots of a span under the anchor `anchor` names."""
-    seg = engine.tokenizer_manager.build_requests(
+    seg = engine.make_reqs(
         GenerateReqInput(text=span(text), span_anchor=anchor, span_head_tokens=0))[0]
     spans = [s for s in seg.segments if s.kind == "span"]
     return engine.scheduler.tree.match_prefix(spans[0].key()).device_indices
@@ -185,7 +185,7 @@ def test_accounting_after_finish_and_abort(setup):
     _assert_accounting(engine)
     rid = "abort-me"
     with engine._lock:
-        for req in engine.tokenizer_manager.build_requests(GenerateReqInput(
+        for req in engine.make_reqs(GenerateReqInput(
                 text="Abort." + span(DOCS[2]) + "x", sampling_params={"max_new_tokens": 64}, rid=rid,
                 span_anchor="auto", span_head_tokens=3)):
             engine.scheduler.add_request(req)
@@ -244,7 +244,7 @@ def test_bad_settings_are_refused(setup, tiny_llama):
     with pytest.raises(ValueError, match="prompt logprobs"):
         engine.generate("x" + span(DOCS[0]) + "y", PARAMS, return_logprob=True, logprob_start_len=0,
                         span_anchor="auto", span_head_tokens=0)
-    (req,) = engine.tokenizer_manager.build_requests(
+    (req,) = engine.make_reqs(
         GenerateReqInput(text="x" + span(DOCS[0]) + "y", span_head_tokens=3))
     span_end = next(s.start + len(s.tokens) for s in req.segments if s.kind == "span")
     with pytest.raises(ValueError, match="prompt logprobs"):  # the span's last token scores the next one
@@ -256,7 +256,7 @@ def test_bad_settings_are_refused(setup, tiny_llama):
     with pytest.raises(ValueError, match="page_size 1"):
         ServerArgs(model_path=str(tiny_llama), page_size=4, span_head_tokens=4)
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=1024, page_size=4) as paged:
-        assert not paged.tokenizer_manager.span_policy.from_job  # auto turns into isolated spans here
+        assert not paged.request_builder.span_policy.from_job  # auto turns into isolated spans here
         with pytest.raises(ValueError, match="page_size 1"):
             paged.generate("x" + span(DOCS[0]), PARAMS, span_head_tokens=2)
 
@@ -275,10 +275,10 @@ def test_per_span_settings_equal_dense_reference(setup):
         outs = engine.generate(texts, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=3)
         check(engine, model, texts, outs, "auto", 3)
     assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in outs)
-    (req,) = engine.tokenizer_manager.build_requests(
+    (req,) = engine.make_reqs(
         GenerateReqInput(text=texts[1], span_anchor="auto", span_head_tokens=3))
     tails = [s for s in req.segments if s.kind == "span"]
-    anchor = engine.tokenizer_manager.span_policy.anchor
+    anchor = engine.request_builder.span_policy.anchor
     prefix = tuple(req.segments[0].tokens)
     assert [s.extra_key for s in tails] == [None, None]
     assert tails[0].key_lead[: len(anchor)] == anchor and len(tails[0].key_lead) == len(anchor) + 1
@@ -291,7 +291,7 @@ def test_prefix_anchor_reads_a_plain_prompts_kv(setup):
     engine, model = setup
     engine.flush_cache()
     text = "Context follows." + span(DOCS[0], anchor="prefix", head_tokens=0) + "Where is Paris?"
-    (req,) = engine.tokenizer_manager.build_requests(GenerateReqInput(text=text))
+    (req,) = engine.make_reqs(GenerateReqInput(text=text))
     prefix, tail = req.segments[0], req.segments[1]
     engine.generate(input_ids=prefix.tokens + tail.tokens, sampling_params={"max_new_tokens": 0})
     out = engine.generate(text, PARAMS, return_logprob=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_pic.layers.attention_backend import TorchNativeAttnBackend
+from sglang_pic.layers.attention_backend import TorchNativeAttnBackend, TorchNativeMetadata
 from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
@@ -29,11 +29,10 @@ def test_requests_are_padded_in_groups_of_like_sizes() -> None:
     q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
     fb = forward_batch_for(batch, TorchNativeAttnBackend(), decode=False, decode_tail=3)
     fb.attn_backend.init_forward_metadata(fb)
-    groups = [(reqs.tolist(), max_q, max_kv) for reqs, max_q, max_kv in fb.attn_metadata["groups"]]
+    groups = [(g.requests.tolist(), g.ext.max_extend_len, g.max_seq_len) for g in fb.attn_metadata.groups]
     assert groups == [([0, 5], 30, 60), ([1], 25, 25), ([2], 1, 5), ([3, 4], 1, 64)]
     grouped = layer(q, k, v, fb)
-    one = torch.arange(len(batch.seq_lens_cpu))
-    fb.attn_metadata["groups"] = [(one, max(batch.extend_seq_lens_cpu), max(batch.seq_lens_cpu))]
+    fb.attn_metadata = TorchNativeMetadata([TorchNativeAttnBackend.group(fb, list(range(len(batch.seq_lens_cpu))))])
     padded = layer(q, k, v, fb)
     assert not grouped.isnan().any()
     torch.testing.assert_close(grouped, padded)

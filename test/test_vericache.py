@@ -16,6 +16,8 @@ from scipy.stats import chi2_contingency
 from sglang_pic import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.metrics import ServerMetrics
+from sglang_pic.managers.output_format import output_of
+from sglang_pic.managers.req import Req
 from sglang_pic.managers.scheduler_process import scheduler_snapshot
 from sglang_pic.speculative import spec_sampling
 from sglang_pic.speculative.compress_kivi import (
@@ -284,11 +286,12 @@ def test_logprobs_and_per_request_stats(references):
         sched = e.scheduler
         obj = GenerateReqInput(text=PROMPTS[1], sampling_params=greedy(), return_logprob=True, top_logprobs_num=2,
                                token_ids_logprob=[4, 9])
-        req = e.tokenizer_manager.build_requests(obj)[0]
+        (msg,) = e.request_builder.build(obj)
+        req = Req.from_wire(msg)
         sched.add_request(req)
         while not req.finished():
             sched.step()
-        out = e.tokenizer_manager.format_output(req)
+        out = output_of(e.formatter, msg, req)
         assert out["output_ids"] == expected[1]
         got = out["meta_info"]["output_token_logprobs"]
         want = ref["meta_info"]["output_token_logprobs"]

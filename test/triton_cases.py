@@ -1,14 +1,12 @@
-"""The Triton interpreter kernel cases: each builds a small batch or engine, runs a kernel path on CPU and returns
+"""The Triton interpreter kernel cases: each builds a small batch or backend, runs a kernel path on CPU and returns
 a JSON-able dict of measurements (errors against a float64 reference or torch_native, flags) that
-test_kernels_triton.py asserts on. Imported only by the interpreter worker (triton_worker.py), which sets
-TRITON_INTERPRET=1 before triton is first imported.
+test_kernels_triton.py asserts on; the cases that run whole engines come from triton_engine_cases.py. Imported only
+by the interpreter worker (triton_worker.py), which sets TRITON_INTERPRET=1 before triton is first imported.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -20,16 +18,9 @@ from sglang_pic.kernels.torch_native import paged_attention_torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))  # paged_batch, the batch driver
 
 import paged_batch as pb  # noqa: E402
+from triton_engine_cases import ENGINE_CASES  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@functools.cache
-def tiny_llama() -> Path:
-    """The tiny llama checkpoint the engine cases share, built once per worker."""
-    from tiny_models import build_tiny_model
-
-    return build_tiny_model(Path(tempfile.mkdtemp()), "llama")
 
 
 def attention_case(
@@ -97,7 +88,8 @@ def backend_case(
     """`long_prefill` adds a 160-token prefill: 320 query rows per kv head, past FEW_QUERY_ROWS, so the backend
     stages the batch's keys; the other extend batches have few rows and rotate keys in-kernel. `shared`: the
     riding decodes hold a run of the same slots and the batch carries a shared decode plan."""
-    from sglang_pic.layers.attention_backend import create_attention_backend
+    from sglang_pic.layers.attention_backend import TorchNativeAttnBackend
+    from sglang_pic.layers.triton_backend import TritonAttnBackend
     from sglang_pic.layers.radix_attention import RadixAttention
     from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
@@ -122,8 +114,7 @@ def backend_case(
     layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=rotary)
     q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
     outs, batches = [], []
-    for name in ("triton", "torch_native"):
-        backend = create_attention_backend(name)
+    for backend in (TritonAttnBackend(), TorchNativeAttnBackend()):
         batches.append(pb.forward_batch_for(batch, backend, decode, decode_tail))
         batches[-1].shared_decode = plan
         backend.init_forward_metadata(batches[-1])
@@ -132,7 +123,7 @@ def backend_case(
         "dtype": "float32",
         "nan": bool(outs[0].isnan().any()),
         "vs_torch_native": relative_errors(*outs),
-        "staged": batches[0].attn_metadata.get("staged") is not None,
+        "staged": batches[0].attn_metadata.staged is not None,
     }
 
 
@@ -141,7 +132,8 @@ def graph_padding_case(spec: pb.RequestSpec, padded: int) -> dict:
     the padded count, the live rows keep their output and the padded rows write only the dummy slot 0 (and,
     when the keys are staged, no workspace row: they would overwrite the new keys' rotated copies)."""
     from sglang_pic.forward_batch import ForwardMode
-    from sglang_pic.layers.attention_backend import create_attention_backend
+    from sglang_pic.layers.attention_backend import TorchNativeAttnBackend
+    from sglang_pic.layers.triton_backend import TritonAttnBackend
     from sglang_pic.layers.radix_attention import RadixAttention
     from sglang_pic.layers.rotary_embedding import RotaryEmbedding
     from sglang_pic.model_executor.cuda_graph_runner import StaticInputs
@@ -150,11 +142,11 @@ def graph_padding_case(spec: pb.RequestSpec, padded: int) -> dict:
     batch = pb.make_paged_batch([spec], hq, hkv, dim, torch.float32, "cpu", page_size=16)
     layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=RotaryEmbedding(dim, context_len))
     q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
-    native = pb.forward_batch_for(batch, create_attention_backend("torch_native"), decode=False)
+    native = pb.forward_batch_for(batch, TorchNativeAttnBackend(), decode=False)
     native.attn_backend.init_forward_metadata(native)
     expected = layer(q, k, v, native)
 
-    live = pb.forward_batch_for(batch, create_attention_backend("triton"), decode=False)
+    live = pb.forward_batch_for(batch, TritonAttnBackend(), decode=False)
     static = StaticInputs.allocate(padded, 1, live.req_to_token_pool.padding_row, torch.device("cpu"))
     static.load(live, padded, live.req_to_token_pool.padding_row)
     graph_batch = static.batch(
@@ -173,8 +165,8 @@ def graph_padding_case(spec: pb.RequestSpec, padded: int) -> dict:
         "nan": bool(out[:rows].isnan().any()),
         "vs_torch_native": relative_errors(out[:rows], expected),
         "writes_only_own_and_dummy_slots": written <= set(batch.out_cache_loc.tolist()) | {0},
-        "key_splits": graph_batch.attn_metadata["max_seq_len"] == context_len,
-        "staged": graph_batch.attn_metadata.get("staged") is not None,
+        "key_splits": graph_batch.attn_metadata.max_seq_len == context_len,
+        "staged": graph_batch.attn_metadata.staged is not None,
     }
 
 
@@ -251,7 +243,7 @@ def warm_up_coverage_case() -> dict:
 def kivi_case(dtype: str, hq: int, rotary_dim: int, v_dim: int) -> dict:
     """One draft step over KIVI caches (quantized prefixes of 0, 64 and 160 tokens, then exact rows): the fused
     kernel against the torch path that dequantizes the prefix. Each query's own k/v is stored first."""
-    from sglang_pic.forward_batch import ForwardBatch, ForwardMode
+    from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
     from sglang_pic.layers.radix_attention import RadixAttention
     from sglang_pic.layers.rotary_embedding import RotaryEmbedding
     from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
@@ -263,13 +255,13 @@ def kivi_case(dtype: str, hq: int, rotary_dim: int, v_dim: int) -> dict:
 
     torch.manual_seed(7)
     hkv, dim, dt = 2, 32, DTYPES[dtype]
-    prefixes, rows = [0, 64, 160], [5, 40, 17]  # rows include the query's own slot
+    prefixes, rows_per_draft = [0, 64, 160], [5, 40, 17]  # rows include the query's own slot
     pool = MHATokenToKVPool(256, 1, dt, hkv, dim, 1, "cpu", v_dim)
     pool.k_buffer[0].normal_()
     pool.v_buffer[0].normal_()
     free = torch.randperm(255) + 1
     drafts, scratch, start = [], [], 0
-    for n_prefix, n_rows in zip(prefixes, rows):
+    for n_prefix, n_rows in zip(prefixes, rows_per_draft):
         prefix = KiviPrefix(1, torch.device("cpu"))
         k, v = torch.randn(n_prefix, hkv, dim) * 2, torch.randn(n_prefix, hkv, v_dim)
         prefix.extend([quantize_layers(k[None], v[None])] if n_prefix else [])
@@ -285,55 +277,17 @@ def kivi_case(dtype: str, hq: int, rotary_dim: int, v_dim: int) -> dict:
     outs = []
     fused = KiviCompressor().draft_backend(TritonAttnBackend(), batch, pool)
     assert isinstance(fused, KiviTritonDraftBackend)
+    rows = BatchRows()
+    for b, (n_prefix, n_rows) in enumerate(zip(prefixes, rows_per_draft)):
+        rows.add(b, [n_prefix + n_rows - 1], [0], seq_len=n_rows)
     for backend in (fused, KiviDraftBackend(pool, batch)):
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=3,
-            input_ids=torch.zeros(3, dtype=torch.int64),
-            positions=torch.tensor([p + r - 1 for p, r in zip(prefixes, rows)]),
-            attn_lo=torch.zeros(3, dtype=torch.int64),
-            out_cache_loc=torch.cat(scratch),
-            req_pool_indices=torch.arange(3),
-            seq_lens=torch.tensor(rows),
-            extend_seq_lens=torch.ones(3, dtype=torch.int64),
-            extend_start_loc=torch.arange(3),
-            seq_lens_cpu=rows,
-            extend_seq_lens_cpu=[1, 1, 1],
-            req_to_token_pool=None,
-            token_to_kv_pool=pool,
-            attn_backend=backend,
-            attn_metadata={"draft_rows": [0, 1, 2]},
+        fb = ForwardBatch.build(
+            ForwardMode.DECODE, rows, torch.cat(scratch), torch.device("cpu"), req_to_token_pool=None,
+            token_to_kv_pool=pool, attn_backend=backend, input_ids=torch.zeros(3, dtype=torch.int64),
         )
         backend.init_forward_metadata(fb)
         outs.append(layer(q.to(dt), k_new.to(dt), v_new.to(dt), fb).float())
     return {"dtype": dtype, "nan": bool(outs[0].isnan().any()), "vs_torch_native": relative_errors(*outs)}
-
-
-def kivi_engine_case() -> dict:
-    """VeriCache KIVI through the Triton backend in the engine: drafts over the static draft tables (the tables
-    CUDA graphs replay), the fused kernel, refreshes from the draft rows; greedy tokens equal plain decoding's."""
-    from sglang_pic.engine import Engine
-
-    common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=2048, device="cpu")
-    prompt = "Once upon a time there was a little town by the sea where fishermen told stories every night. " * 2
-    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
-    with Engine(**common) as plain:
-        expected = plain.generate(prompt, params)["output_ids"]
-    # 94 prompt tokens: 64 quantized and 30 exact rows, moved into the prefix again once they reach 8 + 32 (after
-    # 10 new tokens)
-    spec = dict(speculative_algorithm="vericache", speculative_num_draft_tokens=8, vericache_compressor="kivi",
-                vericache_budget=8)
-    with Engine(attention_backend="triton", **common, **spec) as e:
-        got = e.generate(prompt, params)["output_ids"]
-        worker = e.scheduler.spec_worker
-        return {
-            "dtype": "float32",
-            "nan": False,
-            "identical": got == expected,
-            "static_kivi_backend": type(worker.draft_runner.backend).__name__,
-            "refreshed": worker.stats.draft_builds > 1,
-            "drafts_accepted_and_rejected": 0 < worker.stats.accepted_drafts < worker.stats.draft_tokens,
-        }
 
 
 def shared_decode_static_plan_case() -> dict:
@@ -352,8 +306,7 @@ def shared_decode_static_plan_case() -> dict:
     static.load(plan, len(lens), padded)
     q = torch.cat([batch.q, torch.randn(padded - len(lens), 4, 32)])
     out = torch.full((padded, 4, 32), float("nan"))
-    shared_decode_attention_fwd(q, batch.k_buffer, batch.v_buffer, out, batch.req_to_token, static.view(padded),
-                                batch.kernel_cos_sin, batch.sm_scale)
+    shared_decode_attention_fwd(q, out, batch.kv(), static.view(padded), batch.kernel_cos_sin, batch.sm_scale)
     return {
         "dtype": "float32",
         "nan": bool(out.isnan().any()),
@@ -361,79 +314,6 @@ def shared_decode_static_plan_case() -> dict:
         "spare_rows": static.view(padded).items.shape[0] - plan.items.shape[0],
         "vs_reference": relative_errors(out[: len(lens)], attention_reference(*batch.attention_args())),
         "padded_zero": bool((out[len(lens) :] == 0).all()),
-    }
-
-
-def _engine_outputs(backends: dict[str, dict], prompts: list[str]) -> tuple[dict, dict]:
-    """Greedy output ids and stats of each named engine configuration over the tiny llama: a first one-token
-    request caches the prompts[0] text (its spans, or its whole prefix), so the batch of all prompts finds it."""
-    from sglang_pic.engine import Engine
-
-    # Span heads shorter than the spans: the shared kernel reads the span tails after the requests' own heads.
-    common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=2048, device="cpu",
-                  span_head_tokens=4)
-    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    outs, stats = {}, {}
-    for name, kw in backends.items():
-        with Engine(**common, **kw) as e:
-            e.generate(prompts[:1], {**params, "max_new_tokens": 1})
-            outs[name] = [o["output_ids"] for o in e.generate(prompts, params)]
-            stats[name] = e.get_stats()
-    return outs, stats
-
-
-def _span_prompts() -> list[str]:
-    """Requests holding the same two cached spans at different offsets (other prefaces, the spans swapped)."""
-    from sglang_pic.frontend_lang import pdep, span
-
-    docs = ["The capital of France is Paris, the capital of Japan is Tokyo. " * 2,
-            "A serving engine batches requests and streams tokens back to each client. " * 2]
-    prefaces = ["Read.", "Please read these two documents carefully.", "Hi", "Another preface, a longer one."]
-    return [pre + span(docs[i % 2]) + span(docs[1 - i % 2]) + pdep(f"Question {i}?") for i, pre in enumerate(prefaces)]
-
-
-def shared_decode_engine_case() -> dict:
-    """Requests holding the same cached spans at different offsets decode through the shared kernel in the
-    engine (Triton backend); greedy tokens equal torch_native's and the per-request kernel's."""
-    outs, stats = _engine_outputs(
-        {"torch_native": {}, "shared": dict(attention_backend="triton"),
-         "per_request": dict(attention_backend="triton", disable_shared_decode=True)},
-        _span_prompts(),
-    )
-    return {
-        "dtype": "float32",
-        "nan": False,
-        "identical": outs["shared"] == outs["torch_native"] == outs["per_request"],
-        "shared_steps": stats["shared"]["shared_decode_steps"],
-        "keys_saved": stats["shared"]["decode_keys_saved"],
-        "per_request_shared_steps": stats["per_request"]["shared_decode_steps"],
-    }
-
-
-def shared_decode_tp2_engine_case() -> dict:
-    """The shared decode plan travels to the tensor-parallel follower: tp_size 2 gives torch_native's tokens."""
-    outs, stats = _engine_outputs(
-        {"torch_native": {}, "tp2": dict(attention_backend="triton", tp_size=2)}, _span_prompts()
-    )
-    return {
-        "dtype": "float32",
-        "nan": False,
-        "identical": outs["tp2"] == outs["torch_native"],
-        "shared_steps": stats["tp2"]["shared_decode_steps"],
-    }
-
-
-def shared_decode_common_prefix_engine_case() -> dict:
-    """No markers: a common system prompt before different questions is one tree node all of them hold, and
-    their decodes share it through the shared kernel."""
-    system = "You answer questions about the sea, the town by it and the fishermen who live there. " * 2
-    prompts = [system + q for q in ("Who fishes?", "Where is the town?", "When do the boats leave in the morning?")]
-    outs, stats = _engine_outputs({"torch_native": {}, "shared": dict(attention_backend="triton")}, prompts)
-    return {
-        "dtype": "float32",
-        "nan": False,
-        "identical": outs["shared"] == outs["torch_native"],
-        "shared_steps": stats["shared"]["shared_decode_steps"],
     }
 
 
@@ -506,11 +386,8 @@ CASES: dict[str, Callable[[], dict]] = {
     "stage_decision": stage_decision_case,
     "kivi_gqa_fp32": lambda: kivi_case("float32", 4, 32, 32),
     "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),
-    "kivi_engine": kivi_engine_case,
-    "shared_decode_engine": shared_decode_engine_case,
-    "shared_decode_tp2_engine": shared_decode_tp2_engine_case,
-    "shared_decode_common_prefix_engine": shared_decode_common_prefix_engine_case,
     "shared_decode_static_plan": shared_decode_static_plan_case,
     "warm_up": warm_up_case,
     "warm_up_coverage": warm_up_coverage_case,
+    **ENGINE_CASES,
 }

@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from sglang_pic.distributed.launch import FOLLOWER_STOP_S
-from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.managers.req import Req, stream_due
+from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
+from sglang_pic.managers.output_format import OutputFormatter, Reporter, RequestOutputs, output_of
+from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.managers.request_builder import RequestBuilder
 from sglang_pic.managers.scheduler import Scheduler
-from sglang_pic.managers.tokenizer_manager import TokenizerManager
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_executor.local_replica import LocalReplica
 from sglang_pic.model_executor.model_runner import ModelRunner
@@ -40,6 +41,9 @@ class Engine:
 
     Thread-safe: concurrent callers (e.g. SGLang programs running forks in threads) share one scheduler; whoever
     waits drives it one step at a time under a lock, so their requests are batched together.
+
+    Requests take the server's path without its processes: the RequestBuilder's wire messages become the
+    scheduler's Reqs (Req.from_wire), and their reports are formatted by output_format, as the detokenizer does.
 
     With tp_size > 1 this process is tensor-parallel rank 0 and spawns ranks 1..tp_size-1 (torch.multiprocessing,
     so the calling script needs the usual `if __name__ == "__main__":` guard); `shutdown()` stops them. A follower
@@ -72,7 +76,8 @@ class Engine:
             if failure is not None:
                 raise RuntimeError(failure) from e
             raise
-        self.tokenizer_manager = TokenizerManager(args, self.tokenizer, self.model_config)
+        self.request_builder = RequestBuilder(args, self.tokenizer, self.model_config)
+        self.formatter = OutputFormatter(self.tokenizer)
         self._lock = threading.Lock()
         self._incoming: deque[Req] = deque()  # submitted, not yet in the scheduler
         # async_generate's callers wait here, one thread each; waiting threads only take the lock to step.
@@ -112,13 +117,18 @@ class Engine:
             span_anchor=span_anchor,
             span_head_tokens=span_head_tokens,
         )
-        reqs = self.tokenizer_manager.build_requests(obj)
+        msgs = self.request_builder.build(obj)
         if stream:
-            return self._stream(reqs, return_text_in_logprobs)
-        self._submit(reqs)
+            return self._stream(msgs)
+        reqs = self._submit(msgs)
         self._run_until_done(reqs)
-        outs = [self.tokenizer_manager.format_output(r, return_text_in_logprobs) for r in reqs]
+        outs = [output_of(self.formatter, msg, req) for msg, req in zip(msgs, reqs)]
         return outs if obj.is_batch or len(outs) > 1 else outs[0]
+
+    def make_reqs(self, obj: GenerateReqInput) -> list[Req]:
+        """The scheduler's requests for `obj`, built as generate builds them, for callers that drive
+        `engine.scheduler` themselves (tests, benchmarks)."""
+        return [Req.from_wire(msg) for msg in self.request_builder.build(obj)]
 
     async def async_generate(self, *args: Any, **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate(...)` for asyncio code, as in SGLang. Each call waits in a worker thread, so the event loop never
@@ -136,11 +146,13 @@ class Engine:
         finally:
             await loop.run_in_executor(self._async_workers, chunks.close)
 
-    def _submit(self, reqs: list[Req]) -> None:
+    def _submit(self, msgs: list[TokenizedGenerateReq]) -> list[Req]:
         """Queue requests for the next step. Never waits for the lock: a thread stepping in a loop can take it back
         at once (locks are not fair), which would keep other callers' requests out of its batches."""
         self._live()
+        reqs = [Req.from_wire(msg) for msg in msgs]
         self._incoming.extend(reqs)
+        return reqs
 
     def _live(self) -> Scheduler:
         if self.scheduler is None:
@@ -188,19 +200,17 @@ class Engine:
             self._abort_unfinished(reqs)
             raise
 
-    def _stream(self, reqs: list[Req], with_text: bool) -> Iterator[dict]:
-        """Yield a chunk (cumulative text, like SGLang's native streaming) whenever a request has new output."""
-        self._submit(reqs)
-        interval = self.server_args.stream_interval
-        sent = {r.rid: (0, False) for r in reqs}  # what each stream reported last: (output tokens, finished)
+    def _stream(self, msgs: list[TokenizedGenerateReq]) -> Iterator[dict]:
+        """Yield a chunk (cumulative text, like SGLang's native streaming) whenever a request reports."""
+        reqs = self._submit(msgs)
+        reporter, outputs = Reporter(self.server_args.stream_interval), RequestOutputs(self.formatter)
+        for msg in msgs:
+            reporter.add(msg)
         try:
             while not all(r.finished() for r in reqs):
                 self._step()
-                for req in reqs:
-                    now = (len(req.output_ids), req.finished())
-                    if now != sent[req.rid] and (now[1] or stream_due(sent[req.rid][0], now[0], interval)):
-                        sent[req.rid] = now
-                        yield self.tokenizer_manager.format_output(req, with_text)
+                for delta in reporter.deltas(reqs):
+                    yield outputs.apply(delta)
         finally:
             self._abort_unfinished(reqs)
 
@@ -239,10 +249,10 @@ class Engine:
 
     def warm_spans(self, spans: list[str]) -> dict[str, Any]:
         """Prefill spans into the cache without generating (the barrier workflow's first phase)."""
-        segments = self.tokenizer_manager.span_segments(spans)
+        segments = self.request_builder.span_segments(spans)
         before = self._live().stats.computed_prefill_tokens
         with self._lock:
-            jobs = self.scheduler.add_span_jobs(segments)
+            jobs = self.scheduler.add_span_jobs([ReqSegment.from_wire(seg) for seg in segments])
         self._run_until_done(jobs)
         return {
             "num_spans": len(spans),

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip_tokenizer_init:
             raise ValueError("--skip-tokenizer-init is supported by the offline Engine only, not by the server")
         if args.chat_template is not None:
-            from sglang_pic.entrypoints.openai_api import load_chat_template
+            from sglang_pic.entrypoints.chat_template import load_chat_template
 
             load_chat_template(args.chat_template, None)
         if args.model_path is None:

@@ -155,7 +155,10 @@ class ServerArgs:
     )
 
     # Kernels.
-    attention_backend: str | None = _arg(None, "torch_native or triton; default: triton on GPU, torch_native on CPU.")
+    attention_backend: str | None = _arg(
+        None, "torch_native, triton or flashinfer (GPU, FlashInfer installed); default: triton on GPU, torch_native "
+        "on CPU."
+    )
     disable_cuda_graph: bool = _arg(False, "Do not capture CUDA graphs.")
     skip_kernel_warmup: bool = _arg(
         False, "Do not compile every attention kernel variant at startup on a GPU (each then compiles on first use)."
@@ -286,8 +289,10 @@ class ServerArgs:
             )
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
             self.chunked_prefill_size = None
-        if self.attention_backend not in (None, "torch_native", "triton"):
-            raise ValueError(f"attention_backend must be torch_native or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in (None, "torch_native", "triton", "flashinfer"):
+            raise ValueError(
+                f"attention_backend must be torch_native, triton or flashinfer, got {self.attention_backend!r}"
+            )
         if self.speculative_algorithm not in (None, "vericache"):
             raise ValueError(f"speculative_algorithm must be vericache, got {self.speculative_algorithm!r}")
         if self.tp_size < 1 or self.dp_size < 1:

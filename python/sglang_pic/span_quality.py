@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from sglang_pic.engine import Engine
-from sglang_pic.entrypoints.openai_api import load_chat_template, render_chat
+from sglang_pic.entrypoints.chat_template import load_chat_template, render_chat
 from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest
 from sglang_pic.entrypoints.tool_calls import tool_call_parser
 from sglang_pic.frontend_lang import strip_markers
-from sglang_pic.managers.tokenizer_manager import TokenizerManager
+from sglang_pic.managers.request_builder import RequestBuilder
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.span_quality_tasks import Item, Task, TaskSizes, judge
@@ -114,7 +114,7 @@ class PromptBuilder:
                                            chat_template=chat_template)
         self.tokenizer = load_tokenizer(tokenizer_dir)
         config = ModelConfig.from_server_args(model_dir, self.args, device="cpu")
-        self.tokenizer_manager = TokenizerManager(self.args, self.tokenizer, config)
+        self.request_builder = RequestBuilder(self.args, self.tokenizer, config)
         self.chat_template = load_chat_template(chat_template, self.tokenizer)
         self.tool_parser = tool_call_parser(self.args.tool_call_parser, config.architecture)
 
@@ -128,7 +128,7 @@ class PromptBuilder:
             tool_spans=bool(item.tools),
         )
         marked = render_chat(body, self.tokenizer, self.chat_template, self.args)
-        ids = [t for seg in self.tokenizer_manager.tokenize(marked) for t in seg.token_ids]
+        ids = [t for seg in self.request_builder.tokenize(marked) for t in seg.token_ids]
         plain = self.tokenizer(strip_markers(marked), add_special_tokens=True)["input_ids"]
         return Prompt(marked, ids, list(plain) == ids)
 

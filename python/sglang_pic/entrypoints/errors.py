@@ -18,7 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from sglang_pic.entrypoints.openai_protocol import ErrorInfo, ErrorResponse, describe_errors
+from sglang_pic.entrypoints.openai_protocol import describe_errors
+from sglang_pic.entrypoints.openai_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

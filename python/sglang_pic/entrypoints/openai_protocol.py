@@ -1,4 +1,6 @@
-"""OpenAI-compatible request and response models (field names and defaults as in SGLang's /v1 adapters).
+"""OpenAI-compatible request models (field names and defaults as in SGLang's /v1 adapters), and their validation
+errors described for a 400; the fields completions and chat share are in openai_fields.py, responses in
+openai_responses.py.
 
 Requests are strict: unknown fields and wrong JSON types are rejected (with the field's name), never coerced, so a
 client's typo surfaces as a 400 instead of a silently ignored setting; SGLang's extensions that have no effect here
@@ -9,85 +11,14 @@ which names the field too.
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
-from sglang_pic.sglang_fields import OPENAI_FIELDS, accept_fields
-
-MAX_TOP_LOGPROBS = 20
+from sglang_pic.entrypoints.openai_fields import MAX_TOP_LOGPROBS, RequestModel, SamplingFields
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Request):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class _SamplingFields(_Request):
-    """Sampling fields shared by completions and chat, including SGLang's extensions."""
-
-    model: str | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    # OpenAI bookkeeping a client may send along (SDK agents do); accepted, nothing to do here.
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    # SGLang extensions.
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    no_stop_trim: bool = False
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    rid: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    json_schema: str | None = None
-    stop_regex: str | list[str] | None = None
-    priority: int | None = None  # with --enable-priority-scheduling
-    data_parallel_rank: int | None = None  # the replica to run on (a server with dp_size > 1)
-    # sglang_pic extension: this request's span quality settings (span_policy.py); None: the server's.
-    span_anchor: str | None = None
-    span_head_tokens: int | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _sglang_extensions(cls, data: Any) -> Any:
-        """SGLang's other extensions are accepted at their neutral values (sglang_fields); every unsupported or
-        unknown field is named at once."""
-        if not isinstance(data, dict):
-            return data
-        return accept_fields(data, cls.model_fields, OPENAI_FIELDS)
-
-    @field_validator("n")
-    @classmethod
-    def _n_positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("n must be at least 1")
-        return v
-
-
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = 16
     temperature: float = 1.0
@@ -122,45 +53,45 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
 
-class Tool(_Request):
+class Tool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Request):
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class FunctionCall(_Request):
+class FunctionCall(RequestModel):
     name: str
     arguments: str  # JSON text, as the API returned it
 
 
-class MessageToolCall(_Request):
+class MessageToolCall(RequestModel):
     id: str
     type: Literal["function"]
     function: FunctionCall
     index: int | None = None  # ignored: there when a client sends back a call as it was streamed
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -176,14 +107,14 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     name: str
     description: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -198,14 +129,14 @@ class ResponseFormat(_Request):
         return None
 
 
-class ToolSpanSettings(_Request):
+class ToolSpanSettings(RequestModel):
     """`tool_spans` as an object: tool descriptions become spans with these settings (span_policy.py)."""
 
     span_anchor: str | None = None
     span_head_tokens: int | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -277,47 +208,14 @@ class ChatCompletionRequest(_SamplingFields):
         return None
 
 
-def describe_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """Pydantic's (or FastAPI's) errors as one line naming each offending field once, e.g. `temperature: Input
-    should be a valid number`, and the first offending field (OpenAI's `param`; None for the body as a whole)."""
-    parts: dict[str, str] = {}
-    for e in errors:
-        loc = ".".join(str(x) for x in e["loc"] if not _is_union_branch(x))
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            parts.setdefault(loc, f"unknown field {loc!r}")
-        elif e["type"] == "json_invalid":
-            parts.setdefault("", f"malformed JSON: {msg.removeprefix('Invalid JSON: ')}")
-        else:
-            parts.setdefault(loc, f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts.values()), next((loc for loc in parts if loc), None)
 
-
-def _is_union_branch(loc_part: object) -> bool:
-    """Pydantic names the union member it tried (`str`, `list[int]`, `TextPart`...) in error locations; drop it."""
-    if not isinstance(loc_part, str):
-        return False
-    return "[" in loc_part or loc_part[:1].isupper() or loc_part in ("str", "int", "float", "bool", "dict", "list")
-
-
-# ---- responses ------------------------------------------------------------------------------------------------
-class ModelCard(BaseModel):
-    id: str
-    object: str = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "sglang"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int] | list[list[int]]
     skip_special_tokens: bool = False
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     """/tokenize and /v1/tokenize (SGLang's and vLLM's shape): the ids /generate runs for a prompt, or the ids
     /v1/chat/completions runs for chat messages (rendered as a chat request with these fields would be)."""
 
@@ -349,135 +247,25 @@ class TokenizeRequest(_Request):
         )
 
 
-class ModelList(BaseModel):
-    object: str = "list"
-    data: list[ModelCard] = Field(default_factory=list)
+
+def describe_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Pydantic's (or FastAPI's) errors as one line naming each offending field once, e.g. `temperature: Input
+    should be a valid number`, and the first offending field (OpenAI's `param`; None for the body as a whole)."""
+    parts: dict[str, str] = {}
+    for e in errors:
+        loc = ".".join(str(x) for x in e["loc"] if not _is_union_branch(x))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            parts.setdefault(loc, f"unknown field {loc!r}")
+        elif e["type"] == "json_invalid":
+            parts.setdefault("", f"malformed JSON: {msg.removeprefix('Invalid JSON: ')}")
+        else:
+            parts.setdefault(loc, f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts.values()), next((loc for loc in parts if loc), None)
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body (vLLM's too): `type` names the SDK's exception (BadRequestError ...), `code` the status."""
-
-    error: ErrorInfo
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogProbs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    bytes: list[int]
-    logprob: float
-
-
-class ChatTokenLogprob(BaseModel):
-    token: str
-    bytes: list[int]
-    logprob: float
-    top_logprobs: list[TopLogprob]
-
-
-class ChatChoiceLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-
-
-FinishReasonType = Literal["stop", "length", "abort", "tool_calls"]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: FinishReasonType | None = None
-    matched_stop: int | str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: str = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class _OmitNone(BaseModel):
-    """Left-out fields are absent, not null: a call's later stream deltas carry only its index and arguments."""
-
-    @model_serializer(mode="wrap")
-    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class CalledFunction(_OmitNone):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class ToolCallItem(_OmitNone):
-    index: int | None = None  # in stream deltas
-    id: str | None = None
-    type: Literal["function"] | None = "function"  # on a call's first stream delta, and in messages
-    function: CalledFunction
-
-
-class ChatResponseMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallItem] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReasonType | None = None
-    matched_stop: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReasonType | None = None
-    matched_stop: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
+def _is_union_branch(loc_part: object) -> bool:
+    """Pydantic names the union member it tried (`str`, `list[int]`, `TextPart`...) in error locations; drop it."""
+    if not isinstance(loc_part, str):
+        return False
+    return "[" in loc_part or loc_part[:1].isupper() or loc_part in ("str", "int", "float", "bool", "dict", "list")

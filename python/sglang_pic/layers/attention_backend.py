@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
 from sglang_pic.kernels.torch_native import paged_attention_torch, store_kv_torch
 
 if TYPE_CHECKING:
@@ -18,7 +20,23 @@ class AttentionBackend(ABC):
     """One instance per model runner. `init_forward_metadata` runs once per batch, `forward` once per layer."""
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-        """Precompute per-batch data shared by all layers (sizes, split plans)."""
+        """Set forward_batch.attn_metadata to the backend's dataclass of per-batch data shared by all layers
+        (sizes, split plans, request groups); a backend that needs none leaves it as it is."""
+
+    # CUDA graphs (model_executor/cuda_graph_runner.py): whether one-request extends are captured too, and the
+    # hooks around capture and replay. The defaults suit a backend whose metadata depends on the batch size only.
+    captures_extends = True
+
+    def init_cuda_graph_state(self, max_bs: int, max_request_keys: int) -> None:
+        """Before any capture: buffers the graphs of up to `max_bs` decodes read, each request up to
+        `max_request_keys` keys."""
+
+    def init_forward_metadata_capture(self, forward_batch: "ForwardBatch", size: int) -> None:
+        """The metadata a graph of `size` (requests in decode, tokens in extend) is captured with."""
+        self.init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_replay(self, forward_batch: "ForwardBatch", size: int, padding_row: int) -> None:
+        """Before a graph of `size` replays the live `forward_batch` (its padded requests read `padding_row`)."""
 
     def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool) -> int:
         """Run each kernel variant the backend can pick once, so none compiles while serving; returns how many
@@ -32,6 +50,27 @@ class AttentionBackend(ABC):
         """q [T, Hq*D], k/v [T, Hkv*D] unrotated. Writes k, v to out_cache_loc, returns [T, Hq*Dv]."""
 
 
+@dataclass(frozen=True)
+class RequestGroup:
+    """Requests attended together, padded to the longest of them: their indices in the batch, their table rows and
+    lengths, and their new tokens' rows."""
+
+    requests: torch.Tensor  # [n] int64
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int
+    ext: ExtendRows
+
+    def kv(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor) -> PagedKV:
+        """The group's keys in one layer's buffers."""
+        return PagedKV(k_buffer, v_buffer, req_to_token, self.req_pool_indices, self.seq_lens, self.max_seq_len)
+
+
+@dataclass(frozen=True)
+class TorchNativeMetadata:
+    groups: list[RequestGroup]
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     """Padded torch attention (kernels/torch_native.py), run once per group of requests whose new-token and context
     counts round up to the same powers of two: padded all together, a mixed batch's decodes would each cost the
@@ -42,15 +81,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         groups: dict[tuple[int, int], list[int]] = {}
         for b, (q, kv) in enumerate(zip(fb.extend_seq_lens_cpu, fb.seq_lens_cpu)):
             groups.setdefault(((q - 1).bit_length(), (kv - 1).bit_length()), []).append(b)
-        device = fb.req_pool_indices.device
-        fb.attn_metadata["groups"] = [  # (request indices, longest extend, longest context)
-            (
-                torch.tensor(reqs, dtype=torch.int64, device=device),
-                max(fb.extend_seq_lens_cpu[b] for b in reqs),
-                max(fb.seq_lens_cpu[b] for b in reqs),
-            )
-            for reqs in groups.values()
-        ]
+        fb.attn_metadata = TorchNativeMetadata([self.group(fb, reqs) for reqs in groups.values()])
+
+    @staticmethod
+    def group(fb: "ForwardBatch", requests: list[int]) -> RequestGroup:
+        """The batch's requests `requests` as one padded group."""
+        index = torch.tensor(requests, dtype=torch.int64, device=fb.req_pool_indices.device)
+        ext = ExtendRows(fb.extend_start_loc[index], fb.extend_seq_lens[index], fb.positions, fb.attn_lo,
+                         max(fb.extend_seq_lens_cpu[b] for b in requests))
+        longest = max(fb.seq_lens_cpu[b] for b in requests)
+        return RequestGroup(index, fb.req_pool_indices[index], fb.seq_lens[index], longest, ext)
 
     def forward(self, q, k, v, layer, forward_batch):
         fb = forward_batch
@@ -64,32 +104,24 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q3.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
-        for reqs, max_q, max_kv in fb.attn_metadata["groups"]:
-            paged_attention_torch(
-                q3,
-                k_buf,
-                v_buf,
-                fb.req_to_token_pool.req_to_token,
-                fb.req_pool_indices[reqs],
-                fb.seq_lens[reqs],
-                fb.extend_start_loc[reqs],
-                fb.extend_seq_lens[reqs],
-                fb.positions,
-                fb.attn_lo,
-                layer.rotary.cos_sin_cache,
-                layer.scaling,
-                max_q=max_q,
-                max_kv=max_kv,
-                out=out,
-            )
+        table = fb.req_to_token_pool.req_to_token
+        for group in fb.attn_metadata.groups:
+            kv = group.kv(k_buf, v_buf, table)
+            paged_attention_torch(q3, kv, group.ext, layer.rotary.cos_sin_cache, layer.scaling, out=out)
         return out.reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
 
 
-def create_attention_backend(name: str) -> AttentionBackend:
+def create_attention_backend(name: str, layer: "RadixAttention", model_config, speculative: bool) -> AttentionBackend:
+    """The backend `name` for a model whose attention layers look like `layer` (FlashInfer plans with its shape
+    and refuses what it cannot run: see check_flashinfer_support)."""
     if name == "torch_native":
         return TorchNativeAttnBackend()
     if name == "triton":
         from sglang_pic.layers.triton_backend import TritonAttnBackend
 
         return TritonAttnBackend()
+    if name == "flashinfer":
+        from sglang_pic.layers.flashinfer_backend import create_flashinfer_backend
+
+        return create_flashinfer_backend(layer, model_config, speculative)
     raise ValueError(f"unknown attention backend {name!r}")

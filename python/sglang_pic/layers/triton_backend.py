@@ -10,12 +10,14 @@ CUDA graph valid for any context lengths.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, decode_attention_fwd, num_kv_splits
 from sglang_pic.kernels.extend_attention import extend_attention_fwd, extend_variants
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
 from sglang_pic.kernels.shared_decode import alloc_shared_buffers, shared_decode_attention_fwd
 from sglang_pic.kernels.stage_keys import (
     StagedKeys,
@@ -33,6 +35,32 @@ if TYPE_CHECKING:
 
 CPU_NUM_SMS = 4  # only the Triton interpreter runs on CPU tensors; any small value works there
 
+Buffers = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class TritonMetadata:
+    """A batch's split between the kernels and its sizes. Its extends are the first `extends` requests and `rows`
+    token rows, its decodes the rest. The workspaces are allocated by the forward's first layer (inside a CUDA graph
+    capture when there is one) and shared by every layer."""
+
+    extends: int
+    rows: int
+    ext: ExtendRows | None = None  # the extends' new tokens
+    max_seq_len: int = 0  # the extends' longest context
+    total_keys: int = 0  # the extends' contexts summed
+    cached_keys: bool = False  # whether the extends read keys the store does not write (see has_cached_keys)
+    max_kv_splits: int = 0  # key chunks of the per-request decode kernel
+    staged: StagedKeys | None = None  # the extends' keys, rotated once (see stage_keys)
+    decode_buffers: Buffers | None = None
+    shared_buffers: Buffers | None = None  # the shared decode kernel's partials
+
+
+def _paged(fb: "ForwardBatch", k_buf: torch.Tensor, v_buf: torch.Tensor, part: slice, longest: int = 0) -> PagedKV:
+    """The keys of requests `part` of the batch in one layer's buffers."""
+    table = fb.req_to_token_pool.req_to_token
+    return PagedKV(k_buf, v_buf, table, fb.req_pool_indices[part], fb.seq_lens[part], longest)
+
 
 class TritonAttnBackend(AttentionBackend):
     def __init__(self) -> None:
@@ -47,23 +75,22 @@ class TritonAttnBackend(AttentionBackend):
         return self._num_sms
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-        meta = forward_batch.attn_metadata
-        decodes = forward_batch.num_decodes
-        if decodes and forward_batch.shared_decode is not None:
-            meta["shared_buffers"] = None  # allocated by the first layer, shared by all layers of the batch
-        elif decodes:
-            device = forward_batch.seq_lens.device
-            kv_heads = forward_batch.token_to_kv_pool.head_num
-            meta["max_kv_splits"] = num_kv_splits(decodes, kv_heads, self.sm_count(device))
-            meta["decode_buffers"] = None  # allocated by the first layer, shared by all layers of the batch
-        if not forward_batch.forward_mode.is_decode():
-            extends = forward_batch.batch_size - decodes
-            seq_lens = forward_batch.seq_lens_cpu[:extends]
-            meta["max_extend_len"] = max(forward_batch.extend_seq_lens_cpu[:extends], default=0)
-            meta["max_seq_len"] = max(seq_lens, default=0)
-            meta["total_keys"] = sum(seq_lens)
-            meta["cached_keys"] = has_cached_keys(seq_lens, forward_batch.extend_seq_lens_cpu[:extends])
-            meta["staged"] = None  # key-staging workspace, allocated by the first layer (inside a graph capture if any)
+        fb = forward_batch
+        decodes = fb.num_decodes
+        extends = fb.batch_size - decodes
+        meta = TritonMetadata(extends, fb.positions.shape[0] - decodes)
+        if decodes and fb.shared_decode is None:
+            meta.max_kv_splits = num_kv_splits(decodes, fb.token_to_kv_pool.head_num, self.sm_count(fb.seq_lens.device))
+        if extends:
+            seq_lens, new = fb.seq_lens_cpu[:extends], fb.extend_seq_lens_cpu[:extends]
+            rows = meta.rows
+            meta.ext = ExtendRows(
+                fb.extend_start_loc[:extends], fb.extend_seq_lens[:extends], fb.positions[:rows], fb.attn_lo[:rows],
+                max(new),
+            )
+            meta.max_seq_len, meta.total_keys = max(seq_lens), sum(seq_lens)
+            meta.cached_keys = has_cached_keys(seq_lens, new)
+        fb.attn_metadata = meta
 
     def forward(
         self,
@@ -73,14 +100,15 @@ class TritonAttnBackend(AttentionBackend):
         layer: "RadixAttention",
         forward_batch: "ForwardBatch",
     ) -> torch.Tensor:
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        fb = forward_batch
+        meta: TritonMetadata = fb.attn_metadata
+        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         cos_sin = layer.rotary.kernel_table(k_buf.dtype)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
-        fb = forward_batch
-        decodes = fb.num_decodes
-        extends, rows = fb.batch_size - decodes, q3.shape[0] - decodes
-        staged = self._staging(fb, extends, rows, k_buf, layer.num_heads // layer.num_kv_heads) if extends else None
+        extends, rows = meta.extends, meta.rows
+        kv = _paged(fb, k_buf, v_buf, slice(None, extends), meta.max_seq_len) if extends else None
+        staged = self._staging(meta, kv, layer.num_heads // layer.num_kv_heads) if extends else None
         store_kv(
             k_buf,
             v_buf,
@@ -91,54 +119,25 @@ class TritonAttnBackend(AttentionBackend):
             staged,
             fb.positions,
         )
-        if staged is not None and fb.attn_metadata["cached_keys"]:
-            stage_keys(
-                staged, k_buf, fb.req_to_token_pool.req_to_token, fb.req_pool_indices[:extends], fb.seq_lens[:extends],
-                fb.extend_start_loc[:extends], fb.extend_seq_lens[:extends], fb.positions[:rows], cos_sin,
-                fb.attn_metadata["max_seq_len"],
-            )
         if extends:
+            if staged is not None and meta.cached_keys:
+                stage_keys(staged, kv, meta.ext, cos_sin)
             # A mixed batch's decodes go to the decode kernel below: in extend tiles each would fill one row.
             extend_attention_fwd(
-                q3[:rows],
-                k_buf,
-                v_buf,
-                out[:rows],
-                fb.req_to_token_pool.req_to_token,
-                fb.req_pool_indices[:extends],
-                fb.extend_start_loc[:extends],
-                fb.extend_seq_lens[:extends],
-                fb.positions[:rows],
-                fb.attn_lo[:rows],
-                cos_sin,
-                layer.scaling,
-                fb.attn_metadata["max_extend_len"],
-                max_seq_len=fb.attn_metadata["max_seq_len"],
-                num_sms=self.sm_count(q.device),
+                q3[:rows], out[:rows], kv, meta.ext, cos_sin, layer.scaling, num_sms=self.sm_count(q.device),
                 staged_keys=staged,
             )
-        if decodes and fb.shared_decode is not None:
-            if fb.attn_metadata["shared_buffers"] is None:  # allocated by the first layer, shared by all
-                fb.attn_metadata["shared_buffers"] = alloc_shared_buffers(q3[rows:], fb.shared_decode, layer.v_head_dim)
-            shared_decode_attention_fwd(
-                q3[rows:], k_buf, v_buf, out[rows:], fb.req_to_token_pool.req_to_token, fb.shared_decode, cos_sin,
-                layer.scaling, fb.attn_metadata["shared_buffers"],
-            )
-        elif decodes:
-            mid_o, mid_lse = self._decode_buffers(fb, decodes, layer, q.device)
-            decode_attention_fwd(
-                q3[rows:],
-                k_buf,
-                v_buf,
-                out[rows:],
-                fb.req_to_token_pool.req_to_token,
-                fb.req_pool_indices[extends:],
-                fb.seq_lens[extends:],
-                cos_sin,
-                layer.scaling,
-                mid_o,
-                mid_lse,
-            )
+        if fb.num_decodes:
+            decode_kv = _paged(fb, k_buf, v_buf, slice(extends, None))
+            if fb.shared_decode is not None:
+                if meta.shared_buffers is None:
+                    meta.shared_buffers = alloc_shared_buffers(q3[rows:], fb.shared_decode, layer.v_head_dim)
+                shared_decode_attention_fwd(
+                    q3[rows:], out[rows:], decode_kv, fb.shared_decode, cos_sin, layer.scaling, meta.shared_buffers
+                )
+            else:
+                mid_o, mid_lse = self._decode_buffers(meta, fb.num_decodes, layer, q.device)
+                decode_attention_fwd(q3[rows:], out[rows:], decode_kv, cos_sin, layer.scaling, mid_o, mid_lse)
         return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
 
     @torch.inference_mode()
@@ -166,44 +165,37 @@ class TritonAttnBackend(AttentionBackend):
             zeros = torch.zeros(tokens, dtype=torch.int64, device=device)  # slots written; lowest visible keys
             lens = torch.full((1,), tokens, dtype=torch.int64, device=device)
             positions = torch.arange(tokens, device=device)
-            staged = alloc_staged_keys(k_buf, lens, zero, lens, positions, tokens) if stage else None
+            kv = PagedKV(k_buf, v_buf, table, request, lens, tokens)
+            ext = ExtendRows(zero, lens, positions, zeros, tokens)
+            staged = alloc_staged_keys(kv, ext, tokens) if stage else None
             store_kv(k_buf, v_buf, zeros, k, v, cos_sin, staged, positions)
             if staged is not None:
-                stage_keys(staged, k_buf, table, request, lens, zero, lens, positions, cos_sin, tokens)
+                stage_keys(staged, kv, ext, cos_sin)
             extend_attention_fwd(
-                q, k_buf, v_buf, out, table, request, zero, lens, positions, zeros, cos_sin,
-                layer.scaling, tokens, num_splits=splits, max_seq_len=tokens, num_sms=self.sm_count(device),
+                q, out, kv, ext, cos_sin, layer.scaling, num_splits=splits, num_sms=self.sm_count(device),
                 staged_keys=staged,
             )
         mid_o, mid_lse = alloc_decode_buffers(1, layer.num_heads, layer.v_head_dim, 1, device)
-        decode_attention_fwd(q[:1], k_buf, v_buf, out[:1], table, request, lens, cos_sin, layer.scaling, mid_o, mid_lse)
+        decode_attention_fwd(q[:1], out[:1], kv, cos_sin, layer.scaling, mid_o, mid_lse)
         return len(variants) + 1
 
     @staticmethod
-    def _staging(
-        forward_batch: "ForwardBatch", extends: int, rows: int, k_buf: torch.Tensor, group: int
-    ) -> StagedKeys | None:
+    def _staging(meta: TritonMetadata, kv: PagedKV, group: int) -> StagedKeys | None:
         """The workspace the extends' keys are staged in, rotated once (see stage_keys), shared by every layer of
         the forward; None when the kernel rotates them itself (few query rows per request, or a workspace past its
-        bound). `rows`: the extends' new tokens; `group`: query heads per kv head."""
-        meta = forward_batch.attn_metadata
-        if not should_stage_keys(meta["total_keys"], k_buf, meta["max_extend_len"] * group):
+        bound). `group`: query heads per kv head."""
+        if not should_stage_keys(meta.total_keys, kv.k_buffer, meta.ext.max_extend_len * group):
             return None
-        if meta["staged"] is None:
-            fb = forward_batch
-            meta["staged"] = alloc_staged_keys(
-                k_buf, fb.seq_lens[:extends], fb.extend_start_loc[:extends], fb.extend_seq_lens[:extends],
-                fb.positions[:rows], meta["total_keys"],
-            )
-        return meta["staged"]
+        if meta.staged is None:
+            meta.staged = alloc_staged_keys(kv, meta.ext, meta.total_keys)
+        return meta.staged
 
     @staticmethod
     def _decode_buffers(
-        forward_batch: "ForwardBatch", decodes: int, layer: "RadixAttention", device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = forward_batch.attn_metadata
-        buffers = meta["decode_buffers"]
-        if buffers is None or buffers[0].shape[1:] != (layer.num_heads, meta["max_kv_splits"], layer.v_head_dim):
-            buffers = alloc_decode_buffers(decodes, layer.num_heads, layer.v_head_dim, meta["max_kv_splits"], device)
-            meta["decode_buffers"] = buffers
+        meta: TritonMetadata, decodes: int, layer: "RadixAttention", device: torch.device
+    ) -> Buffers:
+        buffers = meta.decode_buffers
+        if buffers is None or buffers[0].shape[1:] != (layer.num_heads, meta.max_kv_splits, layer.v_head_dim):
+            buffers = alloc_decode_buffers(decodes, layer.num_heads, layer.v_head_dim, meta.max_kv_splits, device)
+            meta.decode_buffers = buffers
         return buffers

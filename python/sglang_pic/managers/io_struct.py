@@ -1,11 +1,15 @@
-"""Request objects at the API boundary, with SGLang's field names (`/generate` and `Engine.generate`)."""
+"""Request objects at the API boundary, with SGLang's field names (`/generate` and `Engine.generate`), and the
+tokenized request the request builder makes of them for the scheduler (SGLang's TokenizedGenerateReqInput).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.sglang_fields import GENERATE_ALIASES, GENERATE_FIELDS, accept_fields
 
 
@@ -87,3 +91,46 @@ class GenerateReqInput:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(GenerateReqInput))
+
+
+@dataclass
+class TokenizedSegment:
+    """One segment of a tokenized prompt, as plain data: the scheduler's ReqSegment without its KV bookkeeping.
+
+    kind: "prefix" | "span" | "pdep" | "head" (a span's recomputed head); tokens: its token ids (never mutated:
+    the scheduler copies them); extra_key: its radix namespace (radix_ext.segments); start: the logical index of its
+    first token; key_lead: a span tail's key's leading tokens (its anchor and recomputed head; managers/req.py).
+    """
+
+    kind: str
+    tokens: list[int]
+    extra_key: str | None
+    start: int = 0
+    key_lead: tuple[int, ...] = ()
+
+
+@dataclass
+class TokenizedGenerateReq:
+    """One validated, tokenized request, as the request builder sends it to a scheduler (pickled over ZMQ from the
+    HTTP process, handed over in-process by the offline Engine). It carries what the client asked for and nothing of
+    the scheduler's state: the scheduler builds its own Req from it (Req.from_wire). `stream`, `created_time` and
+    `return_text_in_logprobs` only shape the output; the scheduler process passes them on to its reports."""
+
+    rid: str
+    segments: list[TokenizedSegment]
+    sampling_params: SamplingParams
+    prompt_len: int
+    eos_token_ids: set[int]
+    seed: int | None = None  # this copy's sampling seed (sampling_params.seed + its index among n); None: unseeded
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    priority: int | None = None
+    data_parallel_rank: int | None = None  # the replica the client asked for; None: the server picks
+    stream: bool = False
+    return_text_in_logprobs: bool = False
+    created_time: float = field(default_factory=time.time)
+
+    def prompt_ids(self) -> list[int]:
+        return [t for seg in self.segments for t in seg.tokens]

@@ -6,8 +6,9 @@ Three processes talk over ipc:// sockets in one temp dir, each pipe one-way (PUS
     scheduler --per-step token deltas--> detokenizer --formatted outputs--> main
     scheduler --control replies--> main
 
-The scheduler never sends whole Req objects after admission: each step it sends a `TokenDelta` per updated
-request (new token ids, new logprobs, finish state), plus a `ReqHeader` once, the first time a request is reported.
+A request travels to the scheduler as a TokenizedGenerateReq (io_struct.py), plain data from which the scheduler
+builds its own Req. Back it comes as a `TokenDelta` per report (new token ids, new logprobs, finish state), the first
+one with a `ReqHeader` (what formatting needs to know of the request); see managers/output_format.py.
 """
 
 from __future__ import annotations
@@ -21,20 +22,13 @@ from typing import Any
 
 import zmq
 
-from sglang_pic.managers.req import FinishReason, Req, ReqSegment
+from sglang_pic.managers.io_struct import TokenizedSegment
+from sglang_pic.managers.req import FinishReason
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.speculative.spec_stats import accept_length, accept_rate
 
 
-# ---- main -> scheduler ----------------------------------------------------------------------------------------
-@dataclass
-class GenerateRequest:
-    """One tokenized request; `return_text_in_logprobs` travels along because only formatting needs it."""
-
-    req: Req
-    return_text_in_logprobs: bool = False
-
-
+# ---- main -> scheduler (besides io_struct.TokenizedGenerateReq) -------------------------------------------------
 @dataclass
 class AbortRequest:
     rid: str = ""
@@ -62,11 +56,11 @@ class UpdateWeightsRequest:
 
 @dataclass
 class WarmSpansRequest:
-    """Prefill spans (as a request's span segments, TokenizerManager.span_segments) into the cache; answered once
+    """Prefill spans (as a request's span segments, RequestBuilder.span_segments) into the cache; answered once
     every one is cached."""
 
     request_id: str
-    spans: list[ReqSegment]
+    spans: list[TokenizedSegment]
 
 
 @dataclass
@@ -201,6 +195,7 @@ class TokenDelta:
     new_output_token_logprobs: list = field(default_factory=list)
     new_output_top_logprobs: list = field(default_factory=list)
     new_output_token_ids_logprobs: list = field(default_factory=list)
+    spec_meta: dict | None = None  # the request's VeriCache counters so far (ReqSpecStats.to_meta); None: not drafted
     header: ReqHeader | None = None
 
 

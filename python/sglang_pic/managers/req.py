@@ -11,16 +11,24 @@ the request with full attention, followed by the span's tail, whose radix key st
 and head tokens (`key_lead`): the tree holds the whole anchored span as its job computed it, and the request
 reads only the tail's slots. A span with an anchor or a head is never computed in a request's row (`from_job`);
 a span job computes its whole key.
+
+A Req holds scheduler state only. It is built from the tokenizer's wire message (`Req.from_wire`, one path for the
+server's scheduler process and the offline Engine); what only the client's side needs (streaming, the arrival time,
+the stream cursors, the decoded text) stays with the output (managers/output_format.py). The outputs the scheduler
+itself produces do live here: the output ids, the logprobs it computes, the finish reason and the cache counts are
+filled in step by step, and the scheduler reads them back (stop checks, penalties, prompt-logprob progress).
 """
 
 from __future__ import annotations
 
-import time
 from array import array
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+import torch
+
+from sglang_pic.managers.io_struct import TokenizedGenerateReq, TokenizedSegment
 from sglang_pic.radix_ext import RadixKey
 from sglang_pic.sampling.sampling_params import SamplingParams
 
@@ -41,6 +49,11 @@ class ReqSegment:
     # Slots of tokens [cached, done), the ones the request owns, kept on the host as they are allocated: freeing
     # them never reads the request's row back from the device (which would wait for the step in flight).
     own: array = field(default_factory=lambda: array("q"))
+
+    @classmethod
+    def from_wire(cls, seg: TokenizedSegment) -> "ReqSegment":
+        """A segment with no KV yet; its own copy of the tokens (a tail segment grows by the output)."""
+        return cls(seg.kind, list(seg.tokens), seg.extra_key, start=seg.start, key_lead=seg.key_lead)
 
     @property
     def attn_lo(self) -> int:
@@ -75,12 +88,6 @@ class FinishReason:
         return out
 
 
-def stream_due(sent: int, produced: int, interval: int) -> bool:
-    """Whether a stream that has reported `sent` output tokens reports again at `produced` (--stream-interval): the
-    first token at once, then every `interval` tokens. The end of a request is always reported."""
-    return produced > sent and (sent == 0 or produced - sent >= interval)
-
-
 @dataclass(eq=False)  # identity semantics: requests are compared and looked up in queues by object
 class Req:
     rid: str
@@ -91,19 +98,15 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None  # ids whose logprobs each scored position returns (with logprobs)
-    stream: bool = False
     eos_token_ids: set[int] = field(default_factory=set)
-    input_text: str | None = None
     spec_stats: Any = None  # speculative.spec_stats.ReqSpecStats while VeriCache decodes this request
-    data_parallel_rank: int | None = None  # the replica the client asked for; None: the server picks
-    priority: int | None = None  # the client's; only read with --enable-priority-scheduling (scheduler._urgency)
+    priority: int | None = None  # the client's; only read with --enable-priority-scheduling (waiting_order.WaitingOrder.urgency)
     preemptions: int = 0  # times a more urgent request preempted it: the scheduler spreads preemptions
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
     req_pool_idx: int | None = None
     generator: Any = None
-    created_time: float = field(default_factory=time.time)
     first_token_time: float | None = None
     cached_prefix_tokens: int = 0
     cached_span_tokens: int = 0
@@ -116,9 +119,6 @@ class Req:
     output_top_logprobs: list = field(default_factory=list)
     input_token_ids_logprobs: list = field(default_factory=list)  # per position [(logprob, id)] of token_ids_logprob
     output_token_ids_logprobs: list = field(default_factory=list)
-    # Streaming cursor: how many output ids have been reported.
-    sent_offset: int = 0
-    decode_window: Any = None  # tokenizer.DecodeWindow: the text streamed so far, for the next piece
     input_logprobs_done: bool = False
     # A span prefill job (ISPS or warm-up): computes its span's KV into the tree, samples nothing.
     warmup: bool = False
@@ -126,6 +126,27 @@ class Req:
     # The output grammar's matcher (sampling/grammar.py), built by the scheduler: it has accepted the output so far.
     grammar: Any = field(default=None, repr=False, compare=False)
     arrival_step: int = 0
+
+    @classmethod
+    def from_wire(cls, msg: TokenizedGenerateReq) -> "Req":
+        """The scheduler's request for a tokenized one: its own segments, its seeded generator, no KV yet."""
+        generator = None
+        if msg.seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(msg.seed)
+        return cls(
+            rid=msg.rid,
+            segments=[ReqSegment.from_wire(seg) for seg in msg.segments],
+            sampling_params=msg.sampling_params,
+            prompt_len=msg.prompt_len,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+            token_ids_logprob=msg.token_ids_logprob,
+            eos_token_ids=msg.eos_token_ids,
+            priority=msg.priority,
+            generator=generator,
+        )
 
     # ---- derived views -------------------------------------------------------------------------------------
     @property

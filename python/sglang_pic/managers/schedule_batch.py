@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_pic.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
 from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.managers.shared_decode_planner import KeyRun, SharedDecodeSettings, plan_shared_decode
-from sglang_pic.utils_tensor import upload
 
 
 @dataclass
@@ -82,55 +81,28 @@ def _is_decode_entry(e: BatchEntry) -> bool:
     return e.num_tokens == 1 and e.attn_lo[0] == 0 and e.positions[0] == e.req.seq_len() - 1
 
 
-@dataclass
-class _Columns:
-    """A ForwardBatch's integer fields as Python lists, filled request by request and uploaded in one copy."""
+def _add_entry(rows: BatchRows, e: BatchEntry) -> None:
+    start = rows.num_tokens
+    rows.logits_indices += [start + e.positions.index(p) for p in e.logprob_positions]
+    # The last position is never a logprob position (they end at prompt_len - 2).
+    if e.completes and not e.req.warmup:
+        rows.logits_indices.append(start + e.num_tokens - 1)
+    rows.input_ids += e.input_ids
+    rows.add(e.req.req_pool_idx, e.positions, e.attn_lo)
 
-    input_ids: list[int] = field(default_factory=list)  # per new token
-    positions: list[int] = field(default_factory=list)
-    attn_lo: list[int] = field(default_factory=list)
-    pool_rows: list[int] = field(default_factory=list)  # per request
-    seq_lens: list[int] = field(default_factory=list)
-    ext_lens: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    logit_rows: list[int] = field(default_factory=list)  # token rows whose logits are computed
 
-    def add_entry(self, e: BatchEntry) -> None:
-        start = len(self.input_ids)
-        self.starts.append(start)
-        for p in e.logprob_positions:
-            self.logit_rows.append(start + e.positions.index(p))
-        # The last position is never a logprob position (they end at prompt_len - 2).
-        if e.completes and not e.req.warmup:
-            self.logit_rows.append(start + e.num_tokens - 1)
-        self.input_ids += e.input_ids
-        self.positions += e.positions
-        self.attn_lo += e.attn_lo
-        self.pool_rows.append(e.req.req_pool_idx)
-        self.seq_lens.append(e.positions[-1] + 1)
-        self.ext_lens.append(e.num_tokens)
-
-    def add_decodes(self, reqs: list[Req]) -> None:
-        """One row per request, each a whole-list operation over the group rather than a loop per request."""
-        tails = [r.segments[-1] for r in reqs]
-        first, n = len(self.input_ids), len(reqs)
-        seq_lens = [t.start + t.done for t in tails]  # alloc_decode has counted the new token
-        self.input_ids += [0] * n  # filled on the device from the rows' last sampled tokens
-        self.positions += [s - 1 for s in seq_lens]
-        self.attn_lo += [0] * n
-        self.pool_rows += [r.req_pool_idx for r in reqs]
-        self.seq_lens += seq_lens
-        self.ext_lens += [1] * n
-        self.starts += range(first, first + n)
-        self.logit_rows += range(first, first + n)
-
-    def tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(input_ids, positions, attn_lo, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-        logits_indices) on `device`: views of one tensor."""
-        columns = (self.input_ids, self.positions, self.attn_lo, self.pool_rows, self.seq_lens, self.ext_lens,
-                   self.starts, self.logit_rows)
-        flat = upload(*columns, device=device)
-        return torch.split(flat, [len(c) for c in columns])
+def _add_decodes(rows: BatchRows, reqs: list[Req]) -> None:
+    """One row per request, each a whole-list operation over the group rather than a loop per request."""
+    tails = [r.segments[-1] for r in reqs]
+    first, n = rows.num_tokens, len(reqs)
+    seq_lens = [t.start + t.done for t in tails]  # alloc_decode has counted the new token
+    rows.input_ids += [0] * n  # filled on the device from the rows' last sampled tokens
+    rows.positions += [s - 1 for s in seq_lens]
+    rows.attn_lo += [0] * n
+    rows.req_pool_indices += [r.req_pool_idx for r in reqs]
+    rows.seq_lens += seq_lens
+    rows.extend_seq_lens += [1] * n
+    rows.logits_indices += range(first, first + n)
 
 
 def shared_decode_plan(
@@ -213,40 +185,31 @@ def build_forward_batch(
     """Flatten the plan into token rows; logits rows are the logprob positions plus each sampled last token.
     `next_input_ids` [request rows] holds each row's last sampled token on the device; `shared_decode`: how the
     decodes may share KV reads (None: they do not)."""
-    columns = _Columns()
+    rows = BatchRows()
     for e in plan.entries:
-        columns.add_entry(e)
+        _add_entry(rows, e)
     slots = [e.slots for e in plan.entries]
+    n = 0 if plan.decode is None else len(plan.decode.reqs)
     if plan.decode is not None:
-        columns.add_decodes(plan.decode.reqs)
+        _add_decodes(rows, plan.decode.reqs)
         slots.append(plan.decode.slots)
-    input_ids, positions, attn_lo, pool_rows, seq_lens, ext_lens, starts, logit_rows = columns.tensors(runner.device)
-    if plan.decode is not None:  # each decode feeds its row's last sampled token, which may not be on the host yet
-        n = len(plan.decode.reqs)
-        input_ids[input_ids.numel() - n :] = next_input_ids[pool_rows[pool_rows.numel() - n :]]
     is_decode = all(_is_decode_entry(e) for e in plan.entries)
     shared = None
-    if plan.decode is not None and not (is_decode and plan.entries):  # the plan covers exactly the decode rows
-        n = len(plan.decode.reqs)
-        decode_lens = columns.seq_lens[len(columns.seq_lens) - n :]
+    if n and not (is_decode and plan.entries):  # the plan covers exactly the decode rows
+        decode_lens = rows.seq_lens[len(rows.seq_lens) - n :]
         shared = shared_decode_plan(plan.decode.reqs, decode_lens, shared_decode, runner.device)
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,
-        batch_size=len(columns.seq_lens),
-        input_ids=input_ids,
-        positions=positions,
-        attn_lo=attn_lo,
-        out_cache_loc=(slots[0] if len(slots) == 1 else torch.cat(slots)).to(runner.device),
-        req_pool_indices=pool_rows,
-        seq_lens=seq_lens,
-        extend_seq_lens=ext_lens,
-        extend_start_loc=starts,
-        seq_lens_cpu=columns.seq_lens,
-        extend_seq_lens_cpu=columns.ext_lens,
+    batch = ForwardBatch.build(
+        ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,
+        rows,
+        slots[0] if len(slots) == 1 else torch.cat(slots),
+        runner.device,
         req_to_token_pool=runner.req_to_token_pool,
         token_to_kv_pool=runner.token_to_kv_pool,
         attn_backend=runner.attn_backend,
-        logits_indices=logit_rows,
-        num_decode_tail=len(plan.decode.reqs) if plan.decode is not None and not is_decode else 0,
+        num_decode_tail=n if not is_decode else 0,
         shared_decode=shared,
     )
+    if n:  # each decode feeds its row's last sampled token, which may not be on the host yet
+        total = batch.input_ids.numel()
+        batch.input_ids[total - n :] = next_input_ids[batch.req_pool_indices[batch.batch_size - n :]]
+    return batch

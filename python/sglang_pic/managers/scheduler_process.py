@@ -1,9 +1,10 @@
 """The scheduler process: owns the model and the Scheduler, turns incoming requests into per-step token deltas.
 
 Loop: take every queued message (requests, aborts, control), run one scheduler step if there is work, and send a
-`TokenDelta` for each request that got output. Streaming requests are reported every step, others only when they
-finish (their delta then carries everything). When idle it blocks on its socket, waking each second to check that
-the main process still exists.
+`TokenDelta` for each request that got output. Each request arrives as a TokenizedGenerateReq, from which the
+scheduler's Req is built (Req.from_wire) while the Reporter (output_format.py) keeps what shapes its reports:
+streaming requests report every --stream-interval tokens, others only when they finish (their delta then carries
+everything). When idle it blocks on its socket, waking each second to check that the main process still exists.
 """
 
 from __future__ import annotations
@@ -24,16 +25,13 @@ from sglang_pic.managers.ipc import (
     BatchTokenOutput,
     FlushCacheRequest,
     FlushCacheResult,
-    GenerateRequest,
     IpcNames,
     ProfileRequest,
     ProfileResult,
-    ReqHeader,
     SchedulerReady,
     SchedulerSnapshot,
     StatsRequest,
     StatsResult,
-    TokenDelta,
     UpdateWeightsRequest,
     UpdateWeightsResult,
     WarmSpansRequest,
@@ -42,7 +40,9 @@ from sglang_pic.managers.ipc import (
     push_socket,
     recv_all_nowait,
 )
-from sglang_pic.managers.req import FinishReason, Req, stream_due
+from sglang_pic.managers.io_struct import TokenizedGenerateReq
+from sglang_pic.managers.output_format import Reporter
+from sglang_pic.managers.req import FinishReason, Req, ReqSegment
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.speculative.spec_stats import SpecStats
 from sglang_pic.utils_process import ModelFiles, check_parent, parent_alive, prepare_child
@@ -80,12 +80,12 @@ class SchedulerLoop:
         self.inbox = pull_socket(ctx, names.scheduler_input)
         self.to_detokenizer = push_socket(ctx, names.detokenizer_input)
         self.to_main = push_socket(ctx, names.tokenizer_input)
-        self.unreported: dict[str, bool] = {}  # rid -> return_text_in_logprobs, until its header is sent
+        self.reporter = Reporter(args.stream_interval)
         self.warming: dict[str, tuple[WarmSpansRequest, list[Req], int]] = {}  # request_id -> (msg, jobs, start)
         # A weight update waits for the requests the scheduler has to finish; requests arriving meanwhile wait here
         # and run with the new weights.
         self.update: UpdateWeightsRequest | None = None
-        self.held: list[GenerateRequest] = []
+        self.held: list[TokenizedGenerateReq] = []
 
     def ready_message(self) -> SchedulerReady:
         return SchedulerReady(max_total_num_tokens=self.runner.max_total_num_tokens, context_len=self.context_len)
@@ -112,11 +112,11 @@ class SchedulerLoop:
                     return
 
     def handle(self, msg: object) -> None:
-        if isinstance(msg, GenerateRequest) and self.update is not None:
+        if isinstance(msg, TokenizedGenerateReq) and self.update is not None:
             self.held.append(msg)
-        elif isinstance(msg, GenerateRequest):
-            self.unreported[msg.req.rid] = msg.return_text_in_logprobs
-            self.scheduler.add_request(msg.req)
+        elif isinstance(msg, TokenizedGenerateReq):
+            self.reporter.add(msg)
+            self.scheduler.add_request(Req.from_wire(msg))
         elif isinstance(msg, UpdateWeightsRequest):
             if self.update is not None:
                 self.to_main.send_pyobj(UpdateWeightsResult(msg.request_id, False, "another update is pending"))
@@ -131,7 +131,7 @@ class SchedulerLoop:
         elif isinstance(msg, ProfileRequest):
             self.to_main.send_pyobj(self.profile(msg))
         elif isinstance(msg, WarmSpansRequest):
-            jobs = self.scheduler.add_span_jobs(msg.spans)
+            jobs = self.scheduler.add_span_jobs([ReqSegment.from_wire(seg) for seg in msg.spans])
             self.warming[msg.request_id] = (msg, jobs, self.scheduler.stats.computed_prefill_tokens)
         else:
             logger.error("scheduler got an unknown message %r", type(msg).__name__)
@@ -171,53 +171,19 @@ class SchedulerLoop:
         else:
             rids = [msg.rid]
         aborted = [req for req in (sched.abort_request(rid) for rid in rids) if req is not None]
-        for request in [h for h in self.held if msg.abort_all or h.req.rid == msg.rid]:
-            self.held.remove(request)
-            self.unreported[request.req.rid] = request.return_text_in_logprobs
-            request.req.finished_reason = FinishReason("abort", message="aborted")
-            aborted.append(request.req)
+        for held in [h for h in self.held if msg.abort_all or h.rid == msg.rid]:
+            self.held.remove(held)
+            self.reporter.add(held)
+            req = Req.from_wire(held)
+            req.finished_reason = FinishReason("abort", message="aborted")
+            aborted.append(req)
         self.report(aborted)
 
     # ---- output -------------------------------------------------------------------------------------------
     def report(self, updated: list[Req]) -> None:
-        interval = self.scheduler.server_args.stream_interval
-        deltas = [
-            self.delta(req) for req in updated
-            if not req.warmup
-            and (req.finished() or (req.stream and stream_due(req.sent_offset, len(req.output_ids), interval)))
-        ]
+        deltas = self.reporter.deltas(updated)
         if deltas:
             self.to_detokenizer.send_pyobj(BatchTokenOutput(deltas))
-
-    def delta(self, req: Req) -> TokenDelta:
-        start = req.sent_offset
-        req.sent_offset = len(req.output_ids)
-        header = None
-        if req.rid in self.unreported:
-            header = ReqHeader(
-                prompt_len=req.prompt_len,
-                sampling_params=req.sampling_params,
-                created_time=req.created_time,
-                return_logprob=req.return_logprob,
-                return_text_in_logprobs=self.unreported.pop(req.rid),
-                input_token_logprobs=req.input_token_logprobs,
-                input_top_logprobs=req.input_top_logprobs,
-                token_ids_logprob=req.token_ids_logprob,
-                input_token_ids_logprobs=req.input_token_ids_logprobs,
-            )
-        return TokenDelta(
-            rid=req.rid,
-            new_ids=req.output_ids[start:],
-            finished_reason=req.finished_reason,
-            cached_prefix_tokens=req.cached_prefix_tokens,
-            cached_span_tokens=req.cached_span_tokens,
-            recomputed_span_tokens=req.recomputed_span_tokens,
-            first_token_time=req.first_token_time,
-            new_output_token_logprobs=req.output_token_logprobs[start:],
-            new_output_top_logprobs=req.output_top_logprobs[start:],
-            new_output_token_ids_logprobs=req.output_token_ids_logprobs[start:],
-            header=header,
-        )
 
     def snapshot(self) -> SchedulerSnapshot:
         return scheduler_snapshot(self.scheduler, self.runner.allocator)

@@ -22,14 +22,13 @@ import zmq
 import zmq.asyncio
 
 from sglang_pic.managers.dp_dispatcher import DataParallelDispatcher, combine_snapshots
-from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
 from sglang_pic.managers.ipc import (
     AbortRequest,
     BatchGenerateOutput,
     FlushCacheRequest,
     FlushCacheResult,
     GenerateOutput,
-    GenerateRequest,
     IpcNames,
     ProfileRequest,
     ProfileResult,
@@ -45,7 +44,6 @@ from sglang_pic.managers.ipc import (
 )
 from sglang_pic.managers.metrics import ServerMetrics
 from sglang_pic.managers.parallel_encoding import ParallelEncoding
-from sglang_pic.managers.req import Req
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.utils_process import ModelFiles
 
@@ -93,6 +91,8 @@ class ClientWatch:
 
 @dataclass
 class ReqState:
+    """A request as its caller waits for it: the main process's side of its output."""
+
     rid: str
     stream: bool
     wake: asyncio.Event
@@ -106,7 +106,7 @@ class ReqState:
 
 class ServerTokenizerManager:
     def __init__(self, server_args: ServerArgs, files: ModelFiles, names: IpcNames) -> None:
-        from sglang_pic.managers.tokenizer_manager import TokenizerManager
+        from sglang_pic.managers.request_builder import RequestBuilder
         from sglang_pic.model_config import ModelConfig
         from sglang_pic.tokenizer import load_tokenizer
 
@@ -114,7 +114,7 @@ class ServerTokenizerManager:
         self.files = files
         self.model_config = ModelConfig.from_server_args(files.model_dir, server_args, "cpu")
         self.tokenizer = load_tokenizer(files.tokenizer_dir)
-        self.tokenizer_manager = TokenizerManager(server_args, self.tokenizer, self.model_config)
+        self.request_builder = RequestBuilder(server_args, self.tokenizer, self.model_config)
         # SGLang's fork + join(mode="concate_and_append"), where spans can come from jobs (span_policy.py)
         self.parallel_encoding = ParallelEncoding(server_args) if server_args.spans_from_jobs() else None
         self.context_len = self.model_config.context_len
@@ -223,25 +223,13 @@ class ServerTokenizerManager:
         state.wake.set()
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def prepare(self, obj: GenerateReqInput, queue_limit: bool = True) -> list[Req]:
+    def prepare(self, obj: GenerateReqInput, queue_limit: bool = True) -> list[TokenizedGenerateReq]:
         """Validate and tokenize; raise ValueError naming the problem, ServerBusy when the queue is full (with
         `queue_limit`). Nothing is sent yet."""
-        for name in ("stream", "return_text_in_logprobs"):
-            if not isinstance(getattr(obj, name), bool):
-                raise ValueError(f"{name} must be a boolean, got {getattr(obj, name)!r}")
-        _check_rids(obj.rid)
-        dp_rank = obj.data_parallel_rank
-        if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < self.server_args.dp_size):
-            raise ValueError(f"data_parallel_rank must be in [0, {self.server_args.dp_size}), got {dp_rank!r}")
         if self.parallel_encoding is not None:
             self.parallel_encoding.apply(obj)
-        reqs = self.tokenizer_manager.build_requests(obj)
-        if not reqs:
-            raise ValueError("the batch is empty")
-        rids = [r.rid for r in reqs]
-        if len(set(rids)) != len(rids):
-            raise ValueError("rid values must be unique within a request")
-        busy = [rid for rid in rids if rid in self.states]
+        reqs = self.request_builder.build(obj)
+        busy = [req.rid for req in reqs if req.rid in self.states]
         if busy:
             raise ValueError(f"rid {busy[0]!r} is already in use by a running request")
         for req in reqs:
@@ -250,8 +238,6 @@ class ServerTokenizerManager:
                     f"the prompt has {req.prompt_len} tokens, more than the KV cache holds "
                     f"({self.max_total_num_tokens} tokens including at least one generated token)"
                 )
-            req.stream = obj.stream
-            req.data_parallel_rank = dp_rank
         limit = self.server_args.max_queued_requests
         if queue_limit and limit is not None:
             # Beyond the requests the schedulers can run at once, every outstanding one waits in a queue.
@@ -263,21 +249,23 @@ class ServerTokenizerManager:
                 )
         return reqs
 
-    def _submit(self, reqs: list[Req], with_text: bool) -> list[ReqState]:
+    def _submit(self, reqs: list[TokenizedGenerateReq], with_text: bool) -> list[ReqState]:
         self._check_serving()
         wake = asyncio.Event()
         states = []
         for req in reqs:
+            req.return_text_in_logprobs |= with_text
             state = ReqState(req.rid, req.stream, wake, last_time=req.created_time)
             self.states[req.rid] = state
             states.append(state)
-            self._dispatcher.submit(req.rid, GenerateRequest(req, with_text), req.data_parallel_rank)
+            self._dispatcher.submit(req.rid, req, req.data_parallel_rank)
         return states
 
     async def collect(
-        self, reqs: list[Req], with_text: bool = False, client: DisconnectProbe | None = None
+        self, reqs: list[TokenizedGenerateReq], with_text: bool = False, client: DisconnectProbe | None = None
     ) -> list[dict[str, Any]]:
-        """Run the requests to completion; the final output of each, in order."""
+        """Run the requests to completion; the final output of each, in order. `with_text`: logprob entries carry
+        their token's text even where the requests did not ask for it (return_text_in_logprobs)."""
         states = self._submit(reqs, with_text)
         watch = ClientWatch(client)
         try:
@@ -288,9 +276,10 @@ class ServerTokenizerManager:
         return [s.latest for s in states]
 
     async def stream(
-        self, reqs: list[Req], with_text: bool = False, client: DisconnectProbe | None = None
+        self, reqs: list[TokenizedGenerateReq], with_text: bool = False, client: DisconnectProbe | None = None
     ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """Yield (index, newest cumulative output) whenever one of the requests has new output."""
+        """Yield (index, newest cumulative output) whenever one of the requests has new output (`with_text`: as for
+        collect)."""
         states = self._submit(reqs, with_text)
         watch = ClientWatch(client)
         try:
@@ -379,7 +368,7 @@ class ServerTokenizerManager:
 
     async def warm_spans(self, spans: list[str]) -> dict[str, int]:
         """Prefill spans without generating; raises ValueError for bad span text."""
-        segments = self.tokenizer_manager.span_segments(spans)
+        segments = self.request_builder.span_segments(spans)
         results = await self._control(lambda rid: WarmSpansRequest(rid, segments), timeout=None)
         return {
             "num_spans": results[0].num_spans,
@@ -408,10 +397,3 @@ class ServerTokenizerManager:
         finally:
             for request_id in request_ids:
                 self.pending.pop(request_id, None)
-
-
-def _check_rids(rid: Any) -> None:
-    if rid is None or isinstance(rid, str):
-        return
-    if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
-        raise ValueError(f"rid must be a string or a list of strings, got {rid!r}")

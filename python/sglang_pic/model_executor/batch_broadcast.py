@@ -2,8 +2,9 @@
 forward (so their collectives pair up with rank 0's) and drop the logits.
 
 Per step, three broadcasts from rank 0: a fixed-size header on the gloo group (idle followers wait on it), the
-host-side length lists on the gloo group, and one int64 payload on the device group holding the batch tensors and
-the req_to_token entries the batch reads (row req_pool_index, columns 0..seq_len-1 of each request). A follower
+batch's host lists on the gloo group, and one int64 payload on the device group holding the batch tensors (laid out
+by ForwardBatch.pack), the req_to_token entries the batch reads (row req_pool_index, columns 0..seq_len-1 of each
+request) and the shared decode plan, if any. A follower
 writes those entries into its own table before the forward, so its attention reads exactly rank 0's KV slot
 indices; the scheduler, radix cache and allocator exist on rank 0 only.
 """
@@ -16,7 +17,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from sglang_pic.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.forward_batch import BatchHeader, ForwardBatch
 from sglang_pic.kernels.shared_decode_plan import ITEM_FIELDS, MEMBER_FIELDS, SharedDecodePlan
 
 I64 = torch.int64
@@ -35,9 +36,9 @@ class LoadWeights:
     folder: str
 
 
-# op, forward mode, new tokens T, requests B, logits rows L, req_to_token entries R, decode tail, then the shared
-# decode plan's sizes (SharedDecodePlan.sizes; zeros without a plan)
-HEADER_LEN = 11
+PLAN_SIZES = 4  # SharedDecodePlan.sizes()
+# op, the BatchHeader, req_to_token entries R, then the shared decode plan's sizes (zeros without a plan)
+HEADER_LEN = 1 + BatchHeader.size() + 1 + PLAN_SIZES
 
 
 def table_index(
@@ -58,31 +59,16 @@ class BatchBroadcaster:
         self.device_group = runner.tp.device_group
 
     def send(self, batch: ForwardBatch) -> None:
-        num_tokens = batch.input_ids.numel()
-        logits = batch.logits_indices if batch.logits_indices is not None else batch.input_ids.new_empty(0)
         entries = sum(batch.seq_lens_cpu)
         shared = batch.shared_decode
-        header = [Op.FORWARD, int(batch.forward_mode), num_tokens, batch.batch_size, logits.numel(), entries,
-                  batch.num_decode_tail, *(shared.sizes() if shared is not None else (0, 0, 0, 0))]
+        plan_sizes = shared.sizes() if shared is not None else (0,) * PLAN_SIZES
+        header = [Op.FORWARD, *batch.header().to_list(), entries, *plan_sizes]
         dist.broadcast(torch.tensor(header, dtype=I64), 0, group=self.cpu_group)
-        lengths = torch.tensor(batch.seq_lens_cpu + batch.extend_seq_lens_cpu, dtype=I64)
-        dist.broadcast(lengths, 0, group=self.cpu_group)
+        tensors, host = batch.pack()
+        dist.broadcast(torch.tensor(host, dtype=I64), 0, group=self.cpu_group)
         rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
-        payload = torch.cat(
-            [
-                batch.input_ids,
-                batch.positions,
-                batch.attn_lo,
-                batch.out_cache_loc,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                batch.extend_seq_lens,
-                batch.extend_start_loc,
-                logits,
-                batch.req_to_token_pool.req_to_token[rows, cols],
-                *([shared.flat()] if shared is not None else []),
-            ]
-        )
+        table = batch.req_to_token_pool.req_to_token[rows, cols]
+        payload = torch.cat([tensors, table, *([shared.flat()] if shared is not None else [])])
         dist.broadcast(payload, 0, group=self.device_group)
 
     def load_weights(self, folder: str) -> None:
@@ -110,43 +96,30 @@ class BatchReceiver:
     def recv(self) -> ForwardBatch | LoadWeights | None:
         header = torch.empty(HEADER_LEN, dtype=I64)
         dist.broadcast(header, 0, group=self.cpu_group)
-        op, mode, num_tokens, batch_size, num_logits, entries, decode_tail, *plan_sizes = header.tolist()
+        op, *values = header.tolist()
         if op == Op.STOP:
             return None
         if op == Op.LOAD_WEIGHTS:
             folder = [None]
             dist.broadcast_object_list(folder, 0, group=self.cpu_group)
             return LoadWeights(folder[0])
-        lengths = torch.empty(2 * batch_size, dtype=I64)
-        dist.broadcast(lengths, 0, group=self.cpu_group)
+        shape = BatchHeader.from_list(values[: BatchHeader.size()])
+        entries, *plan_sizes = values[BatchHeader.size() :]
+        host = torch.empty(shape.host_size(), dtype=I64)
+        dist.broadcast(host, 0, group=self.cpu_group)
         num_items, num_members = plan_sizes[:2]
-        decodes = batch_size if ForwardMode(mode).is_decode() else decode_tail
+        decodes = shape.batch_size if shape.mode.is_decode() else shape.num_decode_tail
         plan_len = (num_items * ITEM_FIELDS + num_members * MEMBER_FIELDS + decodes + 1) if num_items else 0
-        sizes = [num_tokens] * 4 + [batch_size] * 4 + [num_logits, entries, plan_len]
+        sizes = [sum(shape.device_sizes()), entries, plan_len]
         payload = torch.empty(sum(sizes), dtype=I64, device=self.runner.device)
         dist.broadcast(payload, 0, group=self.device_group)
-        ids, positions, attn_lo, out_loc, req_rows, seq_lens, ext_lens, ext_starts, logits, slots, plan = (
-            payload.split(sizes)
-        )
-        rows, cols = table_index(req_rows, seq_lens, entries)
-        self.runner.req_to_token_pool.req_to_token[rows, cols] = slots
-        return ForwardBatch(
-            forward_mode=ForwardMode(mode),
-            batch_size=batch_size,
-            input_ids=ids,
-            positions=positions,
-            attn_lo=attn_lo,
-            out_cache_loc=out_loc,
-            req_pool_indices=req_rows,
-            seq_lens=seq_lens,
-            extend_seq_lens=ext_lens,
-            extend_start_loc=ext_starts,
-            seq_lens_cpu=lengths[:batch_size].tolist(),
-            extend_seq_lens_cpu=lengths[batch_size:].tolist(),
-            req_to_token_pool=self.runner.req_to_token_pool,
-            token_to_kv_pool=self.runner.token_to_kv_pool,
-            attn_backend=self.runner.attn_backend,
-            logits_indices=logits,
-            num_decode_tail=decode_tail,
+        tensors, slots, plan = payload.split(sizes)
+        runner = self.runner
+        batch = ForwardBatch.unpack(
+            shape, tensors, host.tolist(), req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool=runner.token_to_kv_pool, attn_backend=runner.attn_backend,
             shared_decode=SharedDecodePlan.from_flat(plan, tuple(plan_sizes)) if num_items else None,
         )
+        rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
+        runner.req_to_token_pool.req_to_token[rows, cols] = slots
+        return batch

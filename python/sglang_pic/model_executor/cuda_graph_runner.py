@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_pic.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.forward_batch import REQUEST_FIELDS, TOKEN_FIELDS, ForwardBatch, ForwardMode
 from sglang_pic.kernels.shared_decode_plan import StaticSharedPlan, members_per_item
 
 logger = logging.getLogger(__name__)
@@ -44,52 +44,39 @@ def capture_extend_sizes(max_tokens: int) -> list[int]:
 
 @dataclass
 class StaticInputs:
-    """Device tensors a captured graph reads; a replay copies the live batch into their leading rows."""
+    """Device tensors a captured graph reads, one per device field of ForwardBatch (TOKEN_FIELDS of `tokens` rows,
+    REQUEST_FIELDS of `reqs`); a replay copies the live batch into their leading rows."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_lo: torch.Tensor
-    out_cache_loc: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    extend_seq_lens: torch.Tensor
-    extend_start_loc: torch.Tensor
+    tensors: dict[str, torch.Tensor]
 
     @classmethod
     def allocate(cls, tokens: int, reqs: int, padding_row: int, device: torch.device) -> StaticInputs:
-        def zeros(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int64, device=device)
-
-        return cls(
-            input_ids=zeros(tokens),
-            positions=zeros(tokens),
-            attn_lo=zeros(tokens),
-            out_cache_loc=zeros(tokens),
+        """Token rows start as token 0 at position 0 writing slot 0; requests as one-token decodes of the padding
+        row with seq_len 1, their token rows one after another."""
+        tensors = {name: torch.zeros(tokens, dtype=torch.int64, device=device) for name in TOKEN_FIELDS}
+        tensors.update(
             req_pool_indices=torch.full((reqs,), padding_row, dtype=torch.int64, device=device),
             seq_lens=torch.ones(reqs, dtype=torch.int64, device=device),
             extend_seq_lens=torch.ones(reqs, dtype=torch.int64, device=device),
             extend_start_loc=torch.arange(reqs, dtype=torch.int64, device=device),
         )
+        assert tensors.keys() == {*TOKEN_FIELDS, *REQUEST_FIELDS}
+        return cls(tensors)
 
     def load(self, batch: ForwardBatch, padded: int, padding_row: int) -> None:
         """Copy the live batch into the leading rows. Token rows up to `padded` become token 0 at position 0
         writing slot 0; in decode (one token per request) the padded requests read the padding row of the request
         table with seq_len 1. An extend graph serves one request, so it pads tokens only."""
         tokens, reqs = batch.input_ids.shape[0], batch.batch_size
-        for static, live in (
-            (self.input_ids, batch.input_ids),
-            (self.positions, batch.positions),
-            (self.attn_lo, batch.attn_lo),
-            (self.out_cache_loc, batch.out_cache_loc),
-        ):
-            static[:tokens].copy_(live)
+        for name in TOKEN_FIELDS:
+            static = self.tensors[name]
+            static[:tokens].copy_(getattr(batch, name))
             static[tokens:padded].zero_()
-        self.req_pool_indices[:reqs].copy_(batch.req_pool_indices)
-        self.seq_lens[:reqs].copy_(batch.seq_lens)
-        self.extend_seq_lens[:reqs].copy_(batch.extend_seq_lens)
+        for name in REQUEST_FIELDS:
+            self.tensors[name][:reqs].copy_(getattr(batch, name))
         if batch.forward_mode.is_decode():
-            self.req_pool_indices[reqs:padded].fill_(padding_row)
-            self.seq_lens[reqs:padded].fill_(1)
+            self.tensors["req_pool_indices"][reqs:padded].fill_(padding_row)
+            self.tensors["seq_lens"][reqs:padded].fill_(1)
 
     def batch(self, mode: ForwardMode, size: int, context_len: int, req_to_token_pool, token_to_kv_pool,
               attn_backend) -> ForwardBatch:
@@ -99,22 +86,19 @@ class StaticInputs:
             reqs, seq_lens_cpu, extend_lens_cpu = size, [1] * size, [1] * size
         else:
             reqs, seq_lens_cpu, extend_lens_cpu = 1, [context_len], [size]
+        views = {name: self.tensors[name][:size] for name in TOKEN_FIELDS}
+        views.update({name: self.tensors[name][:reqs] for name in REQUEST_FIELDS})
         return ForwardBatch(
             forward_mode=mode,
-            batch_size=reqs,
-            input_ids=self.input_ids[:size],
-            positions=self.positions[:size],
-            attn_lo=self.attn_lo[:size],
-            out_cache_loc=self.out_cache_loc[:size],
-            req_pool_indices=self.req_pool_indices[:reqs],
-            seq_lens=self.seq_lens[:reqs],
-            extend_seq_lens=self.extend_seq_lens[:reqs],
-            extend_start_loc=self.extend_start_loc[:reqs],
+            req_pool_indices_cpu=[req_to_token_pool.padding_row] * reqs,
             seq_lens_cpu=seq_lens_cpu,
             extend_seq_lens_cpu=extend_lens_cpu,
+            positions_cpu=[0] * size,  # the static token rows start at position 0, seeing every key
+            attn_lo_cpu=[0] * size,
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,
+            **views,
         )
 
 
@@ -140,6 +124,7 @@ class CudaGraphRunner:
         self.req_to_token_pool = req_to_token_pool
         self.attn_backend = attn_backend
         pad, dev = req_to_token_pool.padding_row, runner.device
+        attn_backend.init_cuda_graph_state(max(batch_sizes, default=0), req_to_token_pool.req_to_token.shape[1])
         self.decode_inputs = StaticInputs.allocate(max(batch_sizes, default=0), max(batch_sizes, default=0), pad, dev)
         self.extend_inputs = StaticInputs.allocate(max(extend_sizes, default=0), 1, pad, dev)
         self.shared_plan = None
@@ -162,7 +147,7 @@ class CudaGraphRunner:
         return cls(
             runner,
             capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests)),
-            capture_extend_sizes(args.cuda_graph_max_extend_tokens),
+            capture_extend_sizes(args.cuda_graph_max_extend_tokens) if runner.attn_backend.captures_extends else [],
             runner.req_to_token_pool,
             runner.attn_backend,
             shared_members=members_per_item(heads[0] // heads[1]) if heads is not None else None,
@@ -200,7 +185,7 @@ class CudaGraphRunner:
         mode, size, shared = key
         inputs = self._inputs(mode)
         if not mode.is_decode():
-            inputs.extend_seq_lens.fill_(size)  # the warm-up runs attend with every row
+            inputs.tensors["extend_seq_lens"].fill_(size)  # the warm-up runs attend with every row
         batch = inputs.batch(
             mode,
             size,
@@ -213,11 +198,11 @@ class CudaGraphRunner:
             batch.shared_decode = self.shared_plan.view(size)
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the kernels and settle the allocator before capture
-                self.attn_backend.init_forward_metadata(batch)
+                self.attn_backend.init_forward_metadata_capture(batch, size)
                 self.runner.model(batch.input_ids, batch.positions, batch)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        self.attn_backend.init_forward_metadata(batch)
+        self.attn_backend.init_forward_metadata_capture(batch, size)
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             out = self.runner.model(batch.input_ids, batch.positions, batch)
         if self.pool is None:
@@ -246,6 +231,7 @@ class CudaGraphRunner:
         key = self._padded_key(batch)
         mode, padded, shared = key
         self._inputs(mode).load(batch, padded, self.req_to_token_pool.padding_row)
+        self.attn_backend.init_forward_metadata_replay(batch, padded, self.req_to_token_pool.padding_row)
         if shared:
             self.shared_plan.load(batch.shared_decode, batch.batch_size, padded)
             self.num_shared_replays += 1

@@ -1,4 +1,4 @@
-"""Owns the model, the KV pools and the attention backend; runs one ForwardBatch and returns logits.
+"""Owns the model, the KV pools and the attention backend; runs one ForwardBatch and samples its next tokens.
 
 Under tensor parallelism every rank has a runner holding its shard of the model and a KV pool of its own KV heads;
 rank 0's runner sends each batch to the others before running it (see batch_broadcast).
@@ -21,6 +21,7 @@ from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_executor.batch_broadcast import BatchBroadcaster
+from sglang_pic.model_executor.step_sampler import SampledOutput, StepSampler, StepSampling
 from sglang_pic.model_loader.loader import init_dummy_weights, iter_safetensors, load_model, resolve_model_path
 from sglang_pic.server_args import ServerArgs
 
@@ -54,12 +55,16 @@ class ModelRunner:
         # Where the served weights come from (None: random dummy weights): updates that fail load them back.
         self._weights_folder = None if server_args.load_format == "dummy" else model_config.model_path
         self._init_memory_pools()
-        self.attn_backend = create_attention_backend(server_args.resolved_attention_backend())
+        self.sampler = StepSampler(model_config.vocab_size, self.device, self.req_to_token_pool.req_to_token.shape[0])
+        self.attn_backend = create_attention_backend(
+            server_args.resolved_attention_backend(), self._attention_layer(), model_config,
+            speculative=server_args.speculative_algorithm is not None,
+        )
         self.shared_decode_heads = self._shared_decode_heads()
         if self.device.type == "cuda" and not server_args.skip_kernel_warmup:
             self._warm_up_kernels()
         self.graph_runner = None
-        use_graphs = server_args.resolved_attention_backend() == "triton" and not server_args.disable_cuda_graph
+        use_graphs = server_args.resolved_attention_backend() != "torch_native" and not server_args.disable_cuda_graph
         if self.device.type == "cuda" and use_graphs:
             from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
 
@@ -73,8 +78,12 @@ class ModelRunner:
             return None
         return self.model_config.num_attention_heads // self.tp.size, self.token_to_kv_pool.head_num
 
+    def _attention_layer(self) -> RadixAttention:
+        """The model's first attention layer: every layer has its shape."""
+        return next(m for m in self.model.modules() if isinstance(m, RadixAttention))
+
     def _warm_up_kernels(self) -> None:
-        layer = next(m for m in self.model.modules() if isinstance(m, RadixAttention))
+        layer = self._attention_layer()
         start = time.perf_counter()
         launches = self.attn_backend.warm_up(layer, self.token_to_kv_pool, self.req_to_token_pool)
         torch.cuda.synchronize(self.device)
@@ -122,11 +131,12 @@ class ModelRunner:
         layers, head_dim = self.model_config.num_hidden_layers, self.model_config.head_dim
         return self.draft_memory.bytes_per_token_outside_pool(layers, kv_heads, head_dim, head_dim)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in float32; rank 0 first sends the batch to its followers."""
+    def forward(self, batch: ForwardBatch, sampling: StepSampling) -> SampledOutput:
+        """Run the batch and sample its next tokens on the device (step_sampler.py); rank 0 first sends the batch to
+        its followers, which run only the forward."""
         if self.broadcaster is not None:
             self.broadcaster.send(batch)
-        return self.forward_local(batch)
+        return self.sampler.sample(self.forward_local(batch), sampling)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> None:
         """Load another checkpoint of the served architecture and shapes into the model's parameters, in place, so

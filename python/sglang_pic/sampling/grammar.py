@@ -6,7 +6,7 @@ its row of a token bitmask, which masks the logits to the allowed tokens; after 
 Once the grammar is complete only stop tokens are allowed, and the request ends with the first. Because the next
 mask depends on the token just sampled, a step with constrained requests is committed before the next step samples
 (after its forward is launched; managers/overlap.py). With jump-forward (`--enable-jump-forward`) the tokens the
-grammar forces next are appended at once and prefilled in one step (managers/scheduler.py).
+grammar forces next are appended at once and prefilled in one step (managers/finishing.py, admission.py).
 """
 
 from __future__ import annotations

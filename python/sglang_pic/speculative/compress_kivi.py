@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
-from sglang_pic.kernels.kivi_decode import QUANT_FIELDS, kivi_decode_fwd
+from sglang_pic.kernels.kivi_decode import QUANT_FIELDS, KiviKV, kivi_decode_fwd
 from sglang_pic.kernels.torch_native import rope_rotate
 from sglang_pic.layers.attention_backend import AttentionBackend
 from sglang_pic.layers.triton_backend import TritonAttnBackend
@@ -232,7 +232,7 @@ class _KiviBackend(DraftBackend):
     """Stores each draft token's k/v in its scratch slot, then attends over quantized prefix plus exact rows.
 
     A step's `seq_lens` count the rows a query sees (its draft index + 1), `positions` are true positions and
-    `req_pool_indices` (also `attn_metadata["draft_rows"]`) each query's row of the draft tables.
+    `req_pool_indices` (on the host `req_pool_indices_cpu`) each query's row of the draft tables.
     """
 
     def __init__(self, pool) -> None:
@@ -265,7 +265,7 @@ class KiviDraftBackend(_KiviBackend):
         k_buf, v_buf = self.pool.get_kv_buffer(lid)
         cos_sin = layer.rotary.cos_sin_cache
         table = self.batch.tables[0]
-        for t, b in enumerate(fb.attn_metadata["draft_rows"]):
+        for t, b in enumerate(fb.req_pool_indices_cpu):
             slots = table[b, : fb.seq_lens_cpu[t]]
             keys, values = k_buf[slots].float(), v_buf[slots].float()
             prefix = self.batch.drafts[b].prefix.dequantize(lid)
@@ -274,6 +274,23 @@ class KiviDraftBackend(_KiviBackend):
             keys = rope_rotate(keys, torch.arange(keys.shape[0], device=q3.device), cos_sin)
             query = rope_rotate(q3[t : t + 1], fb.positions[t : t + 1], cos_sin)[0]
             out[t] = gqa_attention(query, keys, values, layer.scaling).to(q3.dtype)
+
+
+@dataclass(frozen=True)
+class KiviStep:
+    """The draft step's queries' entries of the backend's buffers, gathered by the first layer."""
+
+    table: torch.Tensor  # [B, W] each query's row of the draft table
+    totals: torch.Tensor  # [B] keys each query sees, prefix included
+    prefix_lens: torch.Tensor  # [B]
+    addresses: torch.Tensor  # [layers, B, QUANT_FIELDS]
+    buffers: tuple[torch.Tensor, torch.Tensor]  # the split partials (alloc_decode_buffers)
+
+
+@dataclass
+class KiviMetadata:
+    splits: int  # key chunks per query
+    step: KiviStep | None = None  # gathered by the first layer (inside a CUDA graph capture when there is one)
 
 
 class KiviTritonDraftBackend(_KiviBackend):
@@ -297,22 +314,19 @@ class KiviTritonDraftBackend(_KiviBackend):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         heads = forward_batch.token_to_kv_pool.head_num
         device = forward_batch.seq_lens.device
-        meta = forward_batch.attn_metadata
-        meta["kivi_splits"] = num_kv_splits(forward_batch.batch_size, heads, self.inner.sm_count(device))
-        meta["kivi_step"] = None
+        forward_batch.attn_metadata = KiviMetadata(num_kv_splits(forward_batch.batch_size, heads,
+                                                                 self.inner.sm_count(device)))
 
     def _attend(self, q3: torch.Tensor, out: torch.Tensor, layer: "RadixAttention", fb: "ForwardBatch") -> None:
-        meta = fb.attn_metadata
-        if meta["kivi_step"] is None:
+        meta: KiviMetadata = fb.attn_metadata
+        if meta.step is None:
             rows = fb.req_pool_indices
             prefix_lens = self.prefix_lens[rows]
-            buffers = alloc_decode_buffers(q3.shape[0], layer.num_heads, layer.v_head_dim, meta["kivi_splits"],
-                                           q3.device)
-            meta["kivi_step"] = (self.table[rows], prefix_lens + fb.seq_lens, prefix_lens, self.addresses[:, rows],
+            buffers = alloc_decode_buffers(q3.shape[0], layer.num_heads, layer.v_head_dim, meta.splits, q3.device)
+            meta.step = KiviStep(self.table[rows], prefix_lens + fb.seq_lens, prefix_lens, self.addresses[:, rows],
                                  buffers)
-        table, totals, prefix_lens, addresses, (mid_o, mid_lse) = meta["kivi_step"]
+        step = meta.step
         k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
-        kivi_decode_fwd(
-            q3, k_buf, v_buf, out, table, totals, prefix_lens, addresses[layer.layer_id],
-            layer.rotary.kernel_table(k_buf.dtype), layer.scaling, mid_o, mid_lse, GROUP, value_group(layer.v_head_dim),
-        )
+        kv = KiviKV(k_buf, v_buf, step.table, step.totals, step.prefix_lens, step.addresses[layer.layer_id], GROUP,
+                    value_group(layer.v_head_dim))
+        kivi_decode_fwd(q3, out, kv, layer.rotary.kernel_table(k_buf.dtype), layer.scaling, *step.buffers)

@@ -23,8 +23,9 @@ from sglang_pic.speculative.draft_cache import DraftCache
 from sglang_pic.speculative.host_kv_tier import CopyStream, HostKV, HostKVSource, HostKVTier, HostStreamingBackend
 from sglang_pic.speculative.spec_stats import SpecStats
 
-if TYPE_CHECKING:
-    from sglang_pic.managers.req import Req  # annotations only: requests belong to the scheduler, a layer above
+if TYPE_CHECKING:  # annotations only: requests and the scheduler's interface belong to the layer above
+    from sglang_pic.managers.req import Req
+    from sglang_pic.managers.spec_worker import SpecScheduler
 
 
 def free_rejected(allocator, slots: torch.Tensor, kept: int) -> None:
@@ -61,9 +62,9 @@ class DeviceKVSource:
 
 
 class DeviceFullKV:
-    def __init__(self, scheduler) -> None:
-        runner = scheduler.runner
-        self.kv = scheduler.kv
+    def __init__(self, host: SpecScheduler) -> None:
+        runner = host.runner
+        self.kv = host.kv
         self.pool = runner.token_to_kv_pool
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.allocator
@@ -123,9 +124,9 @@ class DeviceFullKV:
 
 
 class HostFullKV:
-    def __init__(self, scheduler, stats: SpecStats) -> None:
-        runner = scheduler.runner
-        self.kv = scheduler.kv
+    def __init__(self, host: SpecScheduler, stats: SpecStats) -> None:
+        runner = host.runner
+        self.kv = host.kv
         self.pool = runner.token_to_kv_pool
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = runner.allocator
@@ -133,7 +134,7 @@ class HostFullKV:
         self.tier = HostKVTier(self.pool, runner.device)
         self.copier = CopyStream(runner.device)
         self.stats = stats
-        self.staging_bytes = int(scheduler.server_args.vericache_staging_gb * 2**30)
+        self.staging_bytes = int(host.server_args.vericache_staging_gb * 2**30)
         self.host: dict[str, HostKV] = {}
 
     def num_tokens(self, req: Req) -> int:

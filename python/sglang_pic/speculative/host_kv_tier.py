@@ -29,6 +29,7 @@ from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.speculative.draft_cache import TokenTable
 from sglang_pic.speculative.spec_stats import SpecStats
 
+
 def staging_depth(tokens: int, layer_bytes: int, num_layers: int, budget_bytes: int) -> int:
     """Layers staged ahead for a forward over `tokens` host-tier tokens: what the budget holds, 2 to num_layers."""
     return max(2, min(num_layers, budget_bytes // max(tokens * layer_bytes, 1)))
@@ -251,8 +252,9 @@ class HostStreamingBackend(AttentionBackend):
             token_to_kv_pool=StagingPool(self.buffers, p.head_num, p.dtype),
             req_to_token_pool=TokenTable(table.to(device)),
             req_pool_indices=torch.arange(len(olds), device=device),
+            req_pool_indices_cpu=list(range(len(olds))),
             out_cache_loc=torch.tensor(loc, dtype=torch.int64, device=device),
-            attn_metadata={},
+            attn_metadata=None,
         )
         self.inner.init_forward_metadata(self.staged)
         self.events: list[torch.cuda.Event | None] = [None] * p.layer_num

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_pic.forward_batch import ForwardBatch, ForwardMode
+from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
 from sglang_pic.utils_tensor import upload
 
 
@@ -39,46 +39,26 @@ def make_batch(
     mode: ForwardMode = ForwardMode.EXTEND,
 ) -> ForwardBatch:
     """`logits`: compute logits for every new token (otherwise none)."""
-    device = runner.device
-    positions, attn_lo, seq_lens, ext_lens, starts = [], [], [], [], []
+    rows = BatchRows()
     for run in runs:
         n = len(run)
-        starts.append(sum(ext_lens))
-        ext_lens.append(n)
-        positions.extend(range(run.first, run.first + n))
-        attn_lo.extend(run.attn_lo or [0] * n)
-        seq_lens.append(run.first + n if run.seq_len is None else run.seq_len)
-    total, size = sum(ext_lens), len(runs)
-    rows = [r.table_row for r in runs]
-    # One copy for all the integers (a copy per list from pageable memory would wait for every queued kernel).
-    packed = upload(positions, attn_lo, rows, seq_lens, ext_lens, starts, device=device)
-    cuts = [total, total, size, size, size, size]
-    positions_t, attn_lo_t, rows_t, seq_lens_t, ext_lens_t, starts_t = packed.split(cuts)
-    return ForwardBatch(
-        forward_mode=mode,
-        batch_size=size,
-        input_ids=_input_ids(runs, device),
-        positions=positions_t,
-        attn_lo=attn_lo_t,
-        out_cache_loc=out_cache_loc.to(device),
-        req_pool_indices=rows_t,
-        seq_lens=seq_lens_t,
-        extend_seq_lens=ext_lens_t,
-        extend_start_loc=starts_t,
-        seq_lens_cpu=seq_lens,
-        extend_seq_lens_cpu=ext_lens,
-        req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool=runner.token_to_kv_pool,
-        attn_backend=attn_backend,
-        logits_indices=torch.arange(total if logits else 0, device=device),
-        attn_metadata={"draft_rows": rows},
+        rows.add(run.table_row, range(run.first, run.first + n), run.attn_lo or [0] * n, run.seq_len)
+    if logits:
+        rows.logits_indices = list(range(rows.num_tokens))
+    ids = _device_ids(runs, runner.device)
+    if ids is None:
+        rows.input_ids = [i for run in runs for i in run.ids]
+    return ForwardBatch.build(
+        mode, rows, out_cache_loc, runner.device, req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool=runner.token_to_kv_pool, attn_backend=attn_backend, input_ids=ids,
     )
 
 
-def _input_ids(runs: list[Run], device: torch.device) -> torch.Tensor:
-    """The runs' token ids in one tensor: host lists in one upload, device tensors (drafted tokens) as they are."""
+def _device_ids(runs: list[Run], device: torch.device) -> torch.Tensor | None:
+    """The runs' token ids in one device tensor when some are drafted tokens already there (their values need no
+    sync); None when all are host lists, which then ride along in the batch's one upload."""
     if not any(isinstance(run.ids, torch.Tensor) for run in runs):
-        return upload(*(list(run.ids) for run in runs), device=device)
+        return None
     return torch.cat([
         run.ids if isinstance(run.ids, torch.Tensor) else upload(list(run.ids), device=device) for run in runs
     ])

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_pic.forward_batch import ForwardBatch, ForwardMode
-from sglang_pic.sampling.logprobs import compute_logprobs
+from sglang_pic.sampling.logprobs import chosen_and_top_logprobs, compute_logprobs
 from sglang_pic.sampling.penalty_counts import uses_history
 from sglang_pic.speculative.attn_scores import ScoreCapture
 from sglang_pic.speculative.compressor_base import create_compressor, refresh_threshold, resolve_budget
@@ -49,17 +49,20 @@ from sglang_pic.speculative.spec_sampling import (
 from sglang_pic.speculative.spec_stats import ReqSpecStats, SpecStats
 from sglang_pic.utils_tensor import upload
 
-if TYPE_CHECKING:
-    from sglang_pic.managers.req import Req  # annotations only: requests belong to the scheduler, a layer above
+if TYPE_CHECKING:  # annotations only: requests and the scheduler's interface belong to the layer above
+    from sglang_pic.managers.req import Req
+    from sglang_pic.managers.spec_worker import SpecScheduler
+    from sglang_pic.sampling.logprobs import RowLogprobs
 
 DEFAULT_NUM_DRAFT_TOKENS = 16
 
 
 class VeriCacheWorker:
-    def __init__(self, scheduler) -> None:
-        args = scheduler.server_args
-        self.sched = scheduler
-        self.runner = scheduler.runner
+    def __init__(self, host: SpecScheduler) -> None:
+        """`host`: the scheduler, as far as a speculative worker may see it (managers/spec_worker.py)."""
+        args = host.server_args
+        self.host = host
+        self.runner = host.runner
         self.device = self.runner.device
         self.num_draft = args.speculative_num_draft_tokens
         if self.num_draft is None:
@@ -76,11 +79,10 @@ class VeriCacheWorker:
             raise ValueError("vericache decodes in its own rounds; enable_mixed_chunk must be off")
         self.compressor = create_compressor(args.vericache_compressor)
         self.stats = SpecStats()
-        host = args.vericache_full_kv == "host"
-        self.full_kv = HostFullKV(scheduler, self.stats) if host else DeviceFullKV(scheduler)
+        self.full_kv = HostFullKV(host, self.stats) if args.vericache_full_kv == "host" else DeviceFullKV(host)
         self.drafts: dict[str, DraftCache] = {}
-        self.vocab_size = scheduler.vocab_size
-        self.penalties = scheduler.penalties
+        self.vocab_size = self.runner.model_config.vocab_size
+        self.penalties = host.penalties
         self.num_layers = self.runner.model_config.num_hidden_layers
         self.cuda = self.device.type == "cuda"
         self.stagger_groups = args.vericache_stagger_groups
@@ -92,8 +94,8 @@ class VeriCacheWorker:
         appended before the next compression, and the scratch slots of a round's drafts."""
         if not self.compressor.drafts_on_static_tables(self.runner.attn_backend):
             return None
-        budget = resolve_budget(self.budget, self.sched.context_len)
-        rows = self.compressor.max_draft_tokens(self.sched.context_len, budget)
+        budget = resolve_budget(self.budget, self.host.context_len)
+        rows = self.compressor.max_draft_tokens(self.host.context_len, budget)
         return DraftRunner(self.runner, rows + refresh_threshold(budget) + self.num_draft, self.compressor)
 
     # ---- scheduler hooks ------------------------------------------------------------------------------------
@@ -103,7 +105,7 @@ class VeriCacheWorker:
 
     def decode_round(self) -> list[Req]:
         """Draft, verify and commit for every running request; return those that got tokens (or finished)."""
-        self.sched.decay_new_token_ratio()  # a round is a decode step for admission control
+        self.host.count_round()
         start = self._now()
         self._prepare_drafts()
         self.stats.build_time_s += self._now() - start
@@ -139,7 +141,7 @@ class VeriCacheWorker:
     # ---- 1. drafts --------------------------------------------------------------------------------------------
     def _prepare_drafts(self) -> None:
         todo: list[tuple[Req, DraftCache | None]] = []
-        for req in list(self.sched.running):
+        for req in self.host.running:
             draft = self.drafts.get(req.rid)
             if draft is None:
                 self.full_kv.adopt(req)
@@ -153,7 +155,7 @@ class VeriCacheWorker:
         states = {req.rid: self.compressor.new_state() if d is None else d.state for req, d in todo}
         scores = self._observe([req for req, _ in todo], states)
         for req, old in todo:
-            if req in self.sched.running and self._ensure_build_slots(req):
+            if req in self.host.running and self._ensure_build_slots(req):
                 self._compress(req, old, states[req.rid], scores.get(req.rid))
 
     def _budget(self, req: Req) -> int:
@@ -163,9 +165,9 @@ class VeriCacheWorker:
         """Free the slots a copying build needs, retracting newer requests (maybe this one) when short."""
         n = self.full_kv.num_tokens(req)
         need = self.full_kv.slots_for_build(self.compressor.max_draft_tokens(n, self._budget(req)))
-        while req in self.sched.running and not self.sched.kv.ensure_free(need):
-            self.sched._retract_one()
-        return req in self.sched.running
+        while req in self.host.running and not self.host.kv.ensure_free(need):
+            self.host.retract_newest()
+        return req in self.host.running
 
     def _compress(self, req: Req, old: DraftCache | None, state, scores: torch.Tensor | None) -> None:
         source = self.full_kv.source(req)
@@ -202,22 +204,22 @@ class VeriCacheWorker:
     # ---- 2. reserve -------------------------------------------------------------------------------------------
     def _draft_len(self, req: Req) -> int:
         left = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
-        room = self.sched.context_len - req.seq_len()
+        room = self.host.context_len - req.seq_len()
         return max(0, min(self.num_draft, left, room))
 
     def _reserve(self) -> tuple[list[Req], list[int], list[torch.Tensor]]:
         """k+1 slots per running request; with memory short, draft nothing, then retract like plain decoding."""
-        while self.sched.running:
-            reqs = list(self.sched.running)
+        while self.host.running:
+            reqs = list(self.host.running)
             ks = [self._draft_len(r) for r in reqs]
             need = sum(self.full_kv.slots_needed(r, self.drafts[r.rid], k + 1) for r, k in zip(reqs, ks))
-            if self.sched.kv.ensure_free(need):
+            if self.host.kv.ensure_free(need):
                 break
             need = sum(self.full_kv.slots_needed(r, self.drafts[r.rid], 1) for r in reqs)
-            if self.sched.kv.ensure_free(need):
+            if self.host.kv.ensure_free(need):
                 ks = [0] * len(reqs)
                 break
-            self.sched._retract_one()
+            self.host.retract_newest()
         else:
             return [], [], []
         slots = [self.full_kv.reserve(r, self.drafts[r.rid], k + 1) for r, k in zip(reqs, ks)]
@@ -333,7 +335,7 @@ class VeriCacheWorker:
         kept, committed = 1, 0
         for i, tok in enumerate(toks):
             committed += 1
-            if self.sched.commit_token(req, tok, logprobs[start + i] if logprobs is not None else None):
+            if self.host.commit_token(req, tok, self._token_logprobs(req, tok, logprobs, start + i)):
                 break
             if i < accepted:
                 self.full_kv.keep(req, slot_ids[i + 1])
@@ -346,6 +348,13 @@ class VeriCacheWorker:
         self.stats.draft_tokens += drafted
         self.stats.accepted_drafts += accepted
         self.stats.committed_tokens += committed
+
+    @staticmethod
+    def _token_logprobs(req: Req, tok: int, logprobs: torch.Tensor | None, row: int) -> RowLogprobs | None:
+        """The logprobs the request returns for `tok`, from the log-softmax row that verified it."""
+        if not req.return_logprob:
+            return None
+        return chosen_and_top_logprobs(logprobs[row][None], [tok], [req.top_logprobs_num], [req.token_ids_logprob])[0]
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def _now(self) -> float:

@@ -1,34 +1,31 @@
-"""From API inputs to scheduler requests (tokenize, segment, validate) and from finished requests to API outputs.
+"""From API inputs to the scheduler's wire messages: validate, tokenize, cut into segments (TokenizedGenerateReq).
 
-Shared by the offline Engine and the HTTP server so both speak exactly the same wire format.
+Used by the HTTP server's main process and by the offline Engine, so both accept and refuse exactly the same
+requests; their outputs are formatted in managers/output_format.py.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
-import torch
-
-from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq, TokenizedSegment
 from sglang_pic.managers.segmenter import PromptSegmenter
 from sglang_pic.radix_ext.segments import Segment, canonicalize, namespaces_before, segment_keys, tail_key
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, SpanPolicy, anchor_tokens, check_settings
-from sglang_pic.tokenizer import DecodeWindow, fast_decode, plain_backend
+from sglang_pic.tokenizer import fast_decode
 
 
-class TokenizerManager:
+class RequestBuilder:
+    """Builds the scheduler's wire messages (build, span_segments) and answers /tokenize and /detokenize."""
+
     def __init__(self, server_args: ServerArgs, tokenizer, model_config) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self._decode = fast_decode(tokenizer) if tokenizer is not None else None
-        self._incremental = tokenizer is not None and plain_backend(tokenizer) is not None  # see DecodeWindow
-        self._token_texts: dict[int, str] = {}  # see _token_text; at most one entry per vocabulary id
         self.model_config = model_config
         self.context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
@@ -37,20 +34,39 @@ class TokenizerManager:
         self._model_anchor = anchor_tokens("auto", tokenizer)  # rendered once: requests asking for auto reuse it
         self.span_policy = self._server_span_policy()
 
-    # ---- input --------------------------------------------------------------------------------------------
-    def build_requests(self, obj: GenerateReqInput) -> list[Req]:
-        """Validate and tokenize every prompt; raise ValueError naming the first problem (nothing is queued)."""
+    # ---- requests -----------------------------------------------------------------------------------------
+    def build(self, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
+        """Validate and tokenize every prompt (n copies of each); raise ValueError naming the first problem."""
+        self._check_request(obj)
         items = [obj.item(i) for i in range(obj.batch_size())]
         texts = [item["text"] for item in items if isinstance(item["text"], str)]
         # Batches are encoded together; a lone prompt is not (a batch call costs more than its few encodes).
         known = self.segmenter.encode_all(texts) if len(texts) > 1 and self.tokenizer is not None else None
-        reqs = []
+        msgs = []
         for i, item in enumerate(items):
             try:
-                reqs.extend(self._build_one(item, known))
+                msgs.extend(self._build_one(obj, item, known))
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if obj.is_batch else str(e)) from None
-        return reqs
+        if not msgs:
+            raise ValueError("the batch is empty")
+        rids = [m.rid for m in msgs]
+        if len(set(rids)) != len(rids):
+            raise ValueError("rid values must be unique within a request")
+        return msgs
+
+    def _check_request(self, obj: GenerateReqInput) -> None:
+        """The fields that apply to every prompt of `obj`."""
+        for name in ("stream", "return_text_in_logprobs"):
+            if not isinstance(getattr(obj, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(obj, name)!r}")
+        rid = obj.rid
+        if rid is not None and not isinstance(rid, str):
+            if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+                raise ValueError(f"rid must be a string or a list of strings, got {rid!r}")
+        dp_rank, dp_size = obj.data_parallel_rank, self.server_args.dp_size
+        if dp_rank is not None and (type(dp_rank) is not int or not 0 <= dp_rank < dp_size):
+            raise ValueError(f"data_parallel_rank must be in [0, {dp_size}), got {dp_rank!r}")
 
     def _check_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar here, so a bad one is refused at the door with the reason."""
@@ -60,7 +76,7 @@ class TokenizerManager:
             raise ValueError("constrained decoding needs a tokenizer; this engine runs with skip_tokenizer_init")
         grammar_backend(self.tokenizer, self.vocab_size).compile(*params.grammar())
 
-    def _build_one(self, item: dict[str, Any], known: dict | None = None) -> list[Req]:
+    def _build_one(self, obj: GenerateReqInput, item: dict[str, Any], known: dict | None) -> list[TokenizedGenerateReq]:
         params = SamplingParams.from_dict(item["sampling_params"])
         params.verify(self.vocab_size)
         params.normalize(self.tokenizer)
@@ -96,26 +112,26 @@ class TokenizerManager:
         if item["return_logprob"] and logprob_start_len >= 0:
             self._check_prompt_logprobs(segments, logprob_start_len)
         base_rid = item["rid"] or uuid.uuid4().hex
-        reqs = []
-        for k in range(params.n):
-            rid = base_rid if params.n == 1 else f"{base_rid}-{k}"
-            reqs.append(
-                Req(
-                    rid=rid,
-                    segments=self._req_segments(segments),
-                    sampling_params=params,
-                    prompt_len=prompt_len,
-                    return_logprob=bool(item["return_logprob"]),
-                    logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_n,
-                    token_ids_logprob=token_ids,
-                    eos_token_ids=self.eos_token_ids,
-                    input_text=item["text"],
-                    generator=self._generator(params.seed, k),
-                    priority=priority,
-                )
+        wire_segments = self._wire_segments(segments)  # shared by the n copies: the scheduler copies what it grows
+        return [
+            TokenizedGenerateReq(
+                rid=base_rid if params.n == 1 else f"{base_rid}-{k}",
+                segments=wire_segments,
+                sampling_params=params,
+                prompt_len=prompt_len,
+                eos_token_ids=self.eos_token_ids,
+                seed=None if params.seed is None else params.seed + k,
+                return_logprob=bool(item["return_logprob"]),
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_n,
+                token_ids_logprob=token_ids,
+                priority=priority,
+                data_parallel_rank=obj.data_parallel_rank,
+                stream=obj.stream,
+                return_text_in_logprobs=obj.return_text_in_logprobs,
             )
-        return reqs
+            for k in range(params.n)
+        ]
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[Segment]:
         """The segments /generate runs for `text`: cut at its markers, each tokenized on its own (BOS, when asked,
@@ -132,7 +148,7 @@ class TokenizerManager:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return self._decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def span_segments(self, spans: list[str]) -> list[ReqSegment]:
+    def span_segments(self, spans: list[str]) -> list[TokenizedSegment]:
         """Each span text as a request's span segment under the server's anchor, tokenized exactly as inside a
         marked prompt: what a span job computes for it (every head length reads the same tree path)."""
         out = []
@@ -149,7 +165,7 @@ class TokenizerManager:
                     f"length allows ({self.context_len})"
                 )
             key = segment_keys([Segment("span", tokens, anchor)])[0]
-            out.append(ReqSegment("span", list(tokens), key.extra_key, key_lead=anchor))
+            out.append(TokenizedSegment("span", list(tokens), key.extra_key, key_lead=anchor))
         return out
 
     # ---- span quality settings (span_policy.py) ----------------------------------------------------------------
@@ -233,108 +249,20 @@ class TokenizerManager:
         return priority
 
     @staticmethod
-    def _generator(seed: int | None, k: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        g = torch.Generator()
-        g.manual_seed(seed + k)
-        return g
-
-    @staticmethod
-    def _req_segments(segments) -> list[ReqSegment]:
+    def _wire_segments(segments: list[Segment]) -> list[TokenizedSegment]:
         """A span with a head becomes a "head" segment, keyed like PDEP text on the structure before it, and the
         span's tail, read from the tree path of the whole anchored span (see managers/req.py)."""
         out, start = [], 0
         for seg, key, before in zip(segments, segment_keys(segments), namespaces_before(segments)):
             k, tokens = seg.head, seg.token_ids
             if k:
-                out.append(ReqSegment("head", list(tokens[:k]), before, start=start))
+                out.append(TokenizedSegment("head", list(tokens[:k]), before, start=start))
             lead = key.token_ids[: len(key.token_ids) - len(tokens) + k]
-            out.append(ReqSegment(seg.kind, list(tokens[k:]), key.extra_key, start=start + k, key_lead=lead))
+            out.append(TokenizedSegment(seg.kind, list(tokens[k:]), key.extra_key, start=start + k, key_lead=lead))
             start += len(tokens)
         if out[-1].kind == "span":
-            out.append(ReqSegment("pdep", [], tail_key(segments, ()).extra_key, start=start))
+            out.append(TokenizedSegment("pdep", [], tail_key(segments, ()).extra_key, start=start))
         return out
-
-    # ---- output -------------------------------------------------------------------------------------------
-    def output_text(self, req: Req) -> str:
-        sp = req.sampling_params
-        if self.tokenizer is None:
-            return ""
-        ids = req.output_ids
-        reason = req.finished_reason
-        kwargs = {
-            "skip_special_tokens": sp.skip_special_tokens,
-            "spaces_between_special_tokens": sp.spaces_between_special_tokens,
-        }
-        if reason is None:
-            text = self._streamed_text(req, kwargs)
-            return text[: len(text) - sp.stops.hold_back(text)] if sp.stops is not None else text
-        if reason.type == "stop" and isinstance(reason.matched, int) and not sp.no_stop_trim:
-            ids = ids[:-1]
-        text = self._decode(ids, **kwargs)
-        if reason.type == "stop" and not sp.no_stop_trim:
-            text = text[: len(text) - reason.cut]
-        return text
-
-    def _streamed_text(self, req: Req, kwargs: dict[str, Any]) -> str:
-        """The output so far without a trailing partial multi-byte character."""
-        if self._incremental:
-            req.decode_window = req.decode_window or DecodeWindow()
-            text = req.decode_window.advance(req.output_ids, self._decode, **kwargs)
-            if text is not None:
-                return text
-        return self._decode(req.output_ids, **kwargs).rstrip("\ufffd")
-
-    def format_output(self, req: Req, return_text_in_logprobs: bool = False) -> dict[str, Any]:
-        now = time.time()
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": req.prompt_len,
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens(),
-            "cached_prefix_tokens": req.cached_prefix_tokens,
-            "cached_span_tokens": req.cached_span_tokens,
-            "recomputed_span_tokens": req.recomputed_span_tokens,  # span heads it computed itself (span_policy.py)
-            "finish_reason": req.finished_reason.to_json() if req.finished_reason else None,
-            "e2e_latency": now - req.created_time,
-        }
-        if req.first_token_time is not None:
-            meta["ttft"] = req.first_token_time - req.created_time
-        if req.spec_stats is not None:
-            meta.update(req.spec_stats.to_meta())  # spec_verify_ct, spec_accept_length, spec_accept_rate
-        if req.return_logprob:
-            meta.update(self._logprob_fields(req, return_text_in_logprobs))
-        return {"text": self.output_text(req), "output_ids": list(req.output_ids), "meta_info": meta}
-
-    def _logprob_fields(self, req: Req, with_text: bool) -> dict[str, Any]:
-        def token_text(tok: int) -> str | None:
-            return self._token_text(tok) if with_text else None
-
-        def triples(pairs) -> list:
-            return [[lp, tok, token_text(tok)] for lp, tok in pairs]
-
-        def tops(rows) -> list:
-            return [None if row is None else [[lp, tok, token_text(tok)] for lp, tok in row] for row in rows]
-
-        fields = {
-            "input_token_logprobs": triples(req.input_token_logprobs),
-            "output_token_logprobs": triples(req.output_token_logprobs),
-            "input_top_logprobs": tops(req.input_top_logprobs),
-            "output_top_logprobs": tops(req.output_top_logprobs),
-        }
-        if req.token_ids_logprob is not None:
-            fields["input_token_ids_logprobs"] = tops(req.input_token_ids_logprobs)
-            fields["output_token_ids_logprobs"] = tops(req.output_token_ids_logprobs)
-        return fields
-
-    def _token_text(self, tok: int) -> str:
-        """One token's text, decoded once per token id: a streamed request with logprobs and text gets every input
-        and output token's text again in each chunk (a 2K-token prompt: 2K decodes per chunk)."""
-        text = self._token_texts.get(tok)
-        if text is None:
-            text = self._token_texts[tok] = self._decode([tok])
-        return text
 
 
 def _all_ints(values: list) -> bool:

@@ -1,0 +1,38 @@
+"""The paged-pool layouts attention kernels and their torch references read, as typed objects instead of long
+argument lists. They name tensors only: what a request is, and which table or pool it uses, is the caller's business.
+
+`PagedKV`: one layer's keys and values in the pool and the keys each request sees. `ExtendRows`: where each
+request's new tokens (the queries of an extend) sit in the batch and what they see. Host-side bounds ride along
+(`max_seq_len`, `max_extend_len`) so that kernels size their grids without reading the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """Request b sees keys j < seq_lens[b]; key j is slot req_to_token[req_pool_indices[b], j] of the buffers,
+    stored unrotated (a kernel's keys_rotated=True reads keys that were rotated by j at store time)."""
+
+    k_buffer: torch.Tensor  # [slots, Hkv, D]
+    v_buffer: torch.Tensor  # [slots, Hkv, Dv]
+    req_to_token: torch.Tensor  # [rows, width] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64
+    max_seq_len: int = 0  # host bound on seq_lens; 0: unknown (kernels that size grids by it need it)
+
+
+@dataclass(frozen=True)
+class ExtendRows:
+    """Request b's new tokens are rows extend_start_loc[b] .. + extend_seq_lens[b] of the queries, in increasing
+    position order; the query at row t sits at positions[t] and sees keys attn_lo[t] .. positions[t]."""
+
+    extend_start_loc: torch.Tensor  # [B] int64
+    extend_seq_lens: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [T] int64
+    attn_lo: torch.Tensor  # [T] int64
+    max_extend_len: int  # host bound on extend_seq_lens (it sizes the extend grid and may exceed the true maximum)

@@ -1,0 +1,108 @@
+"""What the /v1 generation routes share: a body parsed into prepared requests (or the 4xx/503 naming the
+problem), and its sampling fields mapped to native params with chat's defaults from the model's generation
+config. Each request runs through the same ServerTokenizerManager as /generate, so validation, caching and
+abort-on-disconnect behave identically; only the wire format differs."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+
+from sglang_pic.entrypoints.errors import error_response
+from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_errors
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerBusy, ServerTokenizerManager
+
+# OpenAI's defaults, used when neither the request nor the model's generation_config.json sets a value.
+CHAT_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def generation_defaults(model_dir: str) -> dict[str, Any]:
+    """Sampling defaults from the model's generation_config.json (as SGLang's `--sampling-defaults model`)."""
+    path = Path(model_dir) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return {k: config[k] for k in CHAT_SAMPLING_DEFAULTS if k in config}
+
+
+def refusal(request: Request, exc: ValueError) -> Response:
+    """A 400 naming the problem; for pydantic's errors, OpenAI's `param` names the first offending field."""
+    if isinstance(exc, ValidationError):
+        message, param = describe_errors(exc.errors())
+        return error_response(request.url.path, message, 400, param)
+    return error_response(request.url.path, str(exc))
+
+
+class GenerationHandler(ABC):
+    """Base of one generation route: subclasses give the body's model and how a body becomes a native input."""
+
+    body_model: type[CompletionRequest] | type[ChatCompletionRequest]
+    rid_prefix: str
+
+    def __init__(self, manager: ServerTokenizerManager) -> None:
+        self.manager = manager
+        self.tokenizer = manager.tokenizer
+        self.defaults = {**CHAT_SAMPLING_DEFAULTS, **generation_defaults(manager.files.model_dir)}
+
+    @abstractmethod
+    def to_input(self, body: Any, rid: str) -> GenerateReqInput:
+        """The native input for a validated body; ValueError names what it cannot serve."""
+
+    async def prepare(self, request: Request) -> Any:
+        """Parse a body into requests: (body, rid, reqs), or a 400/503 response naming the problem."""
+        try:
+            body = self.body_model.model_validate_json(await request.body())
+            rid = body.rid or f"{self.rid_prefix}-{uuid.uuid4().hex}"
+            return body, rid, self.manager.prepare(self.to_input(body, rid))
+        except ValueError as e:  # pydantic's ValidationError too
+            return refusal(request, e)
+        except ServerBusy as e:
+            return error_response(request.url.path, str(e), 503)
+
+    async def replies(self, reqs: list, request: Request, stream: AsyncIterator[str] | None) -> list[dict] | Response:
+        """The whole outputs of `reqs`, or the response that ends the call instead: `stream` as server-sent events,
+        or 499 when the client hung up."""
+        if stream is not None:
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            return await self.manager.collect(reqs, True, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    def sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> dict:
+        """Native sampling params; chat fields left unset fall back to the model's generation config."""
+
+        def pick(name: str) -> Any:
+            value = getattr(body, name)
+            return self.defaults[name] if value is None else value
+
+        return {
+            "max_new_tokens": max_tokens,
+            "min_new_tokens": body.min_tokens,
+            "temperature": pick("temperature"),
+            "top_p": pick("top_p"),
+            "top_k": pick("top_k"),
+            "min_p": pick("min_p"),
+            "repetition_penalty": pick("repetition_penalty"),
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "stop": body.stop,
+            "stop_token_ids": body.stop_token_ids,
+            "no_stop_trim": body.no_stop_trim,
+            "ignore_eos": body.ignore_eos,
+            "skip_special_tokens": body.skip_special_tokens,
+            "n": body.n,
+            "seed": body.seed,
+            "logit_bias": body.logit_bias,
+            "regex": body.regex,
+            "ebnf": body.ebnf,
+            "json_schema": body.json_schema,
+            "stop_regex": body.stop_regex,
+        }

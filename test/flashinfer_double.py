@@ -1,0 +1,60 @@
+"""A torch double of the FlashInfer kernels the FlashInfer backend calls, written from FlashInfer's documented
+semantics (not from the engine's kernels): with pages of one slot, row r's keys are the slots
+kv_indices[kv_indptr[r]:kv_indptr[r+1]], the key at index j is rotated by j, the row's query i (of qo_len) by
+kv_len - qo_len + i, rotation in the rotate-half (Llama) form with frequencies theta^(-2d/D) over positions divided
+by rope_scale, and causal attention in those positions. It runs on CPU in float32, so the backend's planning is
+checked against the torch_native backend without a GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_pic.layers.flashinfer_backend import HeadShape, RopeParams
+from sglang_pic.layers.flashinfer_rows import RaggedRows
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RopeParams) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    inv = 1.0 / rope.theta ** (torch.arange(half, dtype=torch.float64) / half)
+    angle = (positions.double()[:, None] / rope.scale) * inv[None]
+    cos, sin = angle.cos()[:, None].float(), angle.sin()[:, None].float()
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class FlashInferDouble:
+    plans: list[RaggedRows] = []  # every plan of every instance, for tests that inspect the rows
+
+    def __init__(self, shape: HeadShape, rope: RopeParams, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.rope = shape, rope
+        self.rows: RaggedRows | None = None
+
+    def reserve_graphs(self, max_bs: int, max_request_keys: int) -> None:
+        raise AssertionError("CUDA graphs are not captured on CPU")
+
+    def plan(self, rows: RaggedRows, graph_size: int | None = None) -> None:
+        assert rows.qo_indptr.device.type == "cpu" and rows.kv_indptr.device.type == "cpu"
+        assert rows.kv_indices.dtype == torch.int32 and bool((rows.kv_last_page_len == 1).all())
+        assert graph_size is None, "CUDA graphs are not captured on CPU"
+        self.rows = rows
+        FlashInferDouble.plans.append(rows)
+
+    def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> torch.Tensor:
+        rows, shape = self.rows, self.shape
+        assert q.shape[0] == rows.num_queries
+        group = shape.num_qo_heads // shape.num_kv_heads
+        out = q.new_zeros((q.shape[0], shape.num_qo_heads, shape.v_head_dim))
+        for r in range(rows.num_rows):
+            q0, q1 = int(rows.qo_indptr[r]), int(rows.qo_indptr[r + 1])
+            k0, k1 = int(rows.kv_indptr[r]), int(rows.kv_indptr[r + 1])
+            slots = rows.kv_indices[k0:k1].long()
+            kv_len, qo_len = k1 - k0, q1 - q0
+            key_pos = torch.arange(kv_len)
+            query_pos = kv_len - qo_len + torch.arange(qo_len)
+            keys = rotate(k_buffer[slots], key_pos, self.rope).repeat_interleave(group, dim=1)
+            values = v_buffer[slots].float().repeat_interleave(group, dim=1)
+            queries = rotate(q[q0:q1], query_pos, self.rope)
+            scores = torch.einsum("qhd,khd->hqk", queries, keys) * shape.sm_scale
+            scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
+        return out
