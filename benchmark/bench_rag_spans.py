@@ -1,5 +1,8 @@
 """RAG throughput and TTFT: no cache vs prefix cache vs PIC (barrier) vs PIC + ISPS, in one process.
 
+One script (over 400 lines): every mode must run in one process on the same workload, and the engine
+flags it shares with bench_span_ttft.py live here.
+
 Every mode serves the same 2WikiMultihopQA-shaped batch (see rag_workload.py), all samples submitted at once,
 on a fresh Engine of the same build and device:
   no_cache      radix cache off, plain prompts: every prompt token is prefilled.

@@ -1,6 +1,8 @@
 """VeriCache benchmarks: (a) draft acceptance vs compressor, budget and draft length on a real model; (b) long-
 context decode throughput of VeriCache vs full-KV decoding with the same device KV memory.
 
+One script (over 400 lines): (a) and (b) share the prompt builders and the engine setup.
+
 (a) Prompts come from the Python standard library's own sources (nothing to download): `code` continues a module
 cut at a line boundary; `retrieval` packs several modules' functions and then asks for one defined far back to
 be written out again. Each configuration decodes the prompts greedily; its output is checked token for token

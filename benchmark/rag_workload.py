@@ -1,5 +1,7 @@
 """A 2WikiMultihopQA-shaped RAG workload, generated locally and deterministically from a seed.
 
+Most of its length (over 400 lines) is data: the vocabularies and sentence templates.
+
 2WikiMultihopQA asks multi-hop questions (comparisons, "where was the director of film X born?") over ten
 Wikipedia paragraphs, two of them gold and eight distractors. Here the paragraphs are composed from sentence
 templates over name, place, date and film-title vocabularies (bios, films, towns), so they read like English and

@@ -1,5 +1,7 @@
 """Hierarchical cache: radix nodes evicted from the device KV pool wait in host memory and come back on a hit.
 
+One file (over 400 lines): the unit cases, the property test and the engine cases share the tagged pool.
+
 Unit cases and a stateful property test on the tree with a real one-layer KV pool whose key entries carry a tag of
 the content they stand for, so a hit is checked by what the returned slots hold after any number of round trips;
 then the engine, whose spans come back from the host at new offsets and give the tokens of a roomy run.

@@ -1,5 +1,7 @@
 """VeriCache speculative decoding: lossless against full-KV decoding, exact memory accounting, compressor contracts.
 
+One file (over 400 lines): every case shares the engine builders and the hard compression settings.
+
 Every engine here compresses hard (a 24-token draft budget on prompts of up to ~110 tokens, so drafts are wrong
 often and rejection paths run), yet greedy output must equal plain decoding token for token and sampled output
 must follow the same distribution.

