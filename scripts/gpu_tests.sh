@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Every GPU-marked test in one device call, after the pip lines of scripts/device_bundle.sh and
+# scripts/flashinfer_bundle.sh: one pytest per file (a file's time limit cannot cut the others short), each log
+# and a summary under ${OUT:-build/gpu_tests}. The whole test/ folder is not collected on the GPU machine: some
+# modules import SGLang's client packages, which the bundle does not carry.
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-build/gpu_tests}
+mkdir -p "$out"
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/ficache}
+FILES=(test_gpu_engine test_kernels_gpu test_flashinfer_gpu test_tensor_parallel test_sampling test_process_failures
+       test_gpu_telemetry)
+for f in "${FILES[@]}"; do
+  timeout "${GPU_TEST_LIMIT_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs "test/$f.py" \
+    > "$out/$f.log" 2>&1
+  echo "$f: rc=$? $(tail -1 "$out/$f.log")" | tee -a "$out/summary.txt"
+done
