@@ -23,21 +23,22 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RopeParams) -> torch.
 
 
 class FlashInferDouble:
-    plans: list[RaggedRows] = []  # every plan of every instance, for tests that inspect the rows
+    plans: list[tuple[RaggedRows, int | None]] = []  # every plan (rows, graph size) of every instance
 
     def __init__(self, shape: HeadShape, rope: RopeParams, dtype: torch.dtype, device: torch.device) -> None:
         self.shape, self.rope = shape, rope
         self.rows: RaggedRows | None = None
 
     def reserve_graphs(self, max_bs: int, max_request_keys: int) -> None:
-        raise AssertionError("CUDA graphs are not captured on CPU")
+        self.graph_keys = max_bs * max_request_keys
 
     def plan(self, rows: RaggedRows, graph_size: int | None = None) -> None:
         assert rows.qo_indptr.device.type == "cpu" and rows.kv_indptr.device.type == "cpu"
         assert rows.kv_indices.dtype == torch.int32 and bool((rows.kv_last_page_len == 1).all())
-        assert graph_size is None, "CUDA graphs are not captured on CPU"
+        if graph_size is not None:  # a graph's plan: one query per request, its keys within the reserved buffer
+            assert rows.one_query_per_row and rows.num_rows == graph_size and rows.kv_indices.numel() <= self.graph_keys
         self.rows = rows
-        FlashInferDouble.plans.append(rows)
+        FlashInferDouble.plans.append((rows, graph_size))
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> torch.Tensor:
         rows, shape = self.rows, self.shape

@@ -4,6 +4,8 @@ documented semantics (flashinfer_double.py) against the torch_native backend."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from flashinfer_double import FlashInferDouble
@@ -107,7 +109,7 @@ def test_the_engine_on_flashinfer_rows_matches_torch_native(tiny_qwen2, monkeypa
     monkeypatch.setattr(flashinfer_backend, "FlashInferKernels", FlashInferDouble)
     FlashInferDouble.plans.clear()
     ours = run(tiny_qwen2, "flashinfer", **settings)
-    plans = list(FlashInferDouble.plans)
+    plans = [rows for rows, _ in FlashInferDouble.plans]
     reference = run(tiny_qwen2, "torch_native", **settings)
     for got, want in zip(ours, reference):
         assert got["output_ids"] == want["output_ids"]
@@ -129,3 +131,24 @@ def test_the_engine_refuses_flashinfer_for_rope_it_cannot_express(tiny_llama, mo
 def test_flashinfer_needs_cuda(tiny_qwen2):
     with pytest.raises(ValueError, match="runs on CUDA devices only"):
         Engine(model_path=str(tiny_qwen2), dtype="float32", attention_backend="flashinfer", max_total_tokens=1024)
+
+
+def test_a_graph_replay_plans_the_live_decodes_and_the_padding_rows():
+    """Before a decode graph of 4 replays 2 live requests, the plan holds their rows, then 2 padded requests that
+    read the padding row's one key (the dummy slot), in the graph's fixed batch size."""
+    from sglang_pic.forward_batch import ForwardMode
+    from sglang_pic.layers.flashinfer_backend import FlashInferAttnBackend, HeadShape
+
+    kernels = FlashInferDouble(HeadShape(4, 2, 8, 8, 1.0), RopeParams(1e4), torch.float32, torch.device("cpu"))
+    backend = FlashInferAttnBackend(kernels)
+    backend.init_cuda_graph_state(max_bs=4, max_request_keys=16)
+    req_to_token = table(rows=4)  # row 3 is the padding row here
+    batch = types.SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, batch_size=2, req_pool_indices_cpu=[1, 0], seq_lens_cpu=[3, 5],
+        req_to_token_pool=types.SimpleNamespace(req_to_token=req_to_token),
+    )
+    FlashInferDouble.plans.clear()
+    backend.init_forward_metadata_replay(batch, 4, padding_row=3)
+    (rows, size), = FlashInferDouble.plans
+    assert size == 4 and rows.kv_indptr.tolist() == [0, 3, 8, 9, 10]
+    assert rows.kv_indices.tolist() == [100, 101, 102, 0, 1, 2, 3, 4, 300, 300]
