@@ -58,6 +58,7 @@ class FlashInferCase:
     def __init__(self, batch, args: argparse.Namespace, decode: bool) -> None:
         import flashinfer
 
+        from sglang_pic.layers.flashinfer_backend import HeadShape, decode_on_tensor_cores
         from sglang_pic.layers.flashinfer_rows import decode_rows, extend_rows
 
         self.fi, self.batch, self.decode, self.args = flashinfer, batch, decode, args
@@ -68,7 +69,8 @@ class FlashInferCase:
             self.rows = extend_rows(table, pool_rows, batch.positions.tolist(), batch.attn_lo.tolist(),
                                     batch.extend_seq_lens_cpu)
         self.dtype = bak.DTYPES[args.dtype]
-        self.tensor_cores = args.heads // args.kv_heads > 4  # FlashInfer's plain decode kernels stop at 4
+        self.tensor_cores = decode_on_tensor_cores(HeadShape(args.heads, args.kv_heads, args.head_dim, args.head_dim,
+                                                             batch.sm_scale))
 
     def _pages(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decode rows over whole pages (plain decode requests hold whole pages but the last)."""

@@ -73,6 +73,12 @@ def check_flashinfer_support(model_config: "ModelConfig", speculative: bool) -> 
     return RopeParams(model_config.rope_theta, scale)
 
 
+def decode_on_tensor_cores(shape: HeadShape) -> bool:
+    """FlashInfer's plain decode kernels take query groups up to 4 (a group of 7 is refused); larger groups decode
+    with its prefill kernels on tensor cores."""
+    return shape.num_qo_heads // shape.num_kv_heads > 4
+
+
 class RaggedAttention(Protocol):
     def reserve_graphs(self, max_bs: int, max_request_keys: int) -> None:
         """Buffers for the decode graphs of up to `max_bs` requests of up to `max_request_keys` keys each."""
@@ -154,7 +160,7 @@ class FlashInferKernels:
         self._fi, self.shape, self.device = flashinfer, shape, device
         self.common = dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=rope.theta, rope_scale=rope.scale,
                            sm_scale=shape.sm_scale, q_data_type=dtype, kv_data_type=dtype)
-        self.tensor_cores = shape.num_qo_heads // shape.num_kv_heads > 4
+        self.tensor_cores = decode_on_tensor_cores(shape)
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self.decode = self._decoder()

@@ -97,13 +97,14 @@ _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(GenerateReqInput))
 class TokenizedSegment:
     """One segment of a tokenized prompt, as plain data: the scheduler's ReqSegment without its KV bookkeeping.
 
-    kind: "prefix" | "span" | "pdep" | "head" (a span's recomputed head); tokens: its token ids (never mutated:
-    the scheduler copies them); extra_key: its radix namespace (radix_ext.segments); start: the logical index of its
-    first token; key_lead: a span tail's key's leading tokens (its anchor and recomputed head; managers/req.py).
+    kind: "prefix" | "span" | "pdep" | "head" (a span's recomputed head); tokens: its token ids, the segmenter's
+    tuples as they are (Req.from_wire makes the one mutable copy); extra_key: its radix namespace
+    (radix_ext.segments); start: the logical index of its first token; key_lead: a span tail's key's leading
+    tokens (its anchor and recomputed head; managers/req.py).
     """
 
     kind: str
-    tokens: list[int]
+    tokens: tuple[int, ...]
     extra_key: str | None
     start: int = 0
     key_lead: tuple[int, ...] = ()

@@ -165,7 +165,7 @@ class RequestBuilder:
                     f"length allows ({self.context_len})"
                 )
             key = segment_keys([Segment("span", tokens, anchor)])[0]
-            out.append(TokenizedSegment("span", list(tokens), key.extra_key, key_lead=anchor))
+            out.append(TokenizedSegment("span", tokens, key.extra_key, key_lead=anchor))
         return out
 
     # ---- span quality settings (span_policy.py) ----------------------------------------------------------------
@@ -256,12 +256,12 @@ class RequestBuilder:
         for seg, key, before in zip(segments, segment_keys(segments), namespaces_before(segments)):
             k, tokens = seg.head, seg.token_ids
             if k:
-                out.append(TokenizedSegment("head", list(tokens[:k]), before, start=start))
+                out.append(TokenizedSegment("head", tokens[:k], before, start=start))
             lead = key.token_ids[: len(key.token_ids) - len(tokens) + k]
-            out.append(TokenizedSegment(seg.kind, list(tokens[k:]), key.extra_key, start=start + k, key_lead=lead))
+            out.append(TokenizedSegment(seg.kind, tokens[k:], key.extra_key, start=start + k, key_lead=lead))
             start += len(tokens)
         if out[-1].kind == "span":
-            out.append(TokenizedSegment("pdep", [], tail_key(segments, ()).extra_key, start=start))
+            out.append(TokenizedSegment("pdep", (), tail_key(segments, ()).extra_key, start=start))
         return out
 
 
