@@ -49,7 +49,7 @@ FULL = {
 }
 QUICK = {"batches": [1, 32, 256], "contexts": [1024, 8192, 32768], "prefill": [1024, 8192]}
 SWEEP_DECODE_SHAPES = [(1, 32768), (64, 8192), (256, 2048)]  # (batch, context)
-SWEEP_PREFILL_LEN = 8192
+SWEEP_EXTEND_CASES = ["prefill_8x1024", "prefill_1x8192", "extend_64_on_32k_prefix", "verify_32x9_on_16k"]
 STORE_TOKENS = 8192
 PRE_ROTATED_PROGRAMS_PER_SM = 3  # the pre-rotated decode split kernel's shared memory fits 3 per H200 SM
 
@@ -267,7 +267,7 @@ def bench_store(args: argparse.Namespace, tokens: int) -> dict:
 def sweep(args: argparse.Namespace) -> list[dict]:
     """Alternative tiles on a few shapes, to check the defaults (the first config of each list)."""
     from sglang_pic.kernels.decode_attention import DecodeConfig, default_decode_config
-    from sglang_pic.kernels.extend_attention import ExtendConfig, default_extend_config
+    from sglang_pic.kernels.extend_attention import ExtendConfig
 
     dtype, cuda = DTYPES[args.dtype], torch.device(DEVICE)
     decode_cfgs = [default_decode_config(args.head_dim, dtype, cuda)] + [
@@ -277,21 +277,25 @@ def sweep(args: argparse.Namespace) -> list[dict]:
         DecodeConfig(block_n=128, min_split_len=512, num_warps=4, num_stages=3),
         DecodeConfig(block_n=128, min_split_len=256, num_warps=8, num_stages=3),
     ]
-    extend_cfgs = [default_extend_config(args.head_dim, dtype, cuda)] + [
+    extend_cfgs = [None] + [  # None: the engine's own pick, which depends on the case's query rows
+        ExtendConfig(block_m=256, block_n=64, num_warps=8, num_stages=2),
         ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
-        ExtendConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
-        ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-        ExtendConfig(block_m=256, block_n=64, num_warps=16, num_stages=2),
+        ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
         ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=2),
+        ExtendConfig(block_m=128, block_n=32, num_warps=4, num_stages=3),
+        ExtendConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+        ExtendConfig(block_m=64, block_n=128, num_warps=4, num_stages=2),
     ]
     rows = []
-    for batch_size, context in SWEEP_DECODE_SHAPES:
+    for batch_size, context in SWEEP_DECODE_SHAPES if "decode" in args.kinds else []:
         for cfg in decode_cfgs:
             rows.append({"kind": "decode", "config": asdict(cfg), **bench_decode(args, batch_size, context, cfg)})
             log_row(rows[-1])
-    for name, specs in list(extend_cases([SWEEP_PREFILL_LEN]).items())[:1]:
+    cases = extend_cases([1024, 8192]) if "extend" in args.kinds else {}
+    for name in SWEEP_EXTEND_CASES if cases else []:
         for cfg in extend_cfgs:
-            rows.append({"kind": "extend", "config": asdict(cfg), **bench_extend(args, name, specs, cfg)})
+            config = asdict(cfg) if cfg else "default"
+            rows.append({"kind": "extend", "config": config, **bench_extend(args, name, cases[name], cfg)})
             log_row(rows[-1])
     return rows
 

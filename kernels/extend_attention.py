@@ -141,8 +141,11 @@ def _extend_attention_kernel(
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
-    q_block = tl.program_id(2) // num_splits
-    chunk_id = tl.program_id(2) % num_splits
+    # The last query blocks of a causal request see the most keys: they take the lowest ids of the slowest grid
+    # axis, so the GPU starts them first and the light blocks fill the tail of the wave.
+    work_id = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_block = work_id // num_splits
+    chunk_id = work_id % num_splits
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     ext_len = tl.load(extend_seq_lens_ptr + b)
     if q_block * TOKENS >= ext_len:
