@@ -208,15 +208,16 @@ def warm_up_case() -> dict:
         "short_context_launches": TritonAttnBackend().warm_up(mha, pool, ReqToTokenPool(4, 200, "cpu")),
         "launches": launches,
         "variants": len(variants),
-        "staged_variants": sum(staged for _, staged, _ in variants),
+        "staged_variants": sum(staged for _, _, staged, _ in variants),
         "only_dummy_slot_written": bool(k_buf[1:].equal(before[0][1:]) and v_buf[1:].equal(before[1][1:])),
     }
 
 
 def warm_up_coverage_case() -> dict:
-    """Every extend kernel variant a GPU batch can launch (any new-token count up to 4096, keys staged or
-    rotated in-kernel, key range split or not) has the constexprs of one the warm-up launches."""
-    from sglang_pic.kernels.extend_attention import extend_kernel_params, extend_variants
+    """Every extend kernel variant a GPU batch can launch (any new-token count up to 4096 over a context as long
+    or up to 4096 keys longer, keys staged or rotated in-kernel, key range split or not) has the constexprs of one
+    the warm-up launches."""
+    from sglang_pic.kernels.extend_attention import SHORT_CONTEXT_KEYS, extend_kernel_params, extend_variants
     from sglang_pic.kernels.rope import HeadSplit
     from sglang_pic.kernels.stage_keys import FEW_QUERY_ROWS
 
@@ -226,17 +227,19 @@ def warm_up_coverage_case() -> dict:
                                 (64, 8, 128, "bfloat16"), (32, 8, 256, "bfloat16"), (16, 4, 64, "float32")]:
         dt, group = DTYPES[dtype], hq // hkv
 
-        def params(tokens: int, staged: bool, splits: int) -> str:
+        def params(tokens: int, keys: int, staged: bool, splits: int) -> str:
             p = extend_kernel_params(hq, hkv, HeadSplit(dim, dim, dim), dt, cuda, False, split_keys=splits > 1,
-                                     keys_staged=staged, max_extend_len=tokens)
+                                     keys_staged=staged, max_extend_len=tokens, max_keys=keys)
             return repr(sorted(p.items()))
 
         warm = {params(*v) for v in extend_variants(group, dim, dt, cuda)}
         for tokens in range(1, 4097):
-            for staged in (False, True) if tokens * group > FEW_QUERY_ROWS else (False,):
-                for splits in (1, 2):
-                    if params(tokens, staged, splits) not in warm:
-                        missing.append([hq, hkv, dim, dtype, tokens, staged, splits])
+            contexts = {tokens, max(tokens, SHORT_CONTEXT_KEYS), max(tokens, SHORT_CONTEXT_KEYS + 1), tokens + 4096}
+            for keys in sorted(contexts):
+                for staged in (False, True) if tokens * group > FEW_QUERY_ROWS else (False,):
+                    for splits in (1, 2):
+                        if params(tokens, keys, staged, splits) not in warm:
+                            missing.append([hq, hkv, dim, dtype, tokens, keys, staged, splits])
     return {"missing": missing[:10], "num_missing": len(missing)}
 
 

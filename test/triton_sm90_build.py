@@ -62,6 +62,9 @@ def main() -> None:
             if not rotated:
                 staged = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, keys_staged=True)
                 variants["extend_staged"] = (ea._extend_attention_kernel, staged)
+                short = ea.extend_kernel_params(32, 8, split, torch_dtype, cuda, False, keys_staged=True,
+                                                max_extend_len=1024, max_keys=1024)
+                variants["extend_staged_short_context"] = (ea._extend_attention_kernel, short)
                 variants["stage_keys"] = (st._stage_keys_kernel, st.stage_kernel_params(split))
                 kivi = kd.kivi_kernel_params(32, 8, 128, 128, 128, 32, 32, torch_dtype, cuda)[0]
                 variants["kivi_decode"] = (kd._kivi_split_kernel, kivi)

@@ -145,9 +145,10 @@ class TritonAttnBackend(AttentionBackend):
         """Compile, at startup, every kernel variant `forward` can launch for the pool's layers. Triton compiles a
         variant on its first launch, which on a machine with an empty Triton cache takes seconds inside the step
         that needs it while every running request waits. Per-batch integers are not specialized (see the kernels),
-        so the variants are: each extend tile (by query rows) with keys staged or rotated in-kernel and the key
-        range split or not, staging, the store and decode. Each runs one request on the padding row of the request
-        table: every key is the dummy slot 0, the only slot written. Returns the number of attention launches."""
+        so the variants are: each extend tile (by query rows and context) with keys staged or rotated in-kernel and
+        the key range split or not, staging, the store and decode. Each runs one request on the padding row of the
+        request table: every key is the dummy slot 0, the only slot written. Returns the number of attention
+        launches."""
         k_buf, v_buf = token_to_kv_pool.get_kv_buffer(layer.layer_id)
         device, dtype = k_buf.device, k_buf.dtype
         cos_sin = layer.rotary.kernel_table(dtype)
@@ -156,18 +157,18 @@ class TritonAttnBackend(AttentionBackend):
         request = torch.full((1,), req_to_token_pool.padding_row, dtype=torch.int64, device=device)
         zero = torch.zeros(1, dtype=torch.int64, device=device)
         longest = min(cos_sin.shape[0], table.shape[1])  # no request outgrows the context
-        variants = [v for v in extend_variants(group, layer.head_dim, dtype, device) if v[0] <= longest]
-        for tokens, stage, splits in variants:
+        variants = [v for v in extend_variants(group, layer.head_dim, dtype, device) if v[1] <= longest]
+        for tokens, keys, stage, splits in variants:
             q = torch.zeros((tokens, layer.num_heads, layer.head_dim), dtype=dtype, device=device)
             out = torch.empty((tokens, layer.num_heads, layer.v_head_dim), dtype=dtype, device=device)
             k = torch.zeros((tokens, layer.num_kv_heads, layer.head_dim), dtype=dtype, device=device)
             v = torch.zeros((tokens, layer.num_kv_heads, layer.v_head_dim), dtype=dtype, device=device)
             zeros = torch.zeros(tokens, dtype=torch.int64, device=device)  # slots written; lowest visible keys
             lens = torch.full((1,), tokens, dtype=torch.int64, device=device)
-            positions = torch.arange(tokens, device=device)
-            kv = PagedKV(k_buf, v_buf, table, request, lens, tokens)
+            positions = torch.arange(keys - tokens, keys, device=device)
+            kv = PagedKV(k_buf, v_buf, table, request, torch.full_like(lens, keys), keys)
             ext = ExtendRows(zero, lens, positions, zeros, tokens)
-            staged = alloc_staged_keys(kv, ext, tokens) if stage else None
+            staged = alloc_staged_keys(kv, ext, keys) if stage else None
             store_kv(k_buf, v_buf, zeros, k, v, cos_sin, staged, positions)
             if staged is not None:
                 stage_keys(staged, kv, ext, cos_sin)
