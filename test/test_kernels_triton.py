@@ -185,7 +185,8 @@ def test_warm_up_launches_every_variant_writing_only_the_dummy_slot(worker: Inte
     # CPU has one tile: a few query rows in-kernel; past FEW_QUERY_ROWS rows in-kernel and staged; each whole and
     # split; then decode
     assert entry == {
-        "launches": 7, "variants": 6, "staged_variants": 2, "only_dummy_slot_written": True, "short_context_launches": 3
+        "launches": 7, "variants": 6, "staged_variants": 2, "only_dummy_slot_written": True,
+        "short_context_launches": 3, "long_context_launches": 5,
     }
 
 

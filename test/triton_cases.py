@@ -204,8 +204,21 @@ def warm_up_case() -> dict:
     variants = extend_variants(4, 32, torch.float32, torch.device("cpu"))
     # one kv head per query head and a 200-token context: no request reaches the 257 rows that staging needs
     mha = RadixAttention(2, 32, 32**-0.5, 2, layer_id=0, rotary=RotaryEmbedding(32, 200))
+    short_context_launches = TritonAttnBackend().warm_up(mha, pool, ReqToTokenPool(4, 200, "cpu"))
+    # The GPU's long-context tiles launch over a context longer than the new tokens (the CPU has one tile, so its
+    # own list has none): the same launches, in-kernel and staged, over 300 keys.
+    import sglang_pic.layers.triton_backend as backend_module
+
+    gpu_like = [(3, 300, False, 1), (3, 300, False, 2), (70, 300, True, 1), (70, 300, True, 2)]
+    own = backend_module.extend_variants
+    backend_module.extend_variants = lambda *args: gpu_like
+    try:
+        long_context_launches = TritonAttnBackend().warm_up(layer, pool, ReqToTokenPool(4, 512, "cpu"))
+    finally:
+        backend_module.extend_variants = own
     return {
-        "short_context_launches": TritonAttnBackend().warm_up(mha, pool, ReqToTokenPool(4, 200, "cpu")),
+        "short_context_launches": short_context_launches,
+        "long_context_launches": long_context_launches,
         "launches": launches,
         "variants": len(variants),
         "staged_variants": sum(staged for _, _, staged, _ in variants),
