@@ -5,8 +5,7 @@ a forced tool call) are checked here, since only one may shape a reply."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -15,7 +14,6 @@ from sglang_pic.entrypoints.chat_reply import ChatReplyReader
 from sglang_pic.entrypoints.chat_template import load_chat_template, render_chat
 from sglang_pic.entrypoints.openai_handler import GenerationHandler
 from sglang_pic.entrypoints.openai_output import (
-    STREAM_END,
     StreamCursor,
     chat_logprobs,
     finish_of,
@@ -30,11 +28,12 @@ from sglang_pic.entrypoints.openai_responses import (
     ChatCompletionResponse,
     ChatResponseMessage,
     ChatStreamChoice,
+    UsageInfo,
 )
 from sglang_pic.entrypoints.reasoning import REASONING_PARSERS, ReasoningStream
 from sglang_pic.entrypoints.tool_calls import ToolCallStream, tool_call_parser
 from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
-from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerTokenizerManager
+from sglang_pic.managers.server_tokenizer_manager import ServerTokenizerManager
 from sglang_pic.sampling.sampling_params import GRAMMAR_FIELDS
 
 # Enough of a prompt's last tokens to see whether the chat template opened the reply's thinking.
@@ -137,11 +136,9 @@ class ChatHandler(GenerationHandler):
     def render_chat(self, body: ChatCompletionRequest) -> str:
         return render_chat(body, self.tokenizer, self.chat_template, self.manager.server_args)
 
-    async def _stream(
+    def _stream(
         self, body: ChatCompletionRequest, reqs: list[TokenizedGenerateReq], rid: str, model: str, request: Request
     ) -> AsyncIterator[str]:
-        cursors = [StreamCursor() for _ in reqs]
-        finals: dict[int, dict] = {}
         readers = [self._reply_reader(body, req) for req in reqs]
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
 
@@ -149,38 +146,33 @@ class ChatHandler(GenerationHandler):
             usage = usage_of([out], 1) if continuous else None
             return sse(ChatCompletionChunk(id=rid, model=model, choices=[choice], usage=usage))
 
-        try:
-            async with aclosing(self.manager.stream(reqs, True, request)) as outputs:
-                async for i, out in outputs:
-                    cursor = cursors[i]
-                    if not cursor.started:
-                        cursor.started = True
-                        opening = ChatStreamChoice(index=i, delta=ChatResponseMessage(role="assistant", content=""))
-                        yield chunk(opening, out)
-                    delta, triples, tops = cursor.advance(out)
-                    reason, matched = finish_of(out)
-                    piece = readers[i].read(delta, last=reason is not None)
-                    logprobs = chat_logprobs(triples, tops) if body.logprobs and triples else None
-                    if piece.reasoning:
-                        thought = ChatResponseMessage(reasoning_content=piece.reasoning)
-                        yield chunk(ChatStreamChoice(index=i, delta=thought), out)
-                    if piece.content or logprobs:
-                        message = ChatResponseMessage(content=piece.content)
-                        yield chunk(ChatStreamChoice(index=i, delta=message, logprobs=logprobs), out)
-                    if piece.calls:
-                        message = ChatResponseMessage(tool_calls=tool_items(piece.calls))
-                        yield chunk(ChatStreamChoice(index=i, delta=message), out)
-                    if reason is not None and readers[i].called:
-                        reason, matched = "tool_calls", None
-                    if reason is not None:
-                        finals[i] = out
-                        closing = ChatStreamChoice(
-                            index=i, delta=ChatResponseMessage(), finish_reason=reason, matched_stop=matched
-                        )
-                        yield chunk(closing, out)
-            if body.stream_options and body.stream_options.include_usage:
-                usage = usage_of([finals[i] for i in sorted(finals)], body.n)
-                yield sse(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage), exclude_none=True)
-        except ClientDisconnected:
-            return
-        yield STREAM_END
+        def chunks(i: int, out: dict, cursor: StreamCursor) -> Iterator[str]:
+            if not cursor.started:
+                cursor.started = True
+                opening = ChatStreamChoice(index=i, delta=ChatResponseMessage(role="assistant", content=""))
+                yield chunk(opening, out)
+            delta, triples, tops = cursor.advance(out)
+            reason, matched = finish_of(out)
+            piece = readers[i].read(delta, last=reason is not None)
+            logprobs = chat_logprobs(triples, tops) if body.logprobs and triples else None
+            if piece.reasoning:
+                thought = ChatResponseMessage(reasoning_content=piece.reasoning)
+                yield chunk(ChatStreamChoice(index=i, delta=thought), out)
+            if piece.content or logprobs:
+                message = ChatResponseMessage(content=piece.content)
+                yield chunk(ChatStreamChoice(index=i, delta=message, logprobs=logprobs), out)
+            if piece.calls:
+                message = ChatResponseMessage(tool_calls=tool_items(piece.calls))
+                yield chunk(ChatStreamChoice(index=i, delta=message), out)
+            if reason is not None and readers[i].called:
+                reason, matched = "tool_calls", None
+            if reason is not None:
+                closing = ChatStreamChoice(
+                    index=i, delta=ChatResponseMessage(), finish_reason=reason, matched_stop=matched
+                )
+                yield chunk(closing, out)
+
+        def usage_chunk(usage: UsageInfo) -> str:
+            return sse(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage), exclude_none=True)
+
+        return self.stream_events(body, reqs, request, chunks, usage_chunk)

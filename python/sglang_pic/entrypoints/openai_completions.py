@@ -3,15 +3,13 @@ with OpenAI's legacy logprobs; `echo` puts each prompt before its choices."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from sglang_pic.entrypoints.openai_handler import GenerationHandler
 from sglang_pic.entrypoints.openai_output import (
-    STREAM_END,
     StreamCursor,
     completion_logprobs,
     finish_of,
@@ -19,9 +17,8 @@ from sglang_pic.entrypoints.openai_output import (
     usage_of,
 )
 from sglang_pic.entrypoints.openai_protocol import CompletionRequest
-from sglang_pic.entrypoints.openai_responses import CompletionChoice, CompletionResponse
+from sglang_pic.entrypoints.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
 from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
-from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected
 
 
 class CompletionsHandler(GenerationHandler):
@@ -91,7 +88,7 @@ class CompletionsHandler(GenerationHandler):
             return list(prompt)
         return [self.tokenizer.decode(p, skip_special_tokens=True) for p in prompt]
 
-    async def _stream(
+    def _stream(
         self,
         body: CompletionRequest,
         reqs: list[TokenizedGenerateReq],
@@ -100,34 +97,27 @@ class CompletionsHandler(GenerationHandler):
         echoes: list[str] | None,
         request: Request,
     ) -> AsyncIterator[str]:
-        cursors = [StreamCursor() for _ in reqs]
-        finals: dict[int, dict] = {}
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
-        try:
-            async with aclosing(self.manager.stream(reqs, True, request)) as outputs:
-                async for i, out in outputs:
-                    cursor = cursors[i]
-                    delta, triples, tops = cursor.advance(out)
-                    if echoes and not cursor.started:
-                        delta = echoes[i // body.n] + delta
-                        triples = out["meta_info"].get("input_token_logprobs", []) + triples
-                        tops = out["meta_info"].get("input_top_logprobs", []) + tops
-                    cursor.started = True
-                    logprobs = None
-                    if body.logprobs is not None and triples:
-                        logprobs, cursor.offset = completion_logprobs(triples, tops, cursor.offset)
-                    reason, matched = finish_of(out)
-                    if reason is not None:
-                        finals[i] = out
-                    if delta or logprobs or reason:
-                        choice = CompletionChoice(
-                            index=i, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
-                        )
-                        usage = usage_of([out], 1) if continuous else None
-                        yield sse(CompletionResponse(id=rid, model=model, choices=[choice], usage=usage))
-            if body.stream_options and body.stream_options.include_usage:
-                usage = usage_of([finals[i] for i in sorted(finals)], body.n)
-                yield sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage), exclude_none=True)
-        except ClientDisconnected:
-            return
-        yield STREAM_END
+
+        def chunks(i: int, out: dict, cursor: StreamCursor) -> Iterator[str]:
+            delta, triples, tops = cursor.advance(out)
+            if echoes and not cursor.started:
+                delta = echoes[i // body.n] + delta
+                triples = out["meta_info"].get("input_token_logprobs", []) + triples
+                tops = out["meta_info"].get("input_top_logprobs", []) + tops
+            cursor.started = True
+            logprobs = None
+            if body.logprobs is not None and triples:
+                logprobs, cursor.offset = completion_logprobs(triples, tops, cursor.offset)
+            reason, matched = finish_of(out)
+            if delta or logprobs or reason:
+                choice = CompletionChoice(
+                    index=i, text=delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched
+                )
+                usage = usage_of([out], 1) if continuous else None
+                yield sse(CompletionResponse(id=rid, model=model, choices=[choice], usage=usage))
+
+        def usage_chunk(usage: UsageInfo) -> str:
+            return sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage), exclude_none=True)
+
+        return self.stream_events(body, reqs, request, chunks, usage_chunk)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from sglang_pic.entrypoints.errors import error_response
+from sglang_pic.entrypoints.openai_output import STREAM_END, StreamCursor, finish_of, usage_of
 from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_errors
+from sglang_pic.entrypoints.openai_responses import UsageInfo
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerBusy, ServerTokenizerManager
 
@@ -75,6 +78,32 @@ class GenerationHandler(ABC):
             return await self.manager.collect(reqs, True, request)
         except ClientDisconnected:
             return Response(status_code=499)
+
+    async def stream_events(
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        reqs: list,
+        request: Request,
+        chunks: Callable[[int, dict, StreamCursor], Iterator[str]],
+        usage_chunk: Callable[[UsageInfo], str],
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed call: `chunks` turns each output of choice i (with its cursor) into
+        events; then, when the body asks for it, `usage_chunk` of the finished choices, and the end marker. A client
+        that hangs up ends the stream without it (the manager aborts the requests)."""
+        cursors = [StreamCursor() for _ in reqs]
+        finals: dict[int, dict] = {}
+        try:
+            async with aclosing(self.manager.stream(reqs, True, request)) as outputs:
+                async for i, out in outputs:
+                    for event in chunks(i, out, cursors[i]):
+                        yield event
+                    if finish_of(out)[0] is not None:
+                        finals[i] = out
+            if body.stream_options and body.stream_options.include_usage:
+                yield usage_chunk(usage_of([finals[i] for i in sorted(finals)], body.n))
+        except ClientDisconnected:
+            return
+        yield STREAM_END
 
     def sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> dict:
         """Native sampling params; chat fields left unset fall back to the model's generation config."""
