@@ -30,13 +30,18 @@ def _check_text(text: str, what: str) -> str:
     return text
 
 
-def span(text: str, *, anchor: str | None = None, head_tokens: int | None = None) -> str:
+def span(
+    text: str, *, anchor: str | None = None, head_tokens: int | None = None, tail_tokens: int | None = None
+) -> str:
     """A reusable span: its KV depends only on `text` (and its anchor), so it is computed once and reused at any
-    offset. `anchor` (auto, none or prefix) and `head_tokens` override the request's span settings for this span."""
+    offset. `anchor` (auto, none or prefix), `head_tokens` and `tail_tokens` override the request's span settings
+    for this span."""
     if not _check_text(text, "span text"):
         raise ValueError("span text is empty")
-    check_settings(anchor, head_tokens)
-    own = "" if anchor is None and head_tokens is None else SPAN_SETTINGS_MARKER + format_settings(anchor, head_tokens)
+    settings = {"span_anchor": anchor, "span_head_tokens": head_tokens, "span_tail_tokens": tail_tokens}
+    check_settings(settings)
+    given = any(v is not None for v in settings.values())
+    own = SPAN_SETTINGS_MARKER + format_settings(settings) if given else ""
     return SSEP_MARKER + own + text + PDEP_MARKER
 
 
@@ -50,6 +55,7 @@ class Span:
     text: str
     anchor: str | None = None
     head_tokens: int | None = None
+    tail_tokens: int | None = None
 
 
 def marked_prompt(*parts: str | Span) -> str:
@@ -57,7 +63,7 @@ def marked_prompt(*parts: str | Span) -> str:
     out = []
     for part in parts:
         if isinstance(part, Span):
-            out.append(span(part.text, anchor=part.anchor, head_tokens=part.head_tokens))
+            out.append(span(part.text, anchor=part.anchor, head_tokens=part.head_tokens, tail_tokens=part.tail_tokens))
         else:
             out.append(_check_text(part, "prompt text"))
     return "".join(out)

@@ -7,12 +7,14 @@ A prompt is an optional prefix, then spans and PDEP (prompt-dependent) segments.
 so each segment is keyed by exactly what its KV depends on. Generated tokens are cached under `tail_key`.
 
 A span may carry the quality settings a request chose for it (span_policy.py): an `anchor`, tokens it was
-prefilled behind (its KV then comes from a span job, never from a request's own row), and `head`, how many of
-its first tokens the request recomputes with full attention, which are exact for the structure before them and
-so keyed like PDEP text there. A span behind an anchor attends causally to the anchor and itself: that is the KV
-of the plain text anchor + span, so it is keyed as that prefix (namespace None), and a plain prompt starting
-with the same text shares it. Both settings are part of the structure later PDEP keys hash, since the KV after
-a span depends on them.
+prefilled behind (its KV then comes from a span job, never from a request's own row), and `recompute`, the runs
+of its tokens the request recomputes with full attention over everything before them (a head of K tokens is the
+run (0, K)). A recomputed run is exact for the structure before it, which is the structure before the span plus
+the span cut at the run's start: PDEP text after that shorter span would attend exactly as the run does, so the
+run is keyed as that text (recompute_namespaces). A span behind an anchor attends causally to the anchor and
+itself: that is the KV of the plain text anchor + span, so it is keyed as that prefix (namespace None), and a plain
+prompt starting with the same text shares it. Both settings are part of the structure later PDEP keys hash, since
+the KV after a span depends on them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,21 @@ SegmentKind = Literal["prefix", "span", "pdep"]
 SPAN_NAMESPACE = "span"
 PDEP_NAMESPACE_PREFIX = "pdep:"
 _KINDS = ("prefix", "span", "pdep")
-_HASH_TAG = b"sglang_pic.segments.v2\0"
+_HASH_TAG = b"sglang_pic.segments.v3\0"
+Runs = tuple[tuple[int, int], ...]  # (offset, length) runs of a segment's tokens, sorted and apart
+
+
+def normalize_runs(runs: Sequence[Sequence[int]], length: int) -> Runs:
+    """`runs` clipped to [0, length), sorted, with overlapping and touching runs merged and empty ones dropped."""
+    out: list[list[int]] = []
+    for start, n in sorted((max(int(s), 0), min(int(s) + int(n), length)) for s, n in runs):
+        if n <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], n)
+        else:
+            out.append([start, n])
+    return tuple((s, e - s) for s, e in out)
 
 
 @dataclass(frozen=True)
@@ -37,31 +53,53 @@ class Segment:
     kind: SegmentKind
     token_ids: tuple[int, ...]
     anchor: tuple[int, ...] = ()  # spans only: the tokens the span is prefilled behind
-    head: int = 0  # spans only: leading tokens each request recomputes with full attention
+    # Spans only: runs of its tokens each request recomputes with full attention (normalized on construction).
+    recompute: Runs = ()
+    # Prefix and PDEP text only: (offset, length) runs of it that were span text, which canonicalize turned into
+    # this text (a span recomputed whole, a span's last token). They attend and are keyed as this text; the runs
+    # only let a request count the span tokens it computes itself. Not part of any key.
+    span_runs: Runs = ()
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"unknown segment kind {self.kind!r}; expected one of {_KINDS}")
-        if self.kind != "span" and (self.anchor or self.head):
-            raise ValueError(f"a {self.kind} segment has no anchor or head; only spans do")
-        if self.head < 0:
-            raise ValueError(f"a span's head must be >= 0, got {self.head}")
+        if self.kind != "span" and (self.anchor or self.recompute):
+            raise ValueError(f"a {self.kind} segment has no anchor or recomputed runs; only spans do")
+        if self.kind == "span" and self.span_runs:
+            raise ValueError("a span has no span runs; only the text that spans turn into does")
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
         object.__setattr__(self, "anchor", tuple(self.anchor))
+        object.__setattr__(self, "recompute", normalize_runs(self.recompute, len(self.token_ids)))
 
     @property
     def from_job(self) -> bool:
         """Whether a span's KV can only come from a span job: an anchor is not in any request's row, and the
-        shared tail after a recomputed head was computed behind the span's own head, not the request's."""
-        return bool(self.anchor) or self.head > 0
+        shared tokens after a recomputed run were computed behind the span's own tokens, not the request's."""
+        return bool(self.anchor) or bool(self.recompute)
+
+    @property
+    def recomputed_whole(self) -> bool:
+        return self.recompute == ((0, len(self.token_ids)),)
+
+    def pieces(self) -> list[tuple[bool, int, int]]:
+        """A span's tokens as alternating (recomputed, start, end) pieces covering it."""
+        out, at = [], 0
+        for start, n in self.recompute:
+            if start > at:
+                out.append((False, at, start))
+            out.append((True, start, start + n))
+            at = start + n
+        if at < len(self.token_ids):
+            out.append((False, at, len(self.token_ids)))
+        return out
 
 
 def canonicalize(segments: Sequence[Segment]) -> list[Segment]:
     """Rewrite segments into their one canonical form: [prefix] (span [pdep])*, with no empty segment.
 
     PDEP text with no span before it sees only causal text, so its KV is plain prefix KV: it joins the prefix.
-    Adjacent PDEP segments attend exactly like one, and an empty prefix or PDEP carries nothing. A span whose head
-    covers it is recomputed whole with full attention: it is PDEP text. A prompt that ends in a span from a job
+    Adjacent PDEP segments attend exactly like one, and an empty prefix or PDEP carries nothing. A span recomputed
+    whole with full attention is PDEP text. A prompt that ends in a span from a job
     ends in PDEP text one token long, since the request computes its last token itself (its logits give the first
     output token) and cannot do so behind the span's anchor. Equal prompts thus get equal keys however their
     markers were written.
@@ -75,14 +113,16 @@ def canonicalize(segments: Sequence[Segment]) -> list[Segment]:
             raise ValueError(f"segment {i} is an empty span; a span needs at least one token")
         if not seg.token_ids:
             continue
-        if seg.kind == "span" and seg.head >= len(seg.token_ids):
-            seg = Segment("pdep", seg.token_ids)
+        if seg.kind == "span" and seg.recomputed_whole:
+            seg = Segment("pdep", seg.token_ids, span_runs=((0, len(seg.token_ids)),))
         if seg.kind == "span":
             out.append(seg)
         elif not out:
-            out.append(Segment("prefix", seg.token_ids))
+            out.append(Segment("prefix", seg.token_ids, span_runs=seg.span_runs))
         elif out[-1].kind != "span":
-            out[-1] = Segment(out[-1].kind, out[-1].token_ids + seg.token_ids)
+            prev = out[-1]
+            runs = prev.span_runs + tuple((len(prev.token_ids) + o, n) for o, n in seg.span_runs)
+            out[-1] = Segment(prev.kind, prev.token_ids + seg.token_ids, span_runs=runs)
         else:
             out.append(seg)
     return out
@@ -94,8 +134,8 @@ def _last_token_own(segments: Sequence[Segment]) -> list[Segment]:
     last = max((i for i, s in enumerate(out) if s.token_ids), default=None)
     if last is not None and out[last].kind == "span" and out[last].from_job:
         seg = out[last]
-        rest = [Segment("span", seg.token_ids[:-1], seg.anchor, seg.head)] if len(seg.token_ids) > 1 else []
-        out[last : last + 1] = [*rest, Segment("pdep", seg.token_ids[-1:])]
+        rest = [Segment("span", seg.token_ids[:-1], seg.anchor, seg.recompute)] if len(seg.token_ids) > 1 else []
+        out[last : last + 1] = [*rest, Segment("pdep", seg.token_ids[-1:], span_runs=((0, 1),))]
     return out
 
 
@@ -104,7 +144,7 @@ def _check_canonical(segments: Sequence[Segment]) -> None:
         prev = segments[i - 1].kind if i else None
         ok = bool(seg.token_ids) and (
             (seg.kind == "prefix" and i == 0)
-            or (seg.kind == "span" and seg.head < len(seg.token_ids))
+            or (seg.kind == "span" and not seg.recomputed_whole)
             or (seg.kind == "pdep" and prev == "span")
         )
         if not ok:
@@ -112,10 +152,13 @@ def _check_canonical(segments: Sequence[Segment]) -> None:
 
 
 def _encode(seg: Segment) -> bytes:
-    """Kind, length, tokens, then anchor length, anchor and head, as little-endian int64: self-delimiting, so a
-    sequence of records is unambiguous."""
-    n, m = len(seg.token_ids), len(seg.anchor)
-    return struct.pack(f"<BQ{n}qQ{m}qQ", _KINDS.index(seg.kind), n, *seg.token_ids, m, *seg.anchor, seg.head)
+    """Kind, length, tokens, then anchor length, anchor, the number of recomputed runs and their (offset, length)
+    pairs, as little-endian int64: self-delimiting, so a sequence of records is unambiguous."""
+    n, m, r = len(seg.token_ids), len(seg.anchor), len(seg.recompute)
+    runs = [x for run in seg.recompute for x in run]
+    return struct.pack(
+        f"<BQ{n}qQ{m}qQ{2 * r}q", _KINDS.index(seg.kind), n, *seg.token_ids, m, *seg.anchor, r, *runs
+    )
 
 
 def _structure_hasher(segments: Sequence[Segment]):
@@ -138,6 +181,25 @@ def namespaces_before(segments: Sequence[Segment]) -> list[str]:
     out = []
     for seg in segments:
         out.append(PDEP_NAMESPACE_PREFIX + h.hexdigest())
+        h.update(_encode(seg))
+    return out
+
+
+def recompute_namespaces(segments: Sequence[Segment]) -> list[tuple[str, ...]]:
+    """For each segment of a canonical prompt, the namespace of each of its recomputed runs: the PDEP namespace of
+    the structure before the run (the structure before the segment, then the span cut at the run's start, which
+    is canonical: a run starting inside a span follows tokens the span does not recompute)."""
+    _check_canonical(segments)
+    h = _structure_hasher(())
+    out = []
+    for seg in segments:
+        spaces = []
+        for start, _ in seg.recompute:
+            cut = h.copy()
+            if start:
+                cut.update(_encode(Segment("span", seg.token_ids[:start], seg.anchor, seg.recompute)))
+            spaces.append(PDEP_NAMESPACE_PREFIX + cut.hexdigest())
+        out.append(tuple(spaces))
         h.update(_encode(seg))
     return out
 

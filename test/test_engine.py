@@ -203,6 +203,7 @@ def test_stream_matches_non_stream(tiny_llama):
     [
         (dict(prompt=""), "empty"),
         (dict(prompt="hi " * 400), "context length"),
+        (dict(input_ids=[5] * 250, sampling_params={"max_new_tokens": 100}), r"\(250 in the prompt, 100 for the"),
         (dict(prompt="hi", sampling_params={"max_new_tokens": -1}), "max_new_tokens"),
         (dict(prompt="hi", sampling_params={"max_new_tokens": 2.5}), "max_new_tokens"),
         (dict(prompt="hi", sampling_params={"temperature": -1}), "temperature"),

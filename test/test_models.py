@@ -176,6 +176,21 @@ def test_default_model_names_missing_part(monkeypatch: pytest.MonkeyPatch, tmp_p
         default_model.assemble_gguf()
 
 
+def test_converted_gguf_folder_names_the_model(tmp_path: Path) -> None:
+    """The embedded model's converted folder is its model path: its name, the GGUF's, lets SGLang's frontend pick
+    the Qwen chat template from /get_model_info."""
+    from sglang.lang.chat_template import get_chat_template_by_model_path
+
+    from sglang_pic.model_loader.default_model import GGUF_NAME
+    from sglang_pic.model_loader.gguf_convert import gguf_cache_dir
+
+    gguf = tmp_path / GGUF_NAME
+    gguf.write_bytes(b"GGUF")
+    folder = gguf_cache_dir(gguf, tmp_path / "cache")
+    assert folder.name.startswith(gguf.stem)
+    assert get_chat_template_by_model_path(str(folder)).name == "qwen"
+
+
 def _default_model_installed() -> bool:
     import importlib.metadata
 

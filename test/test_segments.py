@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_pic.radix_ext import RadixKey, Segment, canonicalize, pdep_namespace, segment_keys, tail_key
+from sglang_pic.radix_ext.segments import namespaces_before, recompute_namespaces
 
 
 def P(*t: int) -> Segment:
@@ -145,3 +146,53 @@ def test_pdep_namespaces_collide_only_for_identical_structures(a, b):
     ka = segment_keys(ca + [S(0), D(1)])[-1]
     kb = segment_keys(cb + [S(0), D(1)])[-1]
     assert (ka == kb) == (ca == cb)
+
+
+# ---- recomputed runs inside spans ---------------------------------------------------------------------------------
+def R(tokens: tuple[int, ...], runs, anchor: tuple[int, ...] = ()) -> Segment:
+    return Segment("span", tokens, anchor, runs)
+
+
+def test_runs_are_normalized_and_cut_the_span_into_pieces():
+    seg = R((1, 2, 3, 4, 5, 6, 7, 8), [(6, 5), (0, 1), (1, 1), (3, 2), (4, 0)])
+    assert seg.recompute == ((0, 2), (3, 2), (6, 2))
+    assert seg.pieces() == [(True, 0, 2), (False, 2, 3), (True, 3, 5), (False, 5, 6), (True, 6, 8)]
+    assert R((1, 2, 3), [(1, 1)]).pieces() == [(False, 0, 1), (True, 1, 2), (False, 2, 3)]
+
+
+def test_a_span_recomputed_whole_is_pdep_text_counted_as_span_text():
+    got = canonicalize([P(1), R((2, 3), [(0, 1), (1, 1)]), S(4), R((5,), [(0, 1)]), D(6)])
+    assert got == [
+        Segment("prefix", (1, 2, 3), span_runs=((1, 2),)),
+        S(4),
+        Segment("pdep", (5, 6), span_runs=((0, 1),)),
+    ]
+    assert got[0].token_ids == (1, 2, 3)  # keys ignore the runs: the same text written without markers shares them
+    assert segment_keys(got)[2] == segment_keys([P(1, 2, 3), S(4), D(5, 6)])[2]
+
+
+def test_runs_are_part_of_the_structure_after_the_span():
+    keys = [segment_keys([P(9), R((5, 6, 7), runs), D(4)])[2] for runs in ((), ((0, 1),), ((1, 1),), ((2, 1),))]
+    assert len({k.extra_key for k in keys}) == 4
+
+
+@given(
+    st.lists(st.integers(0, 5), min_size=2, max_size=12),
+    st.lists(st.tuples(st.integers(0, 11), st.integers(1, 3)), max_size=4),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_recomputed_run_is_keyed_as_pdep_text_after_the_span_cut_before_it(tokens, runs):
+    """A run attends to everything before it, exactly as PDEP text right after the span's tokens before it would:
+    both get one namespace, so a cache hit equals recomputation."""
+    span = R(tuple(tokens), runs, anchor=(7,))
+    if span.recomputed_whole:
+        return
+    before = [P(9, 8), S(1, 2)]
+    spaces = recompute_namespaces([*before, span, D(3)])
+    assert spaces[0] == spaces[1] == spaces[3] == ()
+    for (start, n), space in zip(span.recompute, spaces[2]):
+        if start == 0:
+            assert space == namespaces_before([*before, span])[2]
+        else:
+            cut = R(span.token_ids[:start], span.recompute, anchor=(7,))
+            assert space == segment_keys(canonicalize([*before, cut, D(*span.token_ids[start : start + n])]))[3].extra_key

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from sglang_pic.launch_server import build_parser
-from sglang_pic.server_args import ServerArgs, _arg
+from sglang_pic.server_args import ServerArgs, _arg, flag_sections
 
 
 def flag_helps() -> dict[str, str]:
@@ -34,3 +34,12 @@ def test_help_shows_real_defaults():
 def test_a_none_default_must_say_what_happens():
     with pytest.raises(ValueError, match="default: ..."):
         _arg(None, "The tokenizer folder.")
+
+
+def test_help_groups_flags_by_section():
+    """`--help` shows the sections of docs/server.md's flag table (both come from server_args.flag_sections)."""
+    sections = flag_sections()
+    groups = {g.title: [a.dest for a in g._group_actions] for g in build_parser()._action_groups[2:]}
+    assert list(groups) == list(dict.fromkeys(sections.values()))
+    assert {dest: title for title, dests in groups.items() for dest in dests} == sections
+    assert "Position-independent caching:" in build_parser().format_help()

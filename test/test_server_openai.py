@@ -152,9 +152,39 @@ def test_chat_stream_and_stop(client):
 def test_openai_bookkeeping_fields_are_accepted(client):
     messages = [{"role": "user", "content": "Hi"}]
     chat = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=2, store=False, metadata={"run": "7"}, service_tier="auto"
+        model=MODEL, messages=messages, max_tokens=2, store=False, metadata={"run": "7"}, service_tier="auto",
+        prompt_cache_key="session-7", safety_identifier="user-42", verbosity="medium", modalities=["text"],
     )
     assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_context_overflow_is_refused_naming_each_routes_limit(client, server):
+    """An explicit limit past the 256-token context is a 400 with the numbers; a default one is cut to fit."""
+    ids = [5] * 250
+    numbers = (
+        "This model's maximum context length is 256 tokens. However, you requested 350 tokens (250 in the prompt, "
+        "100 for the completion). Reduce the prompt or "
+    )
+    reply = server.post("/v1/completions", json={"prompt": ids, "max_tokens": 100})
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == numbers + "max_tokens."
+    assert reply.json()["error"]["param"] == "max_tokens"
+    reply = server.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 100}})
+    assert reply.status_code == 400 and reply.json() == {"error": {"message": numbers + "max_new_tokens."}}
+    default = client.completions.create(model=MODEL, prompt=ids, temperature=0, extra_body=IGNORE_EOS)
+    assert default.usage.completion_tokens == 6 and default.choices[0].finish_reason == "length"
+
+    messages = [{"role": "user", "content": "hello " * 40}]
+    prompt_tokens = server.post("/tokenize", json={"messages": messages}).json()["count"]
+    assert prompt_tokens < 250
+    too_many = 256 - prompt_tokens + 1
+    reply = server.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": too_many})
+    assert reply.status_code == 400, reply.text
+    err = reply.json()["error"]
+    assert err["param"] == "max_completion_tokens"
+    expected = f"({prompt_tokens} in the prompt, {too_many} for the completion). Reduce the prompt or max_completion"
+    assert expected in err["message"]
+    fits = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=too_many - 1, temperature=0)
+    assert fits.usage.prompt_tokens == prompt_tokens
 
 
 def test_chat_n_choices(client):
@@ -204,6 +234,7 @@ def test_sglang_extensions_asking_for_more_are_refused_by_name(client, server):
     err = reply.json()["error"]
     assert err["type"] == "BadRequestError" and err["code"] == 400
     assert "return_hidden_states" in err["message"] and "unknown field: max_tokns" in err["message"]
+    assert err["param"] == "return_hidden_states"
 
 
 def test_chat_template_sources(tmp_path):

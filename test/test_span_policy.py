@@ -19,6 +19,7 @@ from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.radix_ext import RadixKey
 from sglang_pic.radix_ext.segments import SPAN_NAMESPACE, Segment, canonicalize, segment_keys
 from sglang_pic.server_args import ServerArgs
+from sglang_pic.span_policy import SpanPolicy
 
 DOCS = [
     "The capital of France is Paris, the capital of Japan is Tokyo.",
@@ -27,12 +28,18 @@ DOCS = [
 ]
 NEW = 6
 PARAMS = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-POLICIES = {  # name -> (span_anchor, span_head_tokens)
-    "anchor": ("auto", 0),
-    "head": ("none", 3),
-    "anchor+head": ("auto", 3),
-    "isolated": ("none", 0),
+POLICIES = {  # name -> (span_anchor, span_head_tokens, span_tail_tokens)
+    "anchor": ("auto", 0, 0),
+    "head": ("none", 3, 0),
+    "anchor+head": ("auto", 3, 0),
+    "isolated": ("none", 0, 0),
+    "anchor+seams": ("auto", 2, 2),
+    "tail": ("none", 0, 3),
 }
+
+
+def settings(anchor: str | None, head: int | None, tail: int | None = None) -> dict:
+    return {"span_anchor": anchor, "span_head_tokens": head, "span_tail_tokens": tail}
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +52,10 @@ def setup(tiny_llama):
     engine.shutdown()
 
 
-def layout(engine: Engine, text: str, anchor: str, head: int) -> tuple[list[int], list[int], list, list[bool]]:
+def layout(engine: Engine, text: str, given: dict) -> tuple[list[int], list[int], list, list[bool]]:
     """The reference's flat sequence for a prompt: ids, positions, each token's scope (None: it sees every visible
     token before it; a span's number: it sees that span's hidden copy and tail) and whether later tokens see it."""
-    req = engine.make_reqs(
-        GenerateReqInput(text=text, span_anchor=anchor, span_head_tokens=head)
-    )[0]
+    req = engine.make_reqs(GenerateReqInput(text=text, **given))[0]
     ids, pos, scope, visible = [], [], [], []
 
     def add(tokens, first: int, sc, vis: bool) -> None:
@@ -95,9 +100,9 @@ def reference(model, flat, n: int) -> tuple[list[int], list[torch.Tensor]]:
     return out, logps
 
 
-def check(engine: Engine, model, texts: list[str], outs: list[dict], anchor: str, head: int) -> None:
+def check(engine: Engine, model, texts: list[str], outs: list[dict], given: dict) -> None:
     for text, out in zip(texts, outs):
-        ref_tokens, ref_logps = reference(model, layout(engine, text, anchor, head), NEW)
+        ref_tokens, ref_logps = reference(model, layout(engine, text, given), NEW)
         assert out["output_ids"] == ref_tokens
         got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
         want = torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)])
@@ -118,18 +123,49 @@ def prompts() -> list[str]:
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_cold_then_cached_equal_dense_reference(setup, policy):
     engine, model = setup
-    anchor, head = POLICIES[policy]
+    given = settings(*POLICIES[policy])
     engine.flush_cache()
     texts = prompts()
-    cold = [engine.generate(t, PARAMS, return_logprob=True, span_anchor=anchor, span_head_tokens=head)
-            for t in texts]
-    check(engine, model, texts, cold, anchor, head)
-    # Every span (and head) is cached now: one batch reuses them at new offsets behind new prefixes.
-    warm = engine.generate(texts, PARAMS, return_logprob=True, span_anchor=anchor, span_head_tokens=head)
-    check(engine, model, texts, warm, anchor, head)
+    cold = [engine.generate(t, PARAMS, return_logprob=True, **given) for t in texts]
+    check(engine, model, texts, cold, given)
+    # Every span (and recomputed run) is cached now: one batch reuses them at new offsets behind new prefixes.
+    warm = engine.generate(texts, PARAMS, return_logprob=True, **given)
+    check(engine, model, texts, warm, given)
     assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in warm)
-    if head:
+    if given["span_head_tokens"] or given["span_tail_tokens"]:
         assert all(o["meta_info"]["recomputed_span_tokens"] > 0 for o in cold[:3])
+
+
+SELECTIONS = {  # runs of a span of n tokens that each request recomputes
+    "none": lambda n: (),
+    "all": lambda n: ((0, n),),
+    "scattered": lambda n: ((1, 2), (5, 1), (n - 3, 2)),
+    "seams": lambda n: ((0, 2), (n - 2, 2)),
+    "head3": lambda n: ((0, 3),),
+}
+
+
+@pytest.fixture
+def selection(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every request's spans recompute the runs SELECTIONS[name] picks (the settings still need a head of 1 or
+    more, so that spans come from jobs)."""
+    runs = SELECTIONS[request.param]
+    monkeypatch.setattr(SpanPolicy, "recompute_runs", lambda self, n: runs(n))
+    return request.param
+
+
+@pytest.mark.parametrize("selection", list(SELECTIONS), indirect=True)
+def test_recomputed_selections_equal_dense_reference(setup, selection):
+    """A request's row mixes its own and shared slots inside a span: cold, then warm in one batch at new offsets."""
+    engine, model = setup
+    engine.flush_cache()
+    texts = prompts()
+    cold = [engine.generate(t, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=1) for t in texts]
+    check(engine, model, texts, cold, settings("auto", 1))
+    warm = engine.generate(texts, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=1)
+    check(engine, model, texts, warm, settings("auto", 1))
+    if selection != "all":
+        assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in warm)
 
 
 def test_heads_covering_the_span_equal_pdep_text(setup):
@@ -145,15 +181,42 @@ def test_heads_covering_the_span_equal_pdep_text(setup):
     assert got["meta_info"]["cached_span_tokens"] == 0
 
 
+def _span_length(engine: Engine, text: str) -> int:
+    seg = engine.make_reqs(GenerateReqInput(text=span(text), span_anchor="none", span_head_tokens=0))[0]
+    return next(len(s.tokens) for s in seg.segments if s.kind == "span")
+
+
+def test_counters_say_what_each_request_computed(setup):
+    """recomputed_span_tokens counts every span token a request computes itself, a span its head covers too;
+    head tokens found in the cache under the same text before them are prefix hits (cached_prefix_tokens)."""
+    engine, _ = setup
+    engine.flush_cache()
+    short = "Yes, twice."
+    head = _span_length(engine, short)  # covers the short span whole: it is recomputed as PDEP text
+    assert _span_length(engine, DOCS[0]) > head
+    meta = [
+        engine.generate(text, PARAMS, span_anchor="auto", span_head_tokens=head)["meta_info"]
+        for text in ("Read:" + span(DOCS[0]) + span(short) + "Why?", "Read:" + span(DOCS[0]) + span(short) + "How?",
+                     "Read:" + span(short) + span(DOCS[0]) + "Why?")
+    ]
+    cold, same_order, reordered = meta
+    assert cold["recomputed_span_tokens"] == 2 * head and cold["cached_prefix_tokens"] == 0
+    assert same_order["recomputed_span_tokens"] == 0
+    assert same_order["cached_prefix_tokens"] >= 2 * head
+    assert reordered["recomputed_span_tokens"] == 2 * head
+    assert same_order["cached_span_tokens"] == reordered["cached_span_tokens"] == _span_length(engine, DOCS[0]) - head
+
+
 def _span_slots(engine: Engine, text: str, anchor: str) -> torch.Tensor:
-    """The tree's slots of a span under the anchor `anchor` names."""
+    """The tree's slots of a whole span (its anchor's too) under the anchor `anchor` names."""
     seg = engine.make_reqs(
         GenerateReqInput(text=span(text), span_anchor=anchor, span_head_tokens=0))[0]
-    spans = [s for s in seg.segments if s.kind == "span"]
-    return engine.scheduler.tree.match_prefix(spans[0].key()).device_indices
+    namespace, tokens = next(s for s in seg.segments if s.kind == "span").span_id
+    return engine.scheduler.tree.match_prefix(RadixKey(tokens, namespace)).device_indices
 
 
-def test_shared_span_slots_never_change(setup):
+@pytest.mark.parametrize("selection", ["head3", "scattered"], indirect=True)
+def test_shared_span_slots_never_change(setup, selection):
     engine, _ = setup
     engine.flush_cache()
     engine.generate("Cold." + span(DOCS[1]) + "Go.", PARAMS, span_anchor="auto", span_head_tokens=3)
@@ -163,7 +226,8 @@ def test_shared_span_slots_never_change(setup):
               for i in range(pool.layer_num)]
     texts = [f"Prefix number {i} is different." + span(DOCS[1]) + "Go." for i in range(4)]
     outs = engine.generate(texts, PARAMS, span_anchor="auto", span_head_tokens=3)
-    assert all(o["meta_info"]["recomputed_span_tokens"] == 3 for o in outs)
+    recomputed = sum(n for _, n in SELECTIONS[selection](_span_length(engine, DOCS[1])))
+    assert all(o["meta_info"]["recomputed_span_tokens"] == recomputed for o in outs)
     assert torch.equal(_span_slots(engine, DOCS[1], "auto"), slots)
     for i, (k, v) in enumerate(before):
         assert torch.equal(pool.get_kv_buffer(i)[0][slots], k) and torch.equal(pool.get_kv_buffer(i)[1][slots], v)
@@ -177,7 +241,8 @@ def _assert_accounting(engine: Engine) -> None:
     assert alloc.available_size() + tree.total_size() == alloc.size
 
 
-def test_accounting_after_finish_and_abort(setup):
+@pytest.mark.parametrize("selection", ["head3", "scattered"], indirect=True)
+def test_accounting_after_finish_and_abort(setup, selection):
     engine, _ = setup
     engine.flush_cache()
     texts = [f"Request {i} asks." + span(DOCS[i % 3]) + span(DOCS[(i + 1) % 3]) + "Answer:" for i in range(6)]
@@ -197,7 +262,8 @@ def test_accounting_after_finish_and_abort(setup):
     _assert_accounting(engine)
 
 
-def test_accounting_after_retraction(tiny_llama):
+@pytest.mark.parametrize("selection", ["head3", "scattered"], indirect=True)
+def test_accounting_after_retraction(tiny_llama, selection):
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=420, max_running_requests=16,
                 span_head_tokens=3, chunked_prefill_size=64) as engine:
         texts = [f"Q{i}." + span(DOCS[i % 3]) + "Answer at length:" for i in range(12)]
@@ -217,7 +283,7 @@ def test_anchor_is_part_of_the_span_key():
     # an anchored span is the plain text anchor + span: never a hit across anchors, nor with an isolated span
     assert keys[1][1] == RadixKey((1, 2, 5, 6, 7), None) and keys[2][1] == RadixKey((1, 3, 5, 6, 7), None)
     assert len({k[2].extra_key for k in keys}) == 3  # and the PDEP text after each depends on it
-    with_head = segment_keys(canonicalize([Segment("prefix", (9,)), Segment("span", (5, 6, 7), head=1),
+    with_head = segment_keys(canonicalize([Segment("prefix", (9,)), Segment("span", (5, 6, 7), recompute=((0, 1),)),
                                            Segment("pdep", (4,))]))
     assert with_head[1] == keys[0][1] and with_head[2].extra_key != keys[0][2].extra_key
 
@@ -270,10 +336,11 @@ def test_per_span_settings_equal_dense_reference(setup):
         "Answer the question." + span(DOCS[0], anchor="none", head_tokens=0) + span(DOCS[1]) + "Where is Paris?",
         "Read carefully:" + span(DOCS[1], head_tokens=1) + span(DOCS[2], anchor="prefix") + pdep("Why?"),
         "Read carefully:" + span(DOCS[2], anchor="prefix", head_tokens=2) + span(DOCS[0], anchor="none") + "What?",
+        "Seams." + span(DOCS[1], head_tokens=0, tail_tokens=2) + span(DOCS[0], tail_tokens=1) + "Which?",
     ]
     for _ in range(2):
         outs = engine.generate(texts, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=3)
-        check(engine, model, texts, outs, "auto", 3)
+        check(engine, model, texts, outs, settings("auto", 3))
     assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in outs)
     (req,) = engine.make_reqs(
         GenerateReqInput(text=texts[1], span_anchor="auto", span_head_tokens=3))
@@ -296,7 +363,7 @@ def test_prefix_anchor_reads_a_plain_prompts_kv(setup):
     engine.generate(input_ids=prefix.tokens + tail.tokens, sampling_params={"max_new_tokens": 0})
     out = engine.generate(text, PARAMS, return_logprob=True)
     assert out["meta_info"]["cached_span_tokens"] == len(tail.tokens)
-    check(engine, model, [text], [out], None, None)
+    check(engine, model, [text], [out], settings(None, None))
 
 
 @pytest.mark.parametrize("own, named", [

@@ -56,9 +56,9 @@ class Engine:
         if args.dp_size > 1:
             raise ValueError("dp_size > 1 is served by launch_server; the offline Engine runs one model replica")
         if args.model_path is None:
-            from sglang_pic.model_loader.default_model import default_model_path
+            from sglang_pic.model_loader.default_model import use_default_model
 
-            args.model_path = args.tokenizer_path = default_model_path()
+            use_default_model(args)
         model_dir = resolve_model_path(args.model_path, args.load_format)
         self.model_config = ModelConfig.from_server_args(model_dir, args)
         self.tokenizer = None
@@ -99,9 +99,10 @@ class Engine:
         priority: int | list[int | None] | None = None,
         span_anchor: str | list[str | None] | None = None,
         span_head_tokens: int | list[int | None] | None = None,
+        span_tail_tokens: int | list[int | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
-        """SGLang's Engine.generate; span_anchor and span_head_tokens override the server's span quality
-        settings for these prompts (span_policy.py)."""
+        """SGLang's Engine.generate; span_anchor, span_head_tokens and span_tail_tokens override the server's span
+        quality settings for these prompts (span_policy.py)."""
         obj = GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -116,6 +117,7 @@ class Engine:
             priority=priority,
             span_anchor=span_anchor,
             span_head_tokens=span_head_tokens,
+            span_tail_tokens=span_tail_tokens,
         )
         msgs = self.request_builder.build(obj)
         if stream:
@@ -233,19 +235,18 @@ class Engine:
             priority=obj.priority,
             span_anchor=obj.span_anchor,
             span_head_tokens=obj.span_head_tokens,
+            span_tail_tokens=obj.span_tail_tokens,
         )
 
     def get_model_info(self) -> dict[str, Any]:
         return {
-            "model_path": self.server_args.served_model_name or self.server_args.model_path,
+            "model_path": self.server_args.model_path,
             "tokenizer_path": self.server_args.tokenizer_path,
             "is_generation": True,
         }
 
     def get_server_info(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        return {**asdict(self.server_args), **self.get_stats()}
+        return {**self.server_args.resolved(), **self.get_stats()}
 
     def warm_spans(self, spans: list[str]) -> dict[str, Any]:
         """Prefill spans into the cache without generating (the barrier workflow's first phase)."""

@@ -22,13 +22,11 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from sglang_pic.distributed.launch import Follower, ReplicaPlacement, free_init_method
-from sglang_pic.server_args import ServerArgs, flag_help
+from sglang_pic.server_args import ServerArgs, flag_help, flag_sections
 from sglang_pic.utils_process import ModelFiles, configure_logging, exit_status
 
 logger = logging.getLogger("sglang_pic.launch_server")
 
-# What /model_info reports when no --model-path is given, so clients (SGLang's frontend) recognise the model.
-DEFAULT_MODEL_NAME = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 # SGLang's spellings that differ from the field name.
 FLAG_ALIASES = {"model_path": ["--model"]}
 GRACEFUL_SHUTDOWN_S = 2
@@ -38,20 +36,24 @@ EXIT_CODE_WAIT_S = 5.0  # a dead child's sentinel closes a moment before its exi
 
 # ---- command line ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per ServerArgs field (`--field-name`), typed from its annotation, documented by its metadata."""
+    """One flag per ServerArgs field (`--field-name`), typed from its annotation, documented by its metadata and
+    grouped by its section, as docs/server.md groups them."""
     parser = argparse.ArgumentParser(
         prog="python -m sglang_pic.launch_server",
         description="Serve a model over SGLang's native HTTP API and the OpenAI API.",
     )
+    section_of, groups = flag_sections(), {}
     for f in dataclasses.fields(ServerArgs):
+        section = section_of[f.name]
+        group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         flags = [f"--{f.name.replace('_', '-')}", *FLAG_ALIASES.get(f.name, [])]
         help_text = flag_help(f).replace("%", "%%")  # argparse %-formats help strings
         kind = str(f.type)
         if kind == "bool":
-            parser.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
+            group.add_argument(*flags, dest=f.name, action="store_true", help=help_text)
             continue
         value_type = int if kind.startswith("int") else float if kind.startswith("float") else str
-        parser.add_argument(*flags, dest=f.name, type=value_type, default=f.default, help=help_text)
+        group.add_argument(*flags, dest=f.name, type=value_type, default=f.default, help=help_text)
     return parser
 
 
@@ -149,7 +151,7 @@ def _exit_on(code: int):
     return handler
 
 
-def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
+def serve(args: ServerArgs, files: ModelFiles) -> int:
     """Run the server; return 1 if a child died. SIGTERM and Ctrl-C leave through SystemExit(0) and (130)."""
     import uvicorn
 
@@ -180,6 +182,7 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
     children.append(ctx.Process(target=run_detokenizer_process, args=(args, files, names), name="detokenizer"))
     watcher: ChildWatcher | None = None
     try:
+        logger.info("starting %s; each scheduler loads the model", ", ".join(p.name for p in children))
         for p in children:
             p.start()
         for writer in [*ready_writers, *(f.sender for f in followers)]:
@@ -188,7 +191,7 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
         manager = ServerTokenizerManager(args, files, names)
         readies = [wait_ready(r, s, children, describe) for r, s in zip(ready_readers, schedulers)]
         manager.scheduler_ready(min(readies, key=lambda r: r.max_total_num_tokens))  # the smallest replica's pool
-        app = create_app(manager, client_model_path)
+        app = create_app(manager)
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -201,7 +204,7 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
         server = uvicorn.Server(config)
         watcher = ChildWatcher(children, server, describe, manager.fail_requests)
         watcher.start()
-        logger.info("serving %s on http://%s:%d", client_model_path, args.host, args.port)
+        logger.info("serving %s on http://%s:%d", args.served_model_name or args.model_path, args.host, args.port)
         server.run()
         return watcher.exit_code
     finally:
@@ -216,7 +219,6 @@ def serve(args: ServerArgs, files: ModelFiles, client_model_path: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    client_model_path = args.model_path
     try:
         if args.skip_tokenizer_init:
             raise ValueError("--skip-tokenizer-init is supported by the offline Engine only, not by the server")
@@ -225,15 +227,13 @@ def main(argv: list[str] | None = None) -> int:
 
             load_chat_template(args.chat_template, None)
         if args.model_path is None:
-            from sglang_pic.model_loader.default_model import default_model_path
+            from sglang_pic.model_loader.default_model import use_default_model
 
-            args.model_path = args.tokenizer_path = default_model_path()
-            client_model_path = DEFAULT_MODEL_NAME
-            args.served_model_name = args.served_model_name or DEFAULT_MODEL_NAME
+            use_default_model(args)
         from sglang_pic.model_loader.loader import resolve_model_files
 
         files = resolve_model_files(args)
-        return serve(args, files, client_model_path)
+        return serve(args, files)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         logger.error("%s", e)
         return 1

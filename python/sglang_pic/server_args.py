@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_pic.parser_names import REASONING_PARSER_NAMES as REASONING_PARSERS
 from sglang_pic.parser_names import TOOL_CALL_PARSER_NAMES as TOOL_CALL_PARSERS
+from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -25,6 +28,23 @@ def flag_help(f: dataclasses.Field) -> str:
     if "default:" in text or isinstance(f.default, bool) or f.default in (None, ""):
         return text
     return f"{text} (default: {f.default})"
+
+
+FIRST_SECTION = "Model and API"
+
+
+def flag_sections() -> dict[str, str]:
+    """Field name -> its section: the `# Section.` comment above it in ServerArgs (FIRST_SECTION before the first
+    one). It groups `--help` and the flag table of docs/server.md alike."""
+    current, out = FIRST_SECTION, {}
+    for line in inspect.getsource(ServerArgs).splitlines():
+        comment = re.fullmatch(r"    # (.+)\.", line)
+        field_line = re.match(r"    (\w+): ", line)
+        if comment:
+            current = comment.group(1)
+        elif field_line:
+            out[field_line.group(1)] = current
+    return out
 
 
 @dataclass
@@ -145,8 +165,9 @@ class ServerArgs:
     )
     stream_interval: int = _arg(
         1,
-        "Streamed outputs go out every this many tokens (the first token at once, the rest when the request "
-        "ends); larger values cut the per-token cost of many streams.",
+        "Tokens per streamed chunk: a stream sends its first token at once, then a chunk every this many tokens, "
+        "then the rest when the request ends; 1 sends every token, larger values cut the per-token cost of many "
+        "streams.",
     )
     disable_overlap_schedule: bool = _arg(
         False,
@@ -166,9 +187,9 @@ class ServerArgs:
     cuda_graph_max_bs: int = _arg(160, "Largest decode batch captured in a CUDA graph.")
     disable_shared_decode: bool = _arg(
         False,
-        "Triton backend: read a cached run of KV (a span, a system prompt) once per decode step for all running "
-        "requests that hold it, at whatever offset, rather than once per request (on a GPU, runs of 1024+ "
-        "tokens; steps where that saves little read keys per request). This flag turns it off.",
+        "Turn off shared decode. Shared decode (Triton backend) reads a cached run of KV (a span, a system prompt) "
+        "once per decode step for all running requests that hold it, at whatever offset, rather than once per "
+        "request (on a GPU, runs of 1024+ tokens; steps where that saves little read keys per request).",
     )
     cuda_graph_max_extend_tokens: int = _arg(
         256,
@@ -201,7 +222,8 @@ class ServerArgs:
     span_settings_marker: str = _arg(
         "<|span_settings|>",
         "Text marker right after a span marker that opens the span's own settings, a JSON object with "
-        "span_anchor and/or span_head_tokens (what span(doc, anchor=..., head_tokens=...) writes).",
+        "span_anchor, span_head_tokens and/or span_tail_tokens (what span(doc, anchor=..., head_tokens=...) "
+        "writes).",
     )
     span_anchor: str = _arg(
         "auto",
@@ -214,6 +236,11 @@ class ServerArgs:
         None,
         "Leading tokens of every span each request recomputes with full attention over the prompt before it "
         "(0: none); default: the recommended value where the radix cache and --page-size 1 allow it, else 0.",
+    )
+    span_tail_tokens: int = _arg(
+        0,
+        "Trailing tokens of every span each request recomputes likewise; with --span-head-tokens, each span's two "
+        "seams. Needs the radix cache and --page-size 1.",
     )
     ssep_token_id: int = _arg(-1, "Id that stands for the span marker in input_ids.")
     pdep_token_id: int = _arg(-2, "Id that stands for the prompt-dependent marker in input_ids.")
@@ -313,13 +340,14 @@ class ServerArgs:
             raise ValueError(
                 f"load_balance_method must be round_robin or shortest_queue, got {self.load_balance_method!r}"
             )
-        if self.span_head_tokens is not None and self.span_head_tokens < 0:
-            raise ValueError(f"span_head_tokens must be >= 0, got {self.span_head_tokens}")
-        explicit = self.span_anchor not in ("auto", "none") or bool(self.span_head_tokens)
+        for name in ("span_head_tokens", "span_tail_tokens"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        explicit = self.span_anchor not in ("auto", "none") or bool(self.span_head_tokens or self.span_tail_tokens)
         if explicit and not self.disable_pic and not self.spans_from_jobs():  # without PIC there are no spans
             raise ValueError(
-                "span_anchor and span_head_tokens need the radix cache and page_size 1 (span KV then comes from "
-                "span jobs only); use span_anchor auto or none and span_head_tokens 0 here"
+                "span_anchor, span_head_tokens and span_tail_tokens need the radix cache and page_size 1 (span KV "
+                "then comes from span jobs only); use span_anchor auto or none and 0 recomputed tokens here"
             )
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
@@ -340,6 +368,23 @@ class ServerArgs:
         if self.attention_backend:
             return self.attention_backend
         return "triton" if self.resolved_device() == "cuda" else "torch_native"
+
+    def resolved_span_head_tokens(self) -> int:
+        """The span head each request recomputes by default: the flag's, else the recommended one where spans
+        come from span jobs, else none."""
+        if self.span_head_tokens is not None:
+            return self.span_head_tokens
+        return DEFAULT_HEAD_TOKENS if self.spans_from_jobs() else 0
+
+    def resolved(self) -> dict[str, Any]:
+        """Every setting, with the ones chosen at start-up (device, attention backend, span head) filled in, as
+        /get_server_info reports them; the API key hidden."""
+        out = dataclasses.asdict(self)
+        out["device"] = self.resolved_device()
+        out["attention_backend"] = self.resolved_attention_backend()
+        out["span_head_tokens"] = self.resolved_span_head_tokens()
+        out["api_key"] = None if self.api_key is None else "<hidden>"
+        return out
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":

@@ -1,10 +1,12 @@
-"""SGLang's request fields that this engine does not act on, and the values at which leaving them out changes nothing.
+"""Request fields that this engine does not act on, and the values at which leaving them out changes nothing.
 
 SGLang's clients (its bench_serving, sglang-router, RL trainers) send the fields of SGLang's request types
-(sglang 0.5.9's and main's), mostly at their defaults: `"lora_path": null, "return_routed_experts": false`. Such a
-field is accepted at a neutral value and dropped; any other value asks for something this engine lacks and is
-refused with the field's name. A name that neither the request type nor SGLang defines is refused too, so typos
-still surface. The tables sit at the bottom layer because sampling parameters use them as well as the API types.
+(sglang 0.5.9's and main's), mostly at their defaults: `"lora_path": null, "return_routed_experts": false`; OpenAI's
+SDKs and agent frameworks send the fields of OpenAI's API (`prompt_cache_key`, `safety_identifier`, `verbosity`).
+Such a field is accepted at a neutral value and dropped; any other value asks for something this engine lacks and
+is refused with the field's name. A name that neither the request type, SGLang nor OpenAI defines is refused too,
+so typos still surface. The tables sit at the bottom layer because sampling parameters use them as well as the API
+types.
 """
 
 from __future__ import annotations
@@ -26,14 +28,23 @@ class Ignored:
     def accepts(self, value: Any) -> bool:
         if self.neutral is None:
             return True
-        if isinstance(value, list):  # one value per prompt of a batch
-            return all(self.accepts(v) for v in value)
         # Exact types: `0` is not `false`, so a client bug is not taken for the neutral value.
-        return any(type(value) is type(n) and value == n for n in self.neutral)
+        if any(type(value) is type(n) and value == n for n in self.neutral):
+            return True
+        # Else a list may hold one value per prompt of a batch.
+        return isinstance(value, list) and all(self.accepts(v) for v in value)
 
     def hint(self) -> str:
         values = " or ".join(json.dumps(n) for n in self.neutral or ())
         return f"send {values} or leave it out"
+
+
+class RefusedFields(ValueError):
+    """Fields refused by name: `names` lists them (the unsupported ones first), for OpenAI's error `param`."""
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        super().__init__(message)
+        self.names = names
 
 
 def _off(feature: str, *neutral: Any) -> Ignored:
@@ -135,6 +146,22 @@ OPENAI_FIELDS: dict[str, Ignored] = {
     "stream_reasoning": _off("buffered reasoning", True),
 }
 
+# /v1/chat/completions: the fields of OpenAI's chat API that ChatCompletionRequest does not define.
+OPENAI_CHAT_API_FIELDS: dict[str, Ignored] = {
+    "prompt_cache_key": _ANY,  # the cache is automatic: the radix cache finds shared prefixes and spans by content
+    "safety_identifier": _ANY,  # an end-user id for OpenAI's abuse monitoring
+    "prompt_cache_retention": _off("extended prompt cache retention", None, "in_memory"),
+    "prompt_cache_options": _off("explicit prompt caching", None, {}, {"mode": "implicit"}),
+    "verbosity": _off("verbosity control", None, "medium"),
+    "modalities": _off("audio output", None, ["text"]),
+    "audio": _off("audio output"),
+    "prediction": _off("predicted outputs"),
+    "web_search_options": _off("web search"),
+    "moderation": _off("moderation"),
+    "functions": _off("legacy function calling; send tools", None, []),
+    "function_call": _off("legacy function calling; send tool_choice", None, "none", "auto"),
+}
+
 # /abort_request: AbortReq.
 ABORT_FIELDS: dict[str, Ignored] = {
     "finished_reason": _off("a caller-given finish reason"),
@@ -180,10 +207,10 @@ def accept_fields(
     noun: str = "field",
 ) -> dict[str, Any]:
     """The fields of `body` named in `known` (aliases resolved), once every other field is one of `ignored` at a
-    neutral value; otherwise ValueError naming every unsupported and every unknown field."""
+    neutral value; otherwise RefusedFields naming every unsupported and every unknown field."""
     kept: dict[str, Any] = {}
     given_as: dict[str, str] = {}  # the name each kept value came under
-    unsupported: list[str] = []
+    unsupported: dict[str, str] = {}  # name: what its value asks for
     unknown: list[str] = []
     for name, value in body.items():
         target = (aliases or {}).get(name, name)
@@ -197,16 +224,17 @@ def accept_fields(
         elif name in ignored:
             rule = ignored[name]
             if not rule.accepts(value):
-                unsupported.append(f"{name}={_show(value)} ({rule.feature}; {rule.hint()})")
+                unsupported[name] = f"{name}={_show(value)} ({rule.feature}; {rule.hint()})"
         else:
             unknown.append(name)
+    unknown.sort()
     problems = []
     if unsupported:
-        problems.append(f"unsupported {noun}{'s' if len(unsupported) > 1 else ''}: {', '.join(unsupported)}")
+        problems.append(f"unsupported {noun}{'s' if len(unsupported) > 1 else ''}: {', '.join(unsupported.values())}")
     if unknown:
-        problems.append(f"unknown {noun}{'s' if len(unknown) > 1 else ''}: {', '.join(sorted(unknown))}")
+        problems.append(f"unknown {noun}{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}")
     if problems:
-        raise ValueError("; ".join(problems))
+        raise RefusedFields("; ".join(problems), [*unsupported, *unknown])
     return kept
 
 

@@ -8,6 +8,7 @@ full attention answers, and both keep the shared KV one unmodified copy:
                is not part of the span; the anchor is part of the span's radix namespace.
   head_tokens  every request recomputes each span's first k tokens with full attention over everything before
                them, into its own slots, and reads the rest of the span from the shared copy (EPIC's LegoLink).
+  tail_tokens  likewise its last k tokens: with a head, the span's two seams (HYPIC).
 The anchor may also be the prompt's own prefix (`prefix`: the span is keyed on it, so it is shared only behind
 that prefix, which is SGLang's parallel encoding). A span can carry its own settings in the prompt text
 (`split_settings`), over the request's, which are over the server's.
@@ -20,13 +21,14 @@ block-attention fine-tuned models.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 # The recommended head for ordinary models, from benchmark/bench_span_quality.py (README, span quality table).
 DEFAULT_HEAD_TOKENS = 64
 ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
-SETTING_FIELDS = ("span_anchor", "span_head_tokens")
+SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens")
 _SENTINEL = "\u2063sglang-pic-span\u2063"
 
 
@@ -35,27 +37,37 @@ class SpanPolicy:
     anchor: tuple[int, ...] = ()
     head_tokens: int = 0
     anchor_is_prefix: bool = False  # the anchor is each prompt's prefix segment, whatever it holds
+    tail_tokens: int = 0
 
     @property
     def from_job(self) -> bool:
-        return bool(self.anchor) or self.anchor_is_prefix or self.head_tokens > 0
+        return bool(self.anchor) or self.anchor_is_prefix or self.head_tokens > 0 or self.tail_tokens > 0
+
+    def recompute_runs(self, length: int) -> tuple[tuple[int, int], ...]:
+        """The tokens of a span of `length` that a request recomputes, as (offset, length) runs (the segment
+        normalizes them: runs past the span are cut, overlapping ones merged)."""
+        return ((0, self.head_tokens), (max(length - self.tail_tokens, 0), self.tail_tokens))
 
     def anchor_for(self, prefix: tuple[int, ...]) -> tuple[int, ...]:
         return prefix if self.anchor_is_prefix else self.anchor
 
 
-def check_settings(anchor: Any, head_tokens: Any) -> None:
-    """Refuse a span_anchor / span_head_tokens value (None: not given) with a ValueError naming the field."""
-    if anchor is not None and anchor not in ANCHOR_CHOICES:
-        raise ValueError(f"span_anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {anchor!r}")
-    if head_tokens is not None and (type(head_tokens) is not int or head_tokens < 0):
-        raise ValueError(f"span_head_tokens must be an integer >= 0, got {head_tokens!r}")
+def check_settings(settings: Mapping[str, Any]) -> None:
+    """Refuse a setting (SETTING_FIELDS; a None value: not given) with a ValueError naming the field."""
+    for name, value in settings.items():
+        if name not in SETTING_FIELDS:
+            raise ValueError(f"unknown span setting {name!r}; a span takes {', '.join(SETTING_FIELDS)}")
+        if value is None:
+            continue
+        if name == "span_anchor" and value not in ANCHOR_CHOICES:
+            raise ValueError(f"span_anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {value!r}")
+        if name != "span_anchor" and (type(value) is not int or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
-def format_settings(anchor: str | None = None, head_tokens: int | None = None) -> str:
-    """A span's own settings as the JSON object that follows its settings marker."""
-    fields = {"span_anchor": anchor, "span_head_tokens": head_tokens}
-    return json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":"))
+def format_settings(settings: Mapping[str, Any]) -> str:
+    """A span's own settings (SETTING_FIELDS; None: not given) as the JSON object after its settings marker."""
+    return json.dumps({k: v for k, v in settings.items() if v is not None}, separators=(",", ":"))
 
 
 def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
@@ -69,9 +81,7 @@ def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
         raise ValueError(f"a span's settings after {marker!r} are not JSON: {e.msg}") from None
     if not isinstance(settings, dict):
         raise ValueError(f"a span's settings after {marker!r} must be a JSON object, got {settings!r}")
-    unknown = sorted(set(settings) - set(SETTING_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown span setting {unknown[0]!r}; a span takes {', '.join(SETTING_FIELDS)}")
+    check_settings({name: None for name in settings})
     return settings, body[end:]
 
 

@@ -96,6 +96,6 @@ def render_chat(body: ChatCompletionRequest, tokenizer, chat_template: str | Non
         ssep = args.ssep_marker
         if isinstance(body.tool_spans, ToolSpanSettings):
             own = body.tool_spans
-            ssep += args.span_settings_marker + format_settings(own.span_anchor, own.span_head_tokens)
+            ssep += args.span_settings_marker + format_settings(own.model_dump())
         text = mark_tool_spans(text, tools, ssep, args.pdep_marker)
     return text

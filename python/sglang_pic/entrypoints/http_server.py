@@ -82,8 +82,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastAPI:
-    """`client_model_path` is what /model_info reports: SGLang's frontend picks its chat template from it."""
+def create_app(manager: ServerTokenizerManager) -> FastAPI:
     args = manager.server_args
     openai = OpenAIServing(manager)
 
@@ -160,7 +159,7 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
         hf = manager.model_config.hf_config
         return json_response(
             {
-                "model_path": client_model_path,
+                "model_path": args.model_path,  # SGLang's frontend picks its chat template by this path
                 "tokenizer_path": args.tokenizer_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
@@ -174,8 +173,7 @@ def create_app(manager: ServerTokenizerManager, client_model_path: str) -> FastA
 
     async def server_info() -> Response:
         snapshots = await manager.get_stats_per_replica()
-        settings = dataclasses.asdict(args)
-        settings["api_key"] = None if args.api_key is None else "<hidden>"
+        settings = args.resolved()
         states = [{**dataclasses.asdict(s), "used_tokens": s.used_tokens} for s in snapshots]  # one per dp rank
         return json_response(
             {

@@ -43,6 +43,7 @@ _PROMPT_END_TOKENS = 16
 class ChatHandler(GenerationHandler):
     body_model = ChatCompletionRequest
     rid_prefix = "chatcmpl"
+    prompt_field = "messages"
 
     def __init__(self, manager: ServerTokenizerManager) -> None:
         super().__init__(manager)
@@ -55,9 +56,6 @@ class ChatHandler(GenerationHandler):
         if isinstance(parsed, Response):
             return parsed
         body, rid, reqs = parsed
-        if body.max_completion_tokens is None and body.max_tokens is None:
-            for req in reqs:  # OpenAI's default: as many tokens as the context has room for
-                req.sampling_params.max_new_tokens = max(self.manager.context_len - req.prompt_len, 1)
         model = body.model or self.manager.served_model_name
         outs = await self.replies(reqs, request, self._stream(body, reqs, rid, model, request) if body.stream else None)
         if isinstance(outs, Response):
@@ -87,6 +85,12 @@ class ChatHandler(GenerationHandler):
             )
         response = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(outs, body.n))
         return Response(response.model_dump_json(), media_type="application/json")
+
+    def default_max_tokens(self) -> int:
+        return self.manager.context_len  # OpenAI's: as many tokens as the context has room for
+
+    def limit_field(self, body: ChatCompletionRequest) -> str:
+        return "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
 
     def _reply_reader(self, body: ChatCompletionRequest, req: TokenizedGenerateReq) -> ChatReplyReader:
         reasoning = None
@@ -129,8 +133,7 @@ class ChatHandler(GenerationHandler):
             stream=body.stream,
             priority=body.priority,
             data_parallel_rank=body.data_parallel_rank,
-            span_anchor=body.span_anchor,
-            span_head_tokens=body.span_head_tokens,
+            **body.span_settings(),
         )
 
     def render_chat(self, body: ChatCompletionRequest) -> str:

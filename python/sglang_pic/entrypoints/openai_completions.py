@@ -20,10 +20,14 @@ from sglang_pic.entrypoints.openai_protocol import CompletionRequest
 from sglang_pic.entrypoints.openai_responses import CompletionChoice, CompletionResponse, UsageInfo
 from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
 
+# OpenAI's max_tokens for completions when the body gives none.
+DEFAULT_MAX_TOKENS = 16
+
 
 class CompletionsHandler(GenerationHandler):
     body_model = CompletionRequest
     rid_prefix = "cmpl"
+    prompt_field = "prompt"
 
     async def handle(self, request: Request) -> Response:
         parsed = await self.prepare(request)
@@ -52,6 +56,9 @@ class CompletionsHandler(GenerationHandler):
         response = CompletionResponse(id=rid, model=model, choices=choices, usage=usage_of(outs, body.n))
         return Response(response.model_dump_json(), media_type="application/json")
 
+    def default_max_tokens(self) -> int:
+        return DEFAULT_MAX_TOKENS
+
     def to_input(self, body: CompletionRequest, rid: str) -> GenerateReqInput:
         if body.best_of is not None and body.best_of != body.n:
             raise ValueError("best_of is not supported (it may only equal n)")
@@ -73,8 +80,7 @@ class CompletionsHandler(GenerationHandler):
             stream=body.stream,
             priority=body.priority,
             data_parallel_rank=body.data_parallel_rank,
-            span_anchor=body.span_anchor,
-            span_head_tokens=body.span_head_tokens,
+            **body.span_settings(),
         )
 
     def _echo_texts(self, body: CompletionRequest) -> list[str]:

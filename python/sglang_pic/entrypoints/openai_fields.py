@@ -1,14 +1,18 @@
 """The request fields shared by /v1/completions and /v1/chat/completions: the strict base every request model
 builds on (unknown fields and wrong JSON types rejected, never coerced) and the sampling fields, SGLang's
-extensions among them."""
+extensions among them. Fields of OpenAI's API or SGLang's that have no effect here are accepted at neutral values
+from each model's `ignored_fields` table (sglang_fields)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
-from sglang_pic.sglang_fields import OPENAI_FIELDS, accept_fields
+from sglang_pic.sampling.sampling_params import check_at_least
+from sglang_pic.sglang_fields import OPENAI_FIELDS, Ignored, accept_fields
+from sglang_pic.span_policy import SETTING_FIELDS
 
 MAX_TOP_LOGPROBS = 20
 
@@ -25,6 +29,8 @@ class StreamOptions(RequestModel):
 class SamplingFields(RequestModel):
     """Sampling fields shared by completions and chat, including SGLang's extensions."""
 
+    # The fields this request type takes at neutral values only, beyond those it defines.
+    ignored_fields: ClassVar[Mapping[str, Ignored]] = OPENAI_FIELDS
     model: str | None = None
     n: int = 1
     stream: bool = False
@@ -55,19 +61,24 @@ class SamplingFields(RequestModel):
     # sglang_pic extension: this request's span quality settings (span_policy.py); None: the server's.
     span_anchor: str | None = None
     span_head_tokens: int | None = None
+    span_tail_tokens: int | None = None
+
+    def span_settings(self) -> dict[str, Any]:
+        """This request's span quality settings by name (SETTING_FIELDS), for GenerateReqInput."""
+        return {name: getattr(self, name) for name in SETTING_FIELDS}
 
     @model_validator(mode="before")
     @classmethod
-    def _sglang_extensions(cls, data: Any) -> Any:
-        """SGLang's other extensions are accepted at their neutral values (sglang_fields); every unsupported or
-        unknown field is named at once."""
+    def _ignored_fields(cls, data: Any) -> Any:
+        """The fields of `ignored_fields` are accepted at their neutral values; every unsupported or unknown field
+        is named at once."""
         if not isinstance(data, dict):
             return data
-        return accept_fields(data, cls.model_fields, OPENAI_FIELDS)
+        return accept_fields(data, cls.model_fields, cls.ignored_fields)
 
-    @field_validator("n")
+    @field_validator("n", "max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod
-    def _n_positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("n must be at least 1")
-        return v
+    def _at_least_one(cls, v: int | None, info: ValidationInfo) -> int | None:
+        """Counts of choices and tokens: an OpenAI route generates at least one token (native /generate takes 0,
+        prefill only)."""
+        return v if v is None else check_at_least(info.field_name, v, 1)

@@ -1,7 +1,7 @@
 """What the /v1 generation routes share: a body parsed into prepared requests (or the 4xx/503 naming the
 problem), and its sampling fields mapped to native params with chat's defaults from the model's generation
-config. Each request runs through the same ServerTokenizerManager as /generate, so validation, caching and
-abort-on-disconnect behave identically; only the wire format differs."""
+config. Each request runs through the same ServerTokenizerManager as /generate, so validation, the context limit,
+caching and abort-on-disconnect behave identically; only the wire format and the fields' names differ."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from sglang_pic.entrypoints.openai_output import STREAM_END, StreamCursor, finis
 from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_errors
 from sglang_pic.entrypoints.openai_responses import UsageInfo
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.request_builder import ContextOverflow
 from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerBusy, ServerTokenizerManager
 
 # OpenAI's defaults, used when neither the request nor the model's generation_config.json sets a value.
@@ -48,6 +49,7 @@ class GenerationHandler(ABC):
 
     body_model: type[CompletionRequest] | type[ChatCompletionRequest]
     rid_prefix: str
+    prompt_field: str  # the body's field that holds the prompt
 
     def __init__(self, manager: ServerTokenizerManager) -> None:
         self.manager = manager
@@ -58,12 +60,24 @@ class GenerationHandler(ABC):
     def to_input(self, body: Any, rid: str) -> GenerateReqInput:
         """The native input for a validated body; ValueError names what it cannot serve."""
 
+    @abstractmethod
+    def default_max_tokens(self) -> int:
+        """The output limit of a body that gives none, before it is cut to the room its prompt leaves."""
+
+    def limit_field(self, body: Any) -> str:
+        """The body's field that holds the output limit."""
+        return "max_tokens"
+
     async def prepare(self, request: Request) -> Any:
         """Parse a body into requests: (body, rid, reqs), or a 400/503 response naming the problem."""
         try:
             body = self.body_model.model_validate_json(await request.body())
             rid = body.rid or f"{self.rid_prefix}-{uuid.uuid4().hex}"
-            return body, rid, self.manager.prepare(self.to_input(body, rid))
+            reqs = self.manager.prepare(self.to_input(body, rid), default_max_new_tokens=self.default_max_tokens())
+            return body, rid, reqs
+        except ContextOverflow as e:
+            param = self.prompt_field if e.max_new_tokens is None else self.limit_field(body)
+            return error_response(request.url.path, e.message(self.limit_field(body)), 400, param)
         except ValueError as e:  # pydantic's ValidationError too
             return refusal(request, e)
         except ServerBusy as e:

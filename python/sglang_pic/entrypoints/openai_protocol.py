@@ -3,24 +3,32 @@ errors described for a 400; the fields completions and chat share are in openai_
 openai_responses.py.
 
 Requests are strict: unknown fields and wrong JSON types are rejected (with the field's name), never coerced, so a
-client's typo surfaces as a 400 instead of a silently ignored setting; SGLang's extensions that have no effect here
-are accepted at their neutral values (sglang_fields). Range checks on sampling fields are left to `SamplingParams`,
-which names the field too.
+client's typo surfaces as a 400 instead of a silently ignored setting; the fields of OpenAI's API and SGLang's
+extensions that have no effect here are accepted at their neutral values (sglang_fields). Range checks on sampling
+fields are left to `SamplingParams`, which names the field too, in the same words.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from sglang_pic.entrypoints.openai_fields import MAX_TOP_LOGPROBS, RequestModel, SamplingFields
+from sglang_pic.sampling.sampling_params import check_range
+from sglang_pic.sglang_fields import OPENAI_CHAT_API_FIELDS, OPENAI_FIELDS, Ignored, RefusedFields
+
+
+def _top_logprobs_range(v: int | None, info: ValidationInfo) -> int | None:
+    """How many alternatives per token a request may ask for (completions' logprobs, chat's top_logprobs)."""
+    return v if v is None else check_range(info.field_name, v, 0, MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: OpenAI's 16, cut to the room the prompt leaves
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -31,19 +39,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens_positive(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("max_tokens must be positive")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs_range(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        return v
+    _logprobs_range = field_validator("logprobs")(_top_logprobs_range)
 
     @field_validator("prompt")
     @classmethod
@@ -134,9 +130,12 @@ class ToolSpanSettings(RequestModel):
 
     span_anchor: str | None = None
     span_head_tokens: int | None = None
+    span_tail_tokens: int | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
+    ignored_fields: ClassVar[Mapping[str, Ignored]] = {**OPENAI_FIELDS, **OPENAI_CHAT_API_FIELDS}
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -167,19 +166,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("messages must not be empty")
         return v
 
-    @field_validator("max_tokens", "max_completion_tokens")
-    @classmethod
-    def _limit_positive(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("must be positive")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_range(cls, v: int | None) -> int | None:
-        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        return v
+    _top_logprobs_range = field_validator("top_logprobs")(_top_logprobs_range)
 
     @field_validator("tools")
     @classmethod
@@ -252,16 +239,23 @@ def describe_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """Pydantic's (or FastAPI's) errors as one line naming each offending field once, e.g. `temperature: Input
     should be a valid number`, and the first offending field (OpenAI's `param`; None for the body as a whole)."""
     parts: dict[str, str] = {}
+    params: list[str] = []
     for e in errors:
         loc = ".".join(str(x) for x in e["loc"] if not _is_union_branch(x))
         msg = e["msg"].removeprefix("Value error, ")
+        refused = (e.get("ctx") or {}).get("error")
+        if isinstance(refused, RefusedFields):
+            params.extend(refused.names)
+        elif loc:
+            params.append(loc)
         if e["type"] == "extra_forbidden":
             parts.setdefault(loc, f"unknown field {loc!r}")
         elif e["type"] == "json_invalid":
             parts.setdefault("", f"malformed JSON: {msg.removeprefix('Invalid JSON: ')}")
         else:
-            parts.setdefault(loc, f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts.values()), next((loc for loc in parts if loc), None)
+            named = not loc or msg.startswith(f"{loc} ")  # our own checks name their field
+            parts.setdefault(loc, msg if named else f"{loc}: {msg}")
+    return "; ".join(parts.values()), next(iter(params), None)
 
 
 def _is_union_branch(loc_part: object) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.sglang_fields import GENERATE_ALIASES, GENERATE_FIELDS, accept_fields
+from sglang_pic.span_policy import SETTING_FIELDS
 
 
 @dataclass
@@ -30,6 +31,7 @@ class GenerateReqInput:
     # sglang_pic: the span quality settings of these prompts (span_policy.py); None: the server's.
     span_anchor: str | list[str | None] | None = None
     span_head_tokens: int | list[int | None] | None = None
+    span_tail_tokens: int | list[int | None] | None = None
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateReqInput":
@@ -85,8 +87,7 @@ class GenerateReqInput:
             "top_logprobs_num": pick(self.top_logprobs_num),
             "token_ids_logprob": pick(ids) if per_prompt else ids,
             "priority": pick(self.priority),
-            "span_anchor": pick(self.span_anchor),
-            "span_head_tokens": pick(self.span_head_tokens),
+            "span_settings": {name: pick(getattr(self, name)) for name in SETTING_FIELDS},
         }
 
 
@@ -100,7 +101,9 @@ class TokenizedSegment:
     kind: "prefix" | "span" | "pdep" | "head" (a span's recomputed head); tokens: its token ids, the segmenter's
     tuples as they are (Req.from_wire makes the one mutable copy); extra_key: its radix namespace
     (radix_ext.segments); start: the logical index of its first token; key_lead: a span tail's key's leading
-    tokens (its anchor and recomputed head; managers/req.py).
+    tokens (its anchor and the span's tokens before it; managers/req.py); span_rest: the span's tokens after
+    such a piece of it, so that the piece names its whole span; span_runs: (offset, length) runs of its tokens
+    that are span text the request computes with full attention (a head: all of it), for meta_info's counts.
     """
 
     kind: str
@@ -108,6 +111,8 @@ class TokenizedSegment:
     extra_key: str | None
     start: int = 0
     key_lead: tuple[int, ...] = ()
+    span_rest: tuple[int, ...] = ()
+    span_runs: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

@@ -98,14 +98,24 @@ class SpanPrefillPlanner:
         """Remove and return `req`'s spans whose job its arrival created (a span it holds twice counts once)."""
         if not self.owner:  # no job is pending for anyone: no span's tokens need hashing
             return []
-        owned = []
+        owned, dropped = [], set()
         for seg in req.segments:
             if seg.kind == "span":
                 sid = seg.span_id
-                if self.owner.get(sid) == req.rid:
-                    del self.owner[sid]
+                if self.owner.get(sid) == req.rid or sid in dropped:
+                    self.owner.pop(sid, None)
+                    dropped.add(sid)
                     owned.append(seg)
         return owned
+
+    @staticmethod
+    def _span_tokens(req: Req) -> dict[tuple, int]:
+        """Span id -> the tokens `req` reads from it (all its pieces')."""
+        out: dict[tuple, int] = defaultdict(int)
+        for seg in req.segments:
+            if seg.kind == "span":
+                out[seg.span_id] += len(seg.tokens)
+        return dict(out)
 
     def job_done(self, job: Req) -> None:
         if self.jobs.get(job.span_id) is job:
@@ -131,8 +141,9 @@ class SpanPrefillPlanner:
                     if created:
                         new_jobs.append(job)
                         self.owner[job.span_id] = req.rid
-                    jobs.append(job)
-                self._hold(req, {s.span_id: len(s.tokens) for s in req.segments if s.kind == "span"})
+                    if job not in jobs:  # the pieces of one span share its job
+                        jobs.append(job)
+                self._hold(req, self._span_tokens(req))
                 self._block(req.rid, jobs)
             if any(s.from_job for s in req.segments):
                 needed.update(job.rid for job in jobs)

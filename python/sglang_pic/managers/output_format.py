@@ -178,7 +178,7 @@ class OutputFormatter:
             "cached_tokens": out.cached_prefix_tokens + out.cached_span_tokens,
             "cached_prefix_tokens": out.cached_prefix_tokens,
             "cached_span_tokens": out.cached_span_tokens,
-            "recomputed_span_tokens": out.recomputed_span_tokens,  # span heads it computed itself (span_policy.py)
+            "recomputed_span_tokens": out.recomputed_span_tokens,  # span tokens it computed itself (span_policy.py)
             "finish_reason": out.finished_reason.to_json() if out.finished_reason else None,
             "e2e_latency": time.time() - h.created_time,
         }

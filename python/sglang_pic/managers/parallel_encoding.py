@@ -32,7 +32,8 @@ class ParallelEncoding:
     def __init__(self, server_args: ServerArgs) -> None:
         args = server_args
         self.markers = (args.ssep_marker, args.pdep_marker, args.span_settings_marker)
-        self.statement_open = args.ssep_marker + args.span_settings_marker + format_settings("prefix")
+        prefix_anchor = format_settings({"span_anchor": "prefix"})
+        self.statement_open = args.ssep_marker + args.span_settings_marker + prefix_anchor
         self.close = args.pdep_marker
         self.commits: OrderedDict[str, None] = OrderedDict()  # recent prompts that generated nothing, oldest first
         self.joins: deque[tuple[float, int]] = deque(maxlen=MAX_JOINS)  # (when, number of statements)

@@ -6,11 +6,11 @@ sequence has RoPE position j and KV slot req_to_token[req_pool_idx, j]. For each
 many leading tokens have KV (`done`), and how many of those belong to the radix tree (`cached`, locked through
 `lock_node`); slots in [cached, done) belong to the request until it inserts them (listed in `own`).
 
-A span's quality settings (span_policy.py) show here as: a "head" segment, the span's first tokens recomputed by
-the request with full attention, followed by the span's tail, whose radix key still starts with the span's anchor
-and head tokens (`key_lead`): the tree holds the whole anchored span as its job computed it, and the request
-reads only the tail's slots. A span with an anchor or a head is never computed in a request's row (`from_job`);
-a span job computes its whole key.
+A span's quality settings (span_policy.py) show here as pieces: "head" segments, runs of the span's tokens the
+request recomputes with full attention (its first tokens, say), and between them span segments whose radix keys
+start with the span's anchor and every span token before them (`key_lead`): the tree holds the whole anchored span
+as its job computed it, and the request reads only those pieces' slots. A span with an anchor or recomputed runs is
+never computed in a request's row (`from_job`); a span job computes its whole key (`span_id`).
 
 A Req holds scheduler state only. It is built from the tokenizer's wire message (`Req.from_wire`, one path for the
 server's scheduler process and the offline Engine); what only the client's side needs (streaming, the arrival time,
@@ -39,7 +39,9 @@ class ReqSegment:
     tokens: list[int]
     extra_key: str | None  # radix namespace (see radix_ext.segments)
     start: int = 0  # logical index of the first token
-    key_lead: tuple[int, ...] = ()  # a span tail: its key's leading tokens (the anchor, the recomputed head)
+    key_lead: tuple[int, ...] = ()  # a span piece: its key's leading tokens (the anchor, the span's tokens before)
+    span_rest: tuple[int, ...] = ()  # a span piece: the span's tokens after it (span_id names the whole span)
+    span_runs: tuple[tuple[int, int], ...] = ()  # (offset, length) runs of span text the request computes itself
     done: int = 0  # leading tokens whose KV is in the request's row
     cached: int = 0  # leading tokens owned by the radix tree (locked via lock_node)
     lock_node: Any = None
@@ -53,7 +55,14 @@ class ReqSegment:
     @classmethod
     def from_wire(cls, seg: TokenizedSegment) -> "ReqSegment":
         """A segment with no KV yet; its own copy of the tokens (a tail segment grows by the output)."""
-        return cls(seg.kind, list(seg.tokens), seg.extra_key, start=seg.start, key_lead=seg.key_lead)
+        return cls(
+            seg.kind, list(seg.tokens), seg.extra_key, seg.start, seg.key_lead, seg.span_rest, seg.span_runs
+        )
+
+    def span_tokens_from(self, offset: int) -> int:
+        """How many of its span-text tokens (span_runs) lie at `offset` or later: those a cache hit of `offset`
+        leading tokens leaves the request to compute."""
+        return sum(max(start + n - max(start, offset), 0) for start, n in self.span_runs)
 
     @property
     def attn_lo(self) -> int:
@@ -66,8 +75,9 @@ class ReqSegment:
 
     @property
     def span_id(self) -> tuple:
-        """What identifies a span's KV across requests: its namespace and all its key's tokens."""
-        return (self.extra_key, self.key_lead + tuple(self.tokens))
+        """What identifies a span's KV across requests (and the job computing it): its namespace and the tokens of
+        the whole span's key, around this piece of it too."""
+        return (self.extra_key, self.key_lead + tuple(self.tokens) + self.span_rest)
 
     def key(self, length: int | None = None) -> RadixKey:
         toks = self.tokens if length is None else islice(self.tokens, length)  # one copy, not a slice then a tuple
@@ -110,7 +120,7 @@ class Req:
     first_token_time: float | None = None
     cached_prefix_tokens: int = 0
     cached_span_tokens: int = 0
-    recomputed_span_tokens: int = 0  # span head tokens this request computes itself (its heads' cache misses)
+    recomputed_span_tokens: int = 0  # span tokens this request computes itself (heads, short spans) the cache missed
     matched_once: bool = False
     # Logprobs collected so far.
     input_token_logprobs: list = field(default_factory=list)  # (logprob|None, token_id)

@@ -78,8 +78,7 @@ class ReqKVManager:
                 result = self.tree.match_prefix(seg.key(cap))
                 lead = len(seg.key_lead)
                 n = max(int(result.device_indices.numel()) - lead, 0)
-            if seg.kind == "head":
-                req.recomputed_span_tokens += len(seg.tokens) - n
+            req.recomputed_span_tokens += seg.span_tokens_from(n)
             if n == 0:
                 continue
             self.req_to_token_pool.write(

@@ -1,22 +1,58 @@
 """From API inputs to the scheduler's wire messages: validate, tokenize, cut into segments (TokenizedGenerateReq).
 
 Used by the HTTP server's main process and by the offline Engine, so both accept and refuse exactly the same
-requests; their outputs are formatted in managers/output_format.py.
+requests; their outputs are formatted in managers/output_format.py. Here every route's prompt meets the context
+limit (ContextOverflow), counted in the tokens the scheduler will place, spans and heads included.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq, TokenizedSegment
 from sglang_pic.managers.segmenter import PromptSegmenter
-from sglang_pic.radix_ext.segments import Segment, canonicalize, namespaces_before, segment_keys, tail_key
+from sglang_pic.radix_ext.segments import Segment, canonicalize, recompute_namespaces, segment_keys, tail_key
 from sglang_pic.sampling.grammar import grammar_backend
-from sglang_pic.sampling.sampling_params import SamplingParams
+from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, SpanPolicy, anchor_tokens, check_settings
+from sglang_pic.span_policy import SpanPolicy, anchor_tokens, check_settings
 from sglang_pic.tokenizer import fast_decode
+
+
+class ContextOverflow(ValueError):
+    """A prompt that, with the output limit its client gave, does not fit the model's context. It is refused at once
+    (as vLLM does) rather than cut short at the context's end; each API names its own limit field (`message`).
+    `max_new_tokens` None: the prompt alone leaves no room for a token, whatever the limit."""
+
+    def __init__(self, context_len: int, prompt_tokens: int, max_new_tokens: int | None) -> None:
+        super().__init__()
+        self.context_len = context_len
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.request: int | None = None  # the prompt's index in a batch
+
+    def message(self, limit_field: str) -> str:
+        """The refusal, naming the limit as the route calls it (max_tokens, max_completion_tokens, ...)."""
+        where = "" if self.request is None else f"request {self.request}: "
+        if self.max_new_tokens is None:
+            problem = f"the prompt has {self.prompt_tokens} tokens, which leaves no room for the completion"
+            fix = "the prompt"
+        else:
+            total = self.prompt_tokens + self.max_new_tokens
+            problem = (
+                f"you requested {total} tokens ({self.prompt_tokens} in the prompt, {self.max_new_tokens} for the "
+                "completion)"
+            )
+            fix = f"the prompt or {limit_field}"
+        return (
+            f"{where}This model's maximum context length is {self.context_len} tokens. However, {problem}. "
+            f"Reduce {fix}."
+        )
+
+    def __str__(self) -> str:
+        return self.message("max_new_tokens")
 
 
 class RequestBuilder:
@@ -35,8 +71,10 @@ class RequestBuilder:
         self.span_policy = self._server_span_policy()
 
     # ---- requests -----------------------------------------------------------------------------------------
-    def build(self, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
-        """Validate and tokenize every prompt (n copies of each); raise ValueError naming the first problem."""
+    def build(self, obj: GenerateReqInput, default_max_new_tokens: int | None = None) -> list[TokenizedGenerateReq]:
+        """Validate and tokenize every prompt (n copies of each); raise ValueError naming the first problem.
+        `default_max_new_tokens`: the output limit of a prompt whose sampling params give none (None: SamplingParams'
+        default), cut to the room its prompt leaves in the context."""
         self._check_request(obj)
         items = [obj.item(i) for i in range(obj.batch_size())]
         texts = [item["text"] for item in items if isinstance(item["text"], str)]
@@ -45,7 +83,11 @@ class RequestBuilder:
         msgs = []
         for i, item in enumerate(items):
             try:
-                msgs.extend(self._build_one(obj, item, known))
+                msgs.extend(self._build_one(obj, item, known, default_max_new_tokens))
+            except ContextOverflow as e:
+                if obj.is_batch:
+                    e.request = i
+                raise
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if obj.is_batch else str(e)) from None
         if not msgs:
@@ -76,7 +118,9 @@ class RequestBuilder:
             raise ValueError("constrained decoding needs a tokenizer; this engine runs with skip_tokenizer_init")
         grammar_backend(self.tokenizer, self.vocab_size).compile(*params.grammar())
 
-    def _build_one(self, obj: GenerateReqInput, item: dict[str, Any], known: dict | None) -> list[TokenizedGenerateReq]:
+    def _build_one(
+        self, obj: GenerateReqInput, item: dict[str, Any], known: dict | None, default_max_new_tokens: int | None
+    ) -> list[TokenizedGenerateReq]:
         params = SamplingParams.from_dict(item["sampling_params"])
         params.verify(self.vocab_size)
         params.normalize(self.tokenizer)
@@ -93,20 +137,13 @@ class RequestBuilder:
             if not isinstance(ids, list) or not _all_ints(ids):
                 raise ValueError("input_ids must be a list of integers")
             segments, own = self.segmenter.from_ids(ids), {}
-        policy = self._span_policy(item["span_anchor"], item["span_head_tokens"])
+        policy = self._span_policy(item["span_settings"])
         segments = canonicalize(self._apply(policy, segments, own))
-        prompt_len = sum(len(s.token_ids) for s in segments)
-        if prompt_len >= self.context_len:
-            raise ValueError(
-                f"the prompt has {prompt_len} tokens, more than the context length allows "
-                f"({self.context_len} including at least one generated token)"
-            )
-        logprob_start_len = item["logprob_start_len"]
-        top_n = item["top_logprobs_num"]
-        if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool) or logprob_start_len < -1:
-            raise ValueError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
-        if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
-            raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top_n!r}")
+        prompt_len = sum(len(s.token_ids) for s in segments)  # the positions the scheduler gives the prompt
+        given = isinstance(item["sampling_params"], dict) and item["sampling_params"].get("max_new_tokens") is not None
+        self._fit_context(params, prompt_len, given, default_max_new_tokens)
+        logprob_start_len = _count("logprob_start_len", item["logprob_start_len"], -1)
+        top_n = _count("top_logprobs_num", item["top_logprobs_num"], 0)
         priority = self._priority(item["priority"])
         token_ids = self._token_ids_logprob(item["token_ids_logprob"], bool(item["return_logprob"]))
         if item["return_logprob"] and logprob_start_len >= 0:
@@ -132,6 +169,15 @@ class RequestBuilder:
             )
             for k in range(params.n)
         ]
+
+    def _fit_context(self, params: SamplingParams, prompt_len: int, given: bool, default: int | None) -> None:
+        """Refuse a prompt whose `given` output limit runs past the context, or that alone fills it (the scheduler
+        would end it at the context's end); a default limit is cut to the room left instead, never refused."""
+        room = self.context_len - prompt_len
+        if room < 1 or (given and params.max_new_tokens > room):
+            raise ContextOverflow(self.context_len, prompt_len, params.max_new_tokens if room > 0 else None)
+        if not given:
+            params.max_new_tokens = min(params.max_new_tokens if default is None else default, room)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[Segment]:
         """The segments /generate runs for `text`: cut at its markers, each tokenized on its own (BOS, when asked,
@@ -173,29 +219,32 @@ class RequestBuilder:
         args = self.server_args
         if not args.spans_from_jobs():
             return SpanPolicy()
-        head = DEFAULT_HEAD_TOKENS if args.span_head_tokens is None else args.span_head_tokens
+        head, tail = args.resolved_span_head_tokens(), args.span_tail_tokens
         if args.span_anchor == "prefix":
-            return SpanPolicy((), head, anchor_is_prefix=True)
+            return SpanPolicy((), head, anchor_is_prefix=True, tail_tokens=tail)
         anchor = self._model_anchor if args.span_anchor == "auto" else anchor_tokens(args.span_anchor, self.tokenizer)
-        return SpanPolicy(anchor, head)
+        return SpanPolicy(anchor, head, tail_tokens=tail)
 
-    def _span_policy(self, anchor: Any, head: Any, base: SpanPolicy | None = None) -> SpanPolicy:
-        """`base` (the server's settings) with the fields a request or a span gives replaced."""
+    def _span_policy(self, settings: Mapping[str, Any], base: SpanPolicy | None = None) -> SpanPolicy:
+        """`base` (the server's settings) with the settings (SETTING_FIELDS) a request or a span gives replaced."""
         base = self.span_policy if base is None else base
-        if anchor is None and head is None:
+        given = {name: value for name, value in settings.items() if value is not None}
+        if not given:
             return base
-        check_settings(anchor, head)
+        check_settings(given)
         if self.server_args.disable_pic:  # no spans: nothing the settings would change
             return SpanPolicy()
-        head = base.head_tokens if head is None else head
+        head = given.get("span_head_tokens", base.head_tokens)
+        tail = given.get("span_tail_tokens", base.tail_tokens)
+        anchor = given.get("span_anchor")
         if anchor is None:
-            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix)
+            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix, tail)
         else:
-            policy = SpanPolicy(self._model_anchor if anchor == "auto" else (), head, anchor == "prefix")
+            policy = SpanPolicy(self._model_anchor if anchor == "auto" else (), head, anchor == "prefix", tail)
         if policy.from_job and not self.server_args.spans_from_jobs():
             raise ValueError(
-                "span_anchor and span_head_tokens need a server with the radix cache and page_size 1; "
-                "this one serves isolated spans only (span_anchor none, span_head_tokens 0)"
+                "span_anchor, span_head_tokens and span_tail_tokens need a server with the radix cache and page_size "
+                "1; this one serves isolated spans only (span_anchor none, 0 recomputed tokens)"
             )
         return policy
 
@@ -206,11 +255,10 @@ class RequestBuilder:
         for i, seg in enumerate(segments):
             if seg.kind == "span":
                 try:
-                    p = self._span_policy(own[i].get("span_anchor"), own[i].get("span_head_tokens"), policy) \
-                        if i in own else policy
+                    p = self._span_policy(own[i], policy) if i in own else policy
                 except ValueError as e:
                     raise ValueError(f"span {sum(s.kind == 'span' for s in segments[:i])}: {e}") from None
-                seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.head_tokens)
+                seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.recompute_runs(len(seg.token_ids)))
             out.append(seg)
         return out
 
@@ -250,19 +298,36 @@ class RequestBuilder:
 
     @staticmethod
     def _wire_segments(segments: list[Segment]) -> list[TokenizedSegment]:
-        """A span with a head becomes a "head" segment, keyed like PDEP text on the structure before it, and the
-        span's tail, read from the tree path of the whole anchored span (see managers/req.py)."""
+        """A span with recomputed runs becomes its pieces: each run a "head" segment, keyed like PDEP text on the
+        structure before it (radix_ext.segments.recompute_namespaces), and each stretch between runs a span segment
+        read from the tree path of the whole anchored span (see managers/req.py)."""
         out, start = [], 0
-        for seg, key, before in zip(segments, segment_keys(segments), namespaces_before(segments)):
-            k, tokens = seg.head, seg.token_ids
-            if k:
-                out.append(TokenizedSegment("head", tokens[:k], before, start=start))
-            lead = key.token_ids[: len(key.token_ids) - len(tokens) + k]
-            out.append(TokenizedSegment(seg.kind, tokens[k:], key.extra_key, start=start + k, key_lead=lead))
+        for seg, key, spaces in zip(segments, segment_keys(segments), recompute_namespaces(segments)):
+            tokens = seg.token_ids
+            if seg.kind != "span":
+                out.append(TokenizedSegment(seg.kind, tokens, key.extra_key, start=start, span_runs=seg.span_runs))
+            else:
+                anchor_len, runs = len(key.token_ids) - len(tokens), iter(spaces)
+                for recomputed, a, b in seg.pieces():
+                    if recomputed:
+                        piece = TokenizedSegment("head", tokens[a:b], next(runs), start + a, span_runs=((0, b - a),))
+                    else:
+                        lead = key.token_ids[: anchor_len + a]
+                        piece = TokenizedSegment(
+                            "span", tokens[a:b], key.extra_key, start + a, key_lead=lead, span_rest=tokens[b:]
+                        )
+                    out.append(piece)
             start += len(tokens)
         if out[-1].kind == "span":
             out.append(TokenizedSegment("pdep", (), tail_key(segments, ()).extra_key, start=start))
         return out
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+    """An integer field (not a bool) of at least `minimum`."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return check_at_least(name, value, minimum)
 
 
 def _all_ints(values: list) -> bool:

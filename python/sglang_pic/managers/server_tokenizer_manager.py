@@ -223,12 +223,15 @@ class ServerTokenizerManager:
         state.wake.set()
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def prepare(self, obj: GenerateReqInput, queue_limit: bool = True) -> list[TokenizedGenerateReq]:
-        """Validate and tokenize; raise ValueError naming the problem, ServerBusy when the queue is full (with
-        `queue_limit`). Nothing is sent yet."""
+    def prepare(
+        self, obj: GenerateReqInput, queue_limit: bool = True, default_max_new_tokens: int | None = None
+    ) -> list[TokenizedGenerateReq]:
+        """Validate and tokenize; raise ValueError naming the problem (ContextOverflow for a prompt and limit past
+        the context), ServerBusy when the queue is full (with `queue_limit`). Nothing is sent yet.
+        `default_max_new_tokens`: the route's output limit where the request gives none (RequestBuilder.build)."""
         if self.parallel_encoding is not None:
             self.parallel_encoding.apply(obj)
-        reqs = self.request_builder.build(obj)
+        reqs = self.request_builder.build(obj, default_max_new_tokens)
         busy = [req.rid for req in reqs if req.rid in self.states]
         if busy:
             raise ValueError(f"rid {busy[0]!r} is already in use by a running request")

@@ -48,10 +48,13 @@ class ModelRunner:
         self.dtype = model_config.dtype
         self.tp = get_tp_group()
         torch.manual_seed(server_args.random_seed)
+        start = time.perf_counter()
+        logger.info("loading the model from %s onto %s (%s)", model_config.model_path, self.device, self.dtype)
         self.model = load_model(
             model_config, server_args.load_format, self.device, self.dtype, server_args.random_seed
         )
         self.model.eval()
+        logger.info("model loaded in %.1f s", time.perf_counter() - start)
         # Where the served weights come from (None: random dummy weights): updates that fail load them back.
         self._weights_folder = None if server_args.load_format == "dummy" else model_config.model_path
         self._init_memory_pools()

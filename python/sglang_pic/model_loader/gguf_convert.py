@@ -23,7 +23,7 @@ _STORE_DTYPE = torch.bfloat16  # GGUF blocks come from bf16 checkpoints; bf16 ha
 def gguf_cache_dir(gguf_file: Path, cache_root: Path) -> Path:
     path = gguf_file.resolve()
     key = hashlib.sha256(f"{path}:{path.stat().st_size}".encode()).hexdigest()[:24]
-    return cache_root / "gguf" / key
+    return cache_root / "gguf" / f"{path.stem}-{key}"
 
 
 def convert_gguf(gguf_file: Path, cache_root: Path) -> Path:

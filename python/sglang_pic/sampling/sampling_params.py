@@ -1,7 +1,8 @@
 """Per-request sampling parameters, named and defaulted as in SGLang, checked at the door so bad requests fail early.
 
 Every check raises ValueError with the offending field's name in the message, so the HTTP layer can return it as a
-400 unchanged. Checks that need the model's vocabulary size wait for `verify`.
+400 unchanged; a bound reads the same on every route (`check_at_least`, `check_range`, shared with the OpenAI
+request models). Checks that need the model's vocabulary size wait for `verify`.
 """
 
 from __future__ import annotations
@@ -136,8 +137,7 @@ class SamplingParams:
         if self.custom_params is not None and not isinstance(self.custom_params, dict):
             raise ValueError(f"custom_params must be an object, got {self.custom_params!r}")
 
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}")
+        check_at_least("max_new_tokens", self.max_new_tokens, 0)  # 0: prefill only
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
@@ -156,11 +156,24 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        check_at_least("n", self.n, 1)
 
 
 _INIT_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
+
+
+def check_at_least(name: str, value: int, minimum: int) -> int:
+    """`value`, or the one refusal every route gives a count below its field's minimum."""
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def check_range(name: str, value: int, low: int, high: int) -> int:
+    """`value`, or the one refusal every route gives a count outside its field's range."""
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
 
 
 def _int(name: str, value: Any) -> int:
