@@ -30,6 +30,7 @@ def run(path, tp_size: int, **engine_args) -> tuple[list[list[int]], list[list[i
     logprobs of one prompt, and the span tokens the second batch reused."""
     with Engine(
         model_path=str(path), dtype="float32", max_total_tokens=2048, tp_size=tp_size, span_head_tokens=4,
+        span_tail_tokens=2,
         **engine_args
     ) as engine:
         cold = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
