@@ -10,9 +10,10 @@ travel as a settings marker and a JSON object right after the span marker.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sglang_pic.span_policy import check_settings, format_settings
+from sglang_pic.span_policy import SETTING_FIELDS, SPAN_ONLY_FIELDS, check_settings, format_settings
 
 SSEP_MARKER = "<|ssep|>"
 PDEP_MARKER = "<|pdep|>"
@@ -31,15 +32,22 @@ def _check_text(text: str, what: str) -> str:
 
 
 def span(
-    text: str, *, anchor: str | None = None, head_tokens: int | None = None, tail_tokens: int | None = None
+    text: str,
+    *,
+    anchor: str | None = None,
+    head_tokens: int | None = None,
+    tail_tokens: int | None = None,
+    recompute: Sequence[tuple[int, int]] | None = None,
 ) -> str:
     """A reusable span: its KV depends only on `text` (and its anchor), so it is computed once and reused at any
     offset. `anchor` (auto, none or prefix), `head_tokens` and `tail_tokens` override the request's span settings
-    for this span."""
+    for this span; `recompute`, (offset, length) runs of the span's tokens, names exactly which ones this request
+    recomputes."""
     if not _check_text(text, "span text"):
         raise ValueError("span text is empty")
-    settings = {"span_anchor": anchor, "span_head_tokens": head_tokens, "span_tail_tokens": tail_tokens}
-    check_settings(settings)
+    settings = {"span_anchor": anchor, "span_head_tokens": head_tokens, "span_tail_tokens": tail_tokens,
+                "span_recompute": None if recompute is None else [list(run) for run in recompute]}
+    check_settings(settings, SETTING_FIELDS + SPAN_ONLY_FIELDS)
     given = any(v is not None for v in settings.values())
     own = SPAN_SETTINGS_MARKER + format_settings(settings) if given else ""
     return SSEP_MARKER + own + text + PDEP_MARKER

@@ -337,6 +337,7 @@ def test_per_span_settings_equal_dense_reference(setup):
         "Read carefully:" + span(DOCS[1], head_tokens=1) + span(DOCS[2], anchor="prefix") + pdep("Why?"),
         "Read carefully:" + span(DOCS[2], anchor="prefix", head_tokens=2) + span(DOCS[0], anchor="none") + "What?",
         "Seams." + span(DOCS[1], head_tokens=0, tail_tokens=2) + span(DOCS[0], tail_tokens=1) + "Which?",
+        "Chosen." + span(DOCS[2], recompute=[(3, 2), (7, 1)]) + span(DOCS[1], recompute=[]) + "Who?",
     ]
     for _ in range(2):
         outs = engine.generate(texts, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=3)
@@ -370,6 +371,9 @@ def test_prefix_anchor_reads_a_plain_prompts_kv(setup):
     ('{"span_head_tokens": -1}', "span 0: span_head_tokens must be"),
     ('{"span_anchor": "bos"}', "span 0: span_anchor must be one of"),
     ('{"head": 2}', "unknown span setting 'head'"),
+    ('{"span_recompute": [[0, -1]]}', "span 0: span_recompute must be a list of"),
+    ('{"span_recompute": 3}', "span 0: span_recompute must be a list of"),
+    ('{"span_tail_tokens": "2"}', "span 0: span_tail_tokens must be"),
     ('{"span_head_tokens": 2', "not JSON"),
     ('[2]', "must be a JSON object"),
 ])

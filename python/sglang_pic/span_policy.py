@@ -9,6 +9,8 @@ full attention answers, and both keep the shared KV one unmodified copy:
   head_tokens  every request recomputes each span's first k tokens with full attention over everything before
                them, into its own slots, and reads the rest of the span from the shared copy (EPIC's LegoLink).
   tail_tokens  likewise its last k tokens: with a head, the span's two seams (HYPIC).
+  recompute    one span only: the exact (offset, length) runs of its tokens to recompute, chosen by the client
+               (a selector that scored the span's tokens for this request), over head and tail.
 The anchor may also be the prompt's own prefix (`prefix`: the span is keyed on it, so it is shared only behind
 that prefix, which is SGLang's parallel encoding). A span can carry its own settings in the prompt text
 (`split_settings`), over the request's, which are over the server's.
@@ -29,6 +31,7 @@ from typing import Any
 DEFAULT_HEAD_TOKENS = 64
 ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
 SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens")
+SPAN_ONLY_FIELDS = ("span_recompute",)  # settings a span may carry but a request or the server may not
 _SENTINEL = "\u2063sglang-pic-span\u2063"
 
 
@@ -38,31 +41,44 @@ class SpanPolicy:
     head_tokens: int = 0
     anchor_is_prefix: bool = False  # the anchor is each prompt's prefix segment, whatever it holds
     tail_tokens: int = 0
+    runs: tuple[tuple[int, int], ...] | None = None  # a span's own `span_recompute`, over head and tail
 
     @property
     def from_job(self) -> bool:
-        return bool(self.anchor) or self.anchor_is_prefix or self.head_tokens > 0 or self.tail_tokens > 0
+        return bool(self.anchor) or self.anchor_is_prefix or self.head_tokens > 0 or self.tail_tokens > 0 \
+            or bool(self.runs)
 
     def recompute_runs(self, length: int) -> tuple[tuple[int, int], ...]:
         """The tokens of a span of `length` that a request recomputes, as (offset, length) runs (the segment
         normalizes them: runs past the span are cut, overlapping ones merged)."""
+        if self.runs is not None:
+            return self.runs
         return ((0, self.head_tokens), (max(length - self.tail_tokens, 0), self.tail_tokens))
 
     def anchor_for(self, prefix: tuple[int, ...]) -> tuple[int, ...]:
         return prefix if self.anchor_is_prefix else self.anchor
 
 
-def check_settings(settings: Mapping[str, Any]) -> None:
-    """Refuse a setting (SETTING_FIELDS; a None value: not given) with a ValueError naming the field."""
+def check_settings(settings: Mapping[str, Any], names: tuple[str, ...] = SETTING_FIELDS) -> None:
+    """Refuse a setting (one of `names`; a None value: not given) with a ValueError naming the field."""
     for name, value in settings.items():
-        if name not in SETTING_FIELDS:
-            raise ValueError(f"unknown span setting {name!r}; a span takes {', '.join(SETTING_FIELDS)}")
+        if name not in names:
+            raise ValueError(f"unknown span setting {name!r}; a span takes {', '.join(names)}")
         if value is None:
             continue
         if name == "span_anchor" and value not in ANCHOR_CHOICES:
             raise ValueError(f"span_anchor must be one of {', '.join(ANCHOR_CHOICES)}, got {value!r}")
-        if name != "span_anchor" and (type(value) is not int or value < 0):
+        if name == "span_recompute" and not _is_runs(value):
+            raise ValueError(f"span_recompute must be a list of [offset, length] pairs of integers, got {value!r}")
+        if name in ("span_head_tokens", "span_tail_tokens") and (type(value) is not int or value < 0):
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def _is_runs(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(run, (list, tuple)) and len(run) == 2 and all(type(x) is int and x >= 0 for x in run)
+        for run in value
+    )
 
 
 def format_settings(settings: Mapping[str, Any]) -> str:
@@ -81,7 +97,7 @@ def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
         raise ValueError(f"a span's settings after {marker!r} are not JSON: {e.msg}") from None
     if not isinstance(settings, dict):
         raise ValueError(f"a span's settings after {marker!r} must be a JSON object, got {settings!r}")
-    check_settings({name: None for name in settings})
+    check_settings({name: None for name in settings}, SETTING_FIELDS + SPAN_ONLY_FIELDS)
     return settings, body[end:]
 
 

@@ -17,7 +17,7 @@ from sglang_pic.radix_ext.segments import Segment, canonicalize, recompute_names
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.span_policy import SpanPolicy, anchor_tokens, check_settings
+from sglang_pic.span_policy import SETTING_FIELDS, SPAN_ONLY_FIELDS, SpanPolicy, anchor_tokens, check_settings
 from sglang_pic.tokenizer import fast_decode
 
 
@@ -231,16 +231,18 @@ class RequestBuilder:
         given = {name: value for name, value in settings.items() if value is not None}
         if not given:
             return base
-        check_settings(given)
+        check_settings(given, SETTING_FIELDS + SPAN_ONLY_FIELDS)
         if self.server_args.disable_pic:  # no spans: nothing the settings would change
             return SpanPolicy()
         head = given.get("span_head_tokens", base.head_tokens)
         tail = given.get("span_tail_tokens", base.tail_tokens)
+        runs = given.get("span_recompute")
+        runs = None if runs is None else tuple(tuple(run) for run in runs)
         anchor = given.get("span_anchor")
         if anchor is None:
-            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix, tail)
+            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix, tail, runs)
         else:
-            policy = SpanPolicy(self._model_anchor if anchor == "auto" else (), head, anchor == "prefix", tail)
+            policy = SpanPolicy(self._model_anchor if anchor == "auto" else (), head, anchor == "prefix", tail, runs)
         if policy.from_job and not self.server_args.spans_from_jobs():
             raise ValueError(
                 "span_anchor, span_head_tokens and span_tail_tokens need a server with the radix cache and page_size "

@@ -1,0 +1,220 @@
+"""Query-driven span selection on the real model: how many span tokens must a request recompute, picked by the
+question's attention, before its answers match dense attention? (issue 39: the bound before the engine work.)
+
+Per item of the span-quality tasks, a probe runs the prompt under the engine's default span semantics without
+recomputation (each span behind the model's anchor, its KV as its job computed it) through the HF model, with a
+dense masked layout that holds each span's job copy hidden (as test/test_span_policy.py's reference does). The
+queries of the text after the last span (the question and the assistant header) score every span token by the
+attention mass they give its key, summed over layers, heads and queries. The top `fraction` of all span tokens
+are then recomputed by the engine itself through each span's own `span_recompute` runs, and the answer is judged
+against the gold and against dense attention (the prompt's plain token ids). Baselines: the anchor alone, and the
+anchor with a recomputed head of 64 tokens (today's default).
+
+Usage: python benchmark/study_query_selection.py --samples 10 --tasks factual_qa,rag_two_hop
+       --fractions 0.05,0.1,0.15,0.25 [--out benchmark/results/query_selection.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from span_quality_tasks import TASKS, BenchTaskSizes
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from sglang_pic.engine import Engine
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.model_loader.loader import model_dirs
+from sglang_pic.span_quality import PromptBuilder, add_size_flags, sizes_from_flags
+from sglang_pic.span_quality_tasks import SPLITS, item_seed, judge
+
+
+# ---- the probe: attention mass of the question's queries on span keys --------------------------------------
+@dataclass
+class ProbeState:
+    """What the probe attention reads (the query rows to score) and writes (mass per key)."""
+
+    rows: slice | None = None
+    mass: torch.Tensor | None = None
+
+
+PROBE = ProbeState()
+
+
+def probe_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """SDPA, plus the softmax mass that PROBE.rows' queries give each key (GQA keys repeated per query head)."""
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if PROBE.rows is not None:
+        q = query[:, :, PROBE.rows].float()
+        k = key.float().repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+        mask = attention_mask[:, :, PROBE.rows, : k.shape[2]]
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+        mass = scores.softmax(-1).sum(dim=(0, 1, 2))
+        PROBE.mass = mass if PROBE.mass is None else PROBE.mass + mass
+    return out
+
+
+AttentionInterface.register("probe", probe_attention)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A request's dense masked layout: flat ids and positions, each token's scope (-1: it sees every visible token
+    before it; n: it sees segment n's hidden job copy and itself), its visibility to later tokens, and for every
+    visible span token its (span number, offset in the span)."""
+
+    ids: list[int]
+    positions: list[int]
+    scope: list[int]
+    visible: list[bool]
+    span_token: dict[int, tuple[int, int]]
+    question_start: int  # flat index of the first token after the last span
+
+
+def layout(engine: Engine, marked: str) -> Layout:
+    (req,) = engine.make_reqs(GenerateReqInput(text=marked, span_anchor="auto", span_head_tokens=0))
+    ids, pos, scope, visible, span_token = [], [], [], [], {}
+    question_start, spans = 0, 0
+    for n, seg in enumerate(req.segments):
+        if seg.kind == "span":
+            hidden = list(seg.key_lead)
+            ids += hidden
+            pos += range(seg.start - len(hidden), seg.start)
+            scope += [n] * len(hidden)
+            visible += [False] * len(hidden)
+            for j in range(len(seg.tokens)):
+                span_token[len(ids) + j] = (spans, j)
+            spans += 1
+            question_start = len(ids) + len(seg.tokens)
+        ids += seg.tokens
+        pos += range(seg.start, seg.start + len(seg.tokens))
+        scope += [n if seg.kind == "span" else -1] * len(seg.tokens)
+        visible += [True] * len(seg.tokens)
+    return Layout(ids, pos, scope, visible, span_token, question_start)
+
+
+def span_scores(model, lay: Layout) -> list[list[float]]:
+    """Per span, each token's attention mass from the queries after the last span."""
+    sc, vis = torch.tensor(lay.scope), torch.tensor(lay.visible)
+    j = torch.arange(len(lay.ids))
+    causal = j[None, :] <= j[:, None]
+    mask = causal & (((sc[:, None] == sc[None, :]) & (sc[:, None] >= 0)) | ((sc[:, None] < 0) & vis[None, :]))
+    PROBE.rows, PROBE.mass = slice(lay.question_start, len(lay.ids)), None
+    with torch.no_grad():
+        model(torch.tensor([lay.ids]), attention_mask=mask[None, None], position_ids=torch.tensor([lay.positions]))
+    PROBE.rows = None
+    spans = 1 + max(s for s, _ in lay.span_token.values())
+    out = [[] for _ in range(spans)]
+    for flat, (s, _) in sorted(lay.span_token.items()):
+        out[s].append(float(PROBE.mass[flat]))
+    return out
+
+
+def select_runs(scores: list[list[float]], fraction: float) -> list[list[tuple[int, int]]]:
+    """The top `fraction` of all span tokens by score, as each span's runs."""
+    ranked = sorted(((v, s, j) for s, row in enumerate(scores) for j, v in enumerate(row)), reverse=True)
+    keep = round(fraction * len(ranked))
+    chosen = [sorted(j for _, s2, j in ranked[:keep] if s2 == s) for s in range(len(scores))]
+    runs = []
+    for offsets in chosen:
+        spans: list[tuple[int, int]] = []
+        for j in offsets:
+            if spans and spans[-1][0] + spans[-1][1] == j:
+                spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+            else:
+                spans.append((j, 1))
+        runs.append(spans)
+    return runs
+
+
+def with_runs(marked: str, ssep: str, settings_marker: str, runs: list[list[tuple[int, int]]]) -> str:
+    """`marked` with span i opening with its own `span_recompute` runs."""
+    parts = marked.split(ssep)
+    assert len(parts) == len(runs) + 1, "one set of runs per span"
+    out = [parts[0]]
+    for part, span_runs in zip(parts[1:], runs):
+        out.append(ssep + settings_marker + json.dumps({"span_recompute": [list(r) for r in span_runs]}) + part)
+    return "".join(out)
+
+
+# ---- the study ----------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--split", choices=SPLITS, default="tuning", help="a study chooses settings: tuning items")
+    p.add_argument("--tasks", default="factual_qa,rag_two_hop")
+    p.add_argument("--fractions", default="0.05,0.1,0.15,0.25")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--model-path", help="an HF folder; default: the embedded model")
+    p.add_argument("--chat-template", help="as launch_server's flag; default: the tokenizer's")
+    add_size_flags(p, BenchTaskSizes)
+    args = p.parse_args(argv)
+    model_dir, tokenizer_dir = model_dirs(args.model_path, None)
+    builder = PromptBuilder(model_dir, tokenizer_dir, args.chat_template)
+    sizes = sizes_from_flags(p, args, BenchTaskSizes)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="probe").eval()
+    fractions = [float(f) for f in args.fractions.split(",")]
+    modes = ["dense", "anchor", "anchor+head64", *(f"query{f:g}" for f in fractions)]
+    results: dict[str, dict[str, list]] = {}
+    engine_args = dict(model_path=model_dir, tokenizer_path=tokenizer_dir, chat_template=args.chat_template)
+    with Engine(dtype="float32", **engine_args) as engine:
+        sa = engine.server_args
+        for task_name in args.tasks.split(","):
+            task = TASKS[task_name]
+            items = task.make(args.samples, item_seed(args.seed, task_name, args.split), sizes, builder.count)
+            rows = results[task_name] = {m: [] for m in modes}
+            for item in items:
+                prompt = builder.build(item)
+                scores = span_scores(model, layout(engine, prompt.marked))
+                lengths = [len(r) for r in scores]
+                total = sum(lengths)
+                requests = {  # mode -> (request, the share of span tokens it recomputes, cache aside)
+                    "dense": ({"input_ids": prompt.ids}, 1.0),
+                    "anchor": ({"prompt": prompt.marked, "span_head_tokens": 0}, 0.0),
+                    "anchor+head64": ({"prompt": prompt.marked, "span_head_tokens": 64},
+                                      sum(min(64, n) for n in lengths) / total),
+                }
+                for f in fractions:
+                    runs = select_runs(scores, f)
+                    marked = with_runs(prompt.marked, sa.ssep_marker, sa.span_settings_marker, runs)
+                    requests[f"query{f:g}"] = ({"prompt": marked}, sum(n for r in runs for _, n in r) / total)
+                dense_first = None
+                for mode in modes:  # cache hits equal recomputation, so the modes share one warm cache
+                    request, share = requests[mode]
+                    out = engine.generate(sampling_params={"temperature": 0, "max_new_tokens": task.max_new_tokens},
+                                          **request)
+                    right, key = judge(item.gold, out["text"], builder.tool_calls(item, out["text"]))
+                    first = out["output_ids"][0]
+                    dense_first = first if mode == "dense" else dense_first
+                    rows[mode].append({
+                        "correct": right, "key": key, "first_token_agrees": first == dense_first,
+                        "recomputed_share": share, "reply": out["text"],
+                    })
+            print(summary_line(task_name, rows))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def summary_line(task: str, rows: dict[str, list]) -> str:
+    dense_keys = [r["key"] for r in rows["dense"]]
+    cells = []
+    for mode, recs in rows.items():
+        n = len(recs)
+        acc = sum(r["correct"] for r in recs) / n
+        agree = sum(r["key"] == k for r, k in zip(recs, dense_keys)) / n
+        top1 = sum(r["first_token_agrees"] for r in recs) / n
+        share = sum(r["recomputed_share"] for r in recs) / n
+        cells.append(f"{mode}: acc {acc:.2f} agree {agree:.2f} top1 {top1:.2f} recomputed {share:.2f}")
+    return f"{task} (n={len(rows['dense'])})\n  " + "\n  ".join(cells)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""benchmark/study_query_selection.py on a tiny model: the probe scores every span token, the chosen share of them is
+what the engine recomputes, and the runs it sends are the top-scored tokens."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+
+import study_query_selection as study  # noqa: E402
+
+
+def test_top_scored_tokens_become_each_spans_runs():
+    scores = [[0.1, 0.9, 0.8, 0.0], [0.5, 0.05, 0.7]]
+    assert study.select_runs(scores, 4 / 7) == [[(1, 2)], [(0, 1), (2, 1)]]
+    assert study.select_runs(scores, 0.0) == [[], []]
+    marked = study.with_runs("a<S>b<P><S>c<P>q", "<S>", "<T>", [[(1, 2)], []])
+    assert marked == 'a<S><T>{"span_recompute": [[1, 2]]}b<P><S><T>{"span_recompute": []}c<P>q'
+
+
+def test_study_runs_end_to_end(tiny_model_root: Path):
+    from tiny_models import build_tiny_model
+
+    model = tiny_model_root / "qwen2_4k"  # a context that holds the task's prompts (test_bench_span_quality's too)
+    if not (model / "config.json").is_file():
+        build_tiny_model(tiny_model_root, "qwen2", name="qwen2_4k", max_position_embeddings=4096)
+    results = study.main(["--model-path", str(model), "--chat-template", "chatml", "--samples", "2",
+                          "--tasks", "factual_qa", "--fractions", "0,0.5,1", "--qa-docs", "2", "--qa-pool", "3"])
+    rows = results["factual_qa"]
+    assert set(rows) == {"dense", "anchor", "anchor+head64", "query0", "query0.5", "query1"}
+    for mode, share in (("query0", 0.0), ("query0.5", 0.5), ("query1", 1.0)):
+        assert [r["recomputed_share"] for r in rows[mode]] == pytest.approx([share] * 2, abs=0.01)  # rounded counts
+    # every span token recomputed is dense attention over the same ids: the same answers
+    assert [r["key"] for r in rows["query1"]] == [r["key"] for r in rows["dense"]]
