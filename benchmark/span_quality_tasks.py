@@ -1,5 +1,6 @@
 """The span-quality benchmark's tasks: the package's (sglang_pic/span_quality_tasks.py: factual_qa, tool_selection,
-needle) plus rag_two_hop, which needs this folder's RAG workload:
+needle, late_records, code_retrieval, long_spans, multi_turn) plus rag_two_hop, which needs this folder's RAG
+workload:
   rag_two_hop     rag_workload.py's 2WikiMultihopQA-shaped passages and questions, with its gold answers.
 """
 
@@ -9,9 +10,8 @@ from dataclasses import dataclass
 
 from rag_workload import WorkloadConfig, build_workload
 
-from sglang_pic.frontend_lang import span
 from sglang_pic.span_quality_tasks import TASKS as PACKAGE_TASKS
-from sglang_pic.span_quality_tasks import CountTokens, Gold, Item, Task, TaskSizes, question_block
+from sglang_pic.span_quality_tasks import CountTokens, Gold, Item, Task, TaskSizes, question_block, spans
 
 
 @dataclass(frozen=True)
@@ -33,15 +33,10 @@ def rag_two_hop(samples: int, seed: int, sizes: BenchTaskSizes, count: CountToke
                          passage_tokens=sizes.rag_passage_tokens, seed=seed)
     work = build_workload(cfg, count)
     return [
-        Item(cfg.system_prompt, "".join(span(p) for p in work.passages(s)) + question_block(s.question),
+        Item(cfg.system_prompt, spans(work.passages(s)) + question_block(s.question),
              Gold(s.gold.phrases, s.gold.rivals))
         for s in work.samples
     ]
 
 
-TASKS: dict[str, Task] = {
-    "factual_qa": PACKAGE_TASKS["factual_qa"],
-    "rag_two_hop": Task("rag_two_hop", 24, rag_two_hop),
-    "tool_selection": PACKAGE_TASKS["tool_selection"],
-    "needle": PACKAGE_TASKS["needle"],
-}
+TASKS: dict[str, Task] = {**PACKAGE_TASKS, "rag_two_hop": Task("rag_two_hop", 24, rag_two_hop)}

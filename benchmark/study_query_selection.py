@@ -116,8 +116,17 @@ def span_scores(model, lay: Layout) -> list[list[float]]:
     return out
 
 
-def select_runs(scores: list[list[float]], fraction: float) -> list[list[tuple[int, int]]]:
-    """The top `fraction` of all span tokens by score, as each span's runs."""
+def select_runs(scores: list[list[float]], fraction: float, unit: str = "tokens") -> list[list[tuple[int, int]]]:
+    """Each span's runs: the top `fraction` of all span tokens by score (unit "tokens"), or whole spans by their
+    summed score until `fraction` of the span tokens is reached (unit "spans")."""
+    if unit == "spans":
+        order = sorted(range(len(scores)), key=lambda s: -sum(scores[s]))
+        total, chosen, runs = sum(len(r) for r in scores), 0, [[] for _ in scores]
+        for s in order:
+            if chosen >= fraction * total:
+                break
+            runs[s], chosen = [(0, len(scores[s]))], chosen + len(scores[s])
+        return runs
     ranked = sorted(((v, s, j) for s, row in enumerate(scores) for j, v in enumerate(row)), reverse=True)
     keep = round(fraction * len(ranked))
     chosen = [sorted(j for _, s2, j in ranked[:keep] if s2 == s) for s in range(len(scores))]
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--split", choices=SPLITS, default="tuning", help="a study chooses settings: tuning items")
     p.add_argument("--tasks", default="factual_qa,rag_two_hop")
     p.add_argument("--fractions", default="0.05,0.1,0.15,0.25")
+    p.add_argument("--unit", choices=("tokens", "spans"), default="tokens", help="what the selection picks")
     p.add_argument("--out", type=Path)
     p.add_argument("--model-path", help="an HF folder; default: the embedded model")
     p.add_argument("--chat-template", help="as launch_server's flag; default: the tokenizer's")
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       sum(min(64, n) for n in lengths) / total),
                 }
                 for f in fractions:
-                    runs = select_runs(scores, f)
+                    runs = select_runs(scores, f, args.unit)
                     marked = with_runs(prompt.marked, sa.ssep_marker, sa.span_settings_marker, runs)
                     requests[f"query{f:g}"] = ({"prompt": marked}, sum(n for r in runs for _, n in r) / total)
                 dense_first = None
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "correct": right, "key": key, "first_token_agrees": first == dense_first,
                         "recomputed_share": share, "reply": out["text"],
                     })
-            print(summary_line(task_name, rows))
+            print(summary_line(task_name, rows), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return results

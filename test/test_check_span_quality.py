@@ -1,7 +1,8 @@
 """`python -m sglang_pic.check_span_quality` on a tiny model: it says what it runs, prints a row per task and
-setting and a mean per setting, and recommends one of the settings it ran by the rule it states; and that rule
-on hand-made numbers. A random tiny model answers nothing right, so only the report's shape and the
-recommendation's consistency are checked, not its choice."""
+setting and a mean per setting on the tuning items, recommends one of the settings it ran by the rule it states,
+then reports that setting (with dense and isolated spans) on the held-out items; and that rule on hand-made
+numbers. A random tiny model answers nothing right, so only the report's shape and the recommendation's
+consistency are checked, not its choice."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from sglang_pic.span_quality_tasks import TASKS
 
 SMALL = ["--qa-docs", "2", "--qa-pool", "3", "--num-tools", "2", "--needle-spans", "3", "--needle-pool", "3",
          "--depth-buckets", "2"]
-SETTINGS = ("naive", "anchor", "anchor+head16")
+SETTINGS = ("naive", "anchor", "anchor+head16", "anchor+seams8")
+# Three of the tasks keep this a fast test (the benchmark's test runs them all): spans in the user turn, in an earlier
+# turn, and as tools.
+CHECKED_TASKS = ("needle", "multi_turn", "tool_selection")
 
 
 @pytest.fixture(scope="module")
@@ -29,28 +33,38 @@ def test_prints_the_table_and_recommends_a_setting_it_ran(model_and_template, ca
     model, template = model_and_template
     for name, task in TASKS.items():  # short replies: a random model never stops, and the report's shape is the point
         monkeypatch.setitem(TASKS, name, replace(task, max_new_tokens=6))
-    pick = check.main(["--model-path", str(model), "--chat-template", str(template), "--samples", "2",
-                       "--head-tokens", "0,16", *SMALL])
+    result = check.main(["--model-path", str(model), "--chat-template", str(template), "--samples", "2",
+                         "--head-tokens", "0,16", "--seam-tokens", "8", "--tasks", ",".join(CHECKED_TASKS), *SMALL])
+    pick = result.pick
     out = capsys.readouterr().out
     lines = out.splitlines()
-    table = lines.index(next(line for line in lines if line.startswith("task ")))
-    assert "starting an engine" in "\n".join(lines[:table])  # said before the long steps, not after
-    assert lines[table].split() == ["task", "setting", "accuracy", "agree", "top1", "extra", "tok/req"]
-    rows = {tuple(line.split()[:2]) for line in lines[table + 2 :]}
-    for task in TASKS:
+    tables = [i for i, line in enumerate(lines) if line.startswith("task ")]
+    assert len(tables) == 2  # the tuning items', then the held-out items'
+    assert "starting an engine" in "\n".join(lines[: tables[0]])  # said before the long steps, not after
+    assert lines[tables[0] - 1].startswith("tuning items") and lines[tables[1] - 1].startswith("held-out items")
+    for at in tables:
+        assert lines[at].split() == ["task", "setting", "accuracy", "agree", "top1", "recomp", "extra", "tok/req"]
+
+    def rows(start: int, end: int) -> set[tuple[str, ...]]:
+        return {tuple(line.split()[:2]) for line in lines[start:end]}
+
+    tuning, heldout = rows(tables[0] + 2, tables[1]), rows(tables[1] + 2, len(lines))
+    for task in CHECKED_TASKS:
         for setting in ("dense", *SETTINGS):
-            assert (task, setting) in rows, (task, setting)
+            assert (task, setting) in tuning, (task, setting)
+        for setting in ("dense", "naive", pick.name):
+            assert (task, setting) in heldout, (task, setting)
     for setting in SETTINGS:
-        assert ("mean", setting) in rows, setting
-    assert pick.name in SETTINGS
-    assert f"recommended: {pick.name}:" in out
+        assert ("mean", setting) in tuning, setting
+    assert pick.name in SETTINGS and result.heldout.name == pick.name and result.heldout.mode == pick.mode
+    assert f"recommended: {pick.name}:" in out and f"held out: {pick.name}: agreement with dense" in out
     assert "rule: the cheapest setting" in out and "within 0.05 of the best" in out
     assert lines[-1] == f"server flags: {pick.mode.server_flags()}"
     assert lines[-1].startswith("server flags: --span-anchor ")
 
 
 def _score(name: str, anchor: str, head: int, agreement: float, extra: float) -> check.SettingScore:
-    return check.SettingScore(name, span_mode(anchor, head), agreement, agreement, extra)
+    return check.SettingScore(name, span_mode(anchor, head), agreement, agreement, extra, agreement, 0.0)
 
 
 SCORES = [
@@ -72,7 +86,9 @@ def test_recommendation_is_the_cheapest_setting_near_the_best():
 
 
 @pytest.mark.parametrize("flags", [["--head-tokens", "16,16"], ["--head-tokens", "-1"], ["--head-tokens", "x"],
-                                   ["--tasks", "rag_two_hop"], ["--tolerance", "2"], ["--needle-spans", "2"]])
+                                   ["--head-tokens", ""], ["--seam-tokens", "0"], ["--seam-tokens", "8,8"],
+                                   ["--tasks", "rag_two_hop"], ["--tolerance", "2"], ["--needle-spans", "2"],
+                                   ["--long-tokens", "100,150"]])
 def test_bad_flags_are_refused(flags, capsys):
     with pytest.raises(SystemExit):
         check.parse_args(flags)

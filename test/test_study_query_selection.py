@@ -17,6 +17,7 @@ def test_top_scored_tokens_become_each_spans_runs():
     scores = [[0.1, 0.9, 0.8, 0.0], [0.5, 0.05, 0.7]]
     assert study.select_runs(scores, 4 / 7) == [[(1, 2)], [(0, 1), (2, 1)]]
     assert study.select_runs(scores, 0.0) == [[], []]
+    assert study.select_runs(scores, 0.5, "spans") == [[(0, 4)], []]  # the span of the larger summed score
     marked = study.with_runs("a<S>b<P><S>c<P>q", "<S>", "<T>", [[(1, 2)], []])
     assert marked == 'a<S><T>{"span_recompute": [[1, 2]]}b<P><S><T>{"span_recompute": []}c<P>q'
 

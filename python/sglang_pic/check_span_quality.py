@@ -1,13 +1,19 @@
 """`python -m sglang_pic.check_span_quality --model-path M`: a quick span-quality run on your own model.
 
-Spans trade answer quality for prefill work, and how much depends on the model. This runs the quick tasks
-(sglang_pic/span_quality_tasks.py: factual QA, tool selection, needle) with dense attention and with spans under
-each setting: isolated (`--span-anchor none`) and anchored with each K of --head-tokens (`--span-anchor auto
---span-head-tokens K`, K = 0 being the anchor alone). Per task and setting it prints how often the answer agrees
-with dense attention's, how often the first token does, and how many more prefill tokens a request computes than
-with isolated spans. It then recommends the cheapest setting whose mean agreement with dense is within
---tolerance of the best setting's, with the server flags that select it. The full-size run with KL, accuracy by
-needle depth and a RAG task is benchmark/bench_span_quality.py.
+Spans trade answer quality for prefill work, and how much depends on the model. This runs the package's tasks
+(sglang_pic/span_quality_tasks.py: factual QA, tool selection, needle, late record fields, code retrieval, long
+spans, a multi-turn chat) with dense attention and with spans under each setting: isolated (`--span-anchor none`),
+anchored with each K of --head-tokens (`--span-anchor auto --span-head-tokens K`, K = 0 being the anchor alone)
+and anchored with each K of --seam-tokens (head and tail of K each: `--span-tail-tokens K` too). Per task and
+setting it prints the accuracy, how often the answer agrees with dense attention's, how often the first token
+does, the share of span tokens recomputed, and how many more prefill tokens a request computes than with isolated
+spans. It recommends the cheapest setting whose mean agreement with dense is within --tolerance of the best
+setting's, with the server flags that select it.
+
+The recommendation is chosen on the tuning split's items and then reported on held-out items (seeds disjoint from
+the tuning ones), run with dense attention, isolated spans and the recommended setting only: the held-out numbers
+say how well the choice carries over to items it was not chosen on. The full-size run with KL, accuracy by depth,
+a RAG task and the frontier plot is benchmark/bench_span_quality.py.
 """
 
 from __future__ import annotations
@@ -17,8 +23,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from sglang_pic.model_loader.loader import model_dirs
 from sglang_pic.span_quality import (
@@ -33,13 +37,14 @@ from sglang_pic.span_quality import (
     TaskModeResult,
     Workload,
     add_size_flags,
+    mean_over_tasks,
     results,
     run_modes,
     sizes_from_flags,
     span_mode,
     span_mode_name,
 )
-from sglang_pic.span_quality_tasks import TASKS, TaskSizes
+from sglang_pic.span_quality_tasks import SPLITS, TASKS, TaskSizes
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,14 @@ class SettingScore:
     agreement: float  # answers that agree with dense attention's
     top1: float  # first tokens that agree with dense attention's
     extra_tokens: float  # prefill tokens computed per request beyond isolated spans'
+    accuracy: float  # answers that are right
+    recomputed_share: float  # span tokens recomputed with full attention
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    pick: SettingScore  # chosen on the tuning items
+    heldout: SettingScore  # the same setting on the held-out items
 
 
 RULE = (
@@ -67,18 +80,21 @@ def recommend(scores: Sequence[SettingScore], tolerance: float) -> SettingScore:
     return min(fits, key=lambda s: (s.extra_tokens, -s.agreement))
 
 
-def settings(head_tokens: Sequence[int]) -> dict[str, Mode]:
-    """dense (the reference), isolated spans (the cost baseline), then the anchor with each head length."""
-    anchored = {span_mode_name("auto", k): span_mode("auto", k) for k in head_tokens}
+def settings(head_tokens: Sequence[int], seam_tokens: Sequence[int] = ()) -> dict[str, Mode]:
+    """dense (the reference), isolated spans (the cost baseline), then the anchor with each head length and with
+    each seams length."""
+    tried = [("auto", k, 0) for k in head_tokens] + [("auto", k, k) for k in seam_tokens]
+    anchored = {span_mode_name(*s): span_mode(*s) for s in tried}
     return {REFERENCE: MODES[REFERENCE], BASELINE: MODES[BASELINE], **anchored}
 
 
 def setting_scores(scores: dict[str, dict[str, TaskModeResult]], modes: dict[str, Mode]) -> list[SettingScore]:
     def mean(name: str, field: str) -> float:
-        return float(np.mean([getattr(by_mode[name], field) for by_mode in scores.values()]))
+        return mean_over_tasks(scores, name, field)
 
     return [SettingScore(name, mode, mean(name, "agreement_with_dense"), mean(name, "first_token_top1_agreement"),
-                         mean(name, "extra_prefill_tokens_per_request"))
+                         mean(name, "extra_prefill_tokens_per_request"), mean(name, "accuracy"),
+                         mean(name, "recomputed_span_share"))
             for name, mode in modes.items() if name != REFERENCE]
 
 
@@ -101,26 +117,48 @@ class _Printer(Progress):
               flush=True)
 
 
-def print_report(scores: dict[str, dict[str, TaskModeResult]], per_setting: list[SettingScore], pick: SettingScore,
-                 tolerance: float) -> None:
-    head = f"{'task':<15} {'setting':<15} {'accuracy':>8} {'agree':>6} {'top1':>6} {'extra tok/req':>13}"
+def print_table(title: str, scores: dict[str, dict[str, TaskModeResult]], per_setting: list[SettingScore]) -> None:
+    """A row per task and setting, then each setting's means over the tasks with its server flags."""
+    head = f"{'task':<15} {'setting':<15} {'accuracy':>8} {'agree':>6} {'top1':>6} {'recomp':>6} {'extra tok/req':>13}"
     print()
+    print(title)
     print(head)
     print("-" * len(head))
     for task, by_mode in scores.items():
         for name, r in by_mode.items():
             print(f"{task:<15} {name:<15} {r.accuracy:>8.2f} {r.agreement_with_dense:>6.2f} "
-                  f"{r.first_token_top1_agreement:>6.2f} {r.extra_prefill_tokens_per_request:>13.1f}")
+                  f"{r.first_token_top1_agreement:>6.2f} {r.recomputed_span_share:>6.2f} "
+                  f"{r.extra_prefill_tokens_per_request:>13.1f}")
     print("-" * len(head))
     for s in per_setting:
-        print(f"{'mean':<15} {s.name:<15} {'':>8} {s.agreement:>6.2f} {s.top1:>6.2f} {s.extra_tokens:>13.1f}   "
-              f"{s.mode.server_flags()}")
+        print(f"{'mean':<15} {s.name:<15} {s.accuracy:>8.2f} {s.agreement:>6.2f} {s.top1:>6.2f} "
+              f"{s.recomputed_share:>6.2f} {s.extra_tokens:>13.1f}   {s.mode.server_flags()}")
+
+
+def print_choice(per_setting: list[SettingScore], pick: SettingScore, tolerance: float) -> None:
     best = max(per_setting, key=lambda s: s.agreement)
     print()
     print(f"rule: {RULE.format(tol=tolerance)} (here {best.name}, {best.agreement:.2f})")
-    print(f"recommended: {pick.name}: agreement with dense {pick.agreement:.2f}, "
+    print(f"recommended: {pick.name}: agreement with dense {pick.agreement:.2f} on the tuning items, "
           f"{pick.extra_tokens:.1f} extra prefill tokens per request over isolated spans")
+
+
+def print_heldout(pick: SettingScore, heldout: SettingScore, dense_accuracy: float) -> None:
+    print()
+    print(f"held out: {pick.name}: agreement with dense {heldout.agreement:.2f} (tuning {pick.agreement:.2f}), "
+          f"accuracy {heldout.accuracy:.2f} (dense {dense_accuracy:.2f})")
     print(f"server flags: {pick.mode.server_flags()}")
+
+
+def _lengths(p: argparse.ArgumentParser, flag: str, text: str, minimum: int) -> list[int]:
+    """A flag's comma-separated token counts: distinct integers of at least `minimum`, else the parser's error."""
+    try:
+        lengths = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        p.error(f"{flag} must be comma-separated integers, got {text!r}")
+    if (lengths and min(lengths) < minimum) or len(set(lengths)) < len(lengths):
+        p.error(f"{flag} must list distinct integers >= {minimum}")
+    return lengths
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,6 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--head-tokens", default="0,16,32,64",
                    help="comma-separated head lengths K tried behind the anchor (0: the anchor alone)")
+    p.add_argument("--seam-tokens", default="",
+                   help="comma-separated seam lengths K tried behind the anchor: head and tail of K each (none by "
+                        "default, to keep the run short; e.g. 16)")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="how far below the best mean agreement with dense a recommended setting may be")
     p.add_argument("--batch-size", type=int, default=16, help="requests per Engine.generate call")
@@ -147,45 +188,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.tasks) - set(TASKS))
     if unknown or not args.tasks:
         p.error(f"unknown or no tasks {unknown}; choose from {', '.join(TASKS)}")
-    try:
-        args.head_tokens = [int(k) for k in args.head_tokens.split(",") if k.strip()]
-    except ValueError:
-        p.error(f"--head-tokens must be comma-separated integers, got {args.head_tokens!r}")
-    if not args.head_tokens or min(args.head_tokens) < 0 or len(set(args.head_tokens)) < len(args.head_tokens):
-        p.error("--head-tokens must list distinct integers >= 0")
+    args.head_tokens = _lengths(p, "--head-tokens", args.head_tokens, minimum=0)
+    args.seam_tokens = _lengths(p, "--seam-tokens", args.seam_tokens, minimum=1)
+    if not args.head_tokens:
+        p.error("--head-tokens must list at least one length")
     if args.samples < 1 or args.batch_size < 1 or not 0 <= args.tolerance <= 1:
         p.error("--samples and --batch-size must be positive and --tolerance in [0, 1]")
     return args
 
 
-def main(argv: list[str] | None = None) -> SettingScore:
+def _workloads(args: argparse.Namespace, model_dir: str,
+               tokenizer_dir: str) -> tuple[PromptBuilder, dict[str, Workload]]:
+    """The prompt builder and each split's items (SPLITS)."""
+    print(f"building {args.samples} tuning and {args.samples} held-out prompts per task for {', '.join(args.tasks)} "
+          f"with the tokenizer of {tokenizer_dir}", flush=True)
+    tasks = {t: TASKS[t] for t in args.tasks}
+    try:
+        builder = PromptBuilder(model_dir, tokenizer_dir, args.chat_template)
+        return builder, {split: Workload.build(tasks, args.samples, args.seed, args.sizes, builder, split)
+                         for split in SPLITS}
+    except ValueError as e:
+        sys.exit(f"error: the prompts could not be built: {e}\n(--chat-template picks a template, a built-in name "
+                 "or a file; --tasks leaves out tool_selection for a template that does not render tools)")
+
+
+def _scores(modes: dict[str, Mode], workload: Workload, builder: PromptBuilder, engine_kwargs: dict[str, Any],
+            batch_size: int) -> dict[str, dict[str, TaskModeResult]]:
+    runs = run_modes(modes, workload, builder, engine_kwargs, RunConfig(batch_size=batch_size),
+                     _Printer(modes, workload))
+    return results(runs, workload)
+
+
+def main(argv: list[str] | None = None) -> Recommendation:
     args = parse_args(argv)
     if args.model_path is None:
         print("no --model-path: using the embedded default model (its first use assembles and converts it, "
               "about a minute)", flush=True)
     model_dir, tokenizer_dir = model_dirs(args.model_path, args.tokenizer_path, args.load_format)
-    print(f"building {args.samples} prompts per task for {', '.join(args.tasks)} with the tokenizer of "
-          f"{tokenizer_dir}", flush=True)
-    try:
-        builder = PromptBuilder(model_dir, tokenizer_dir, args.chat_template)
-        workload = Workload.build({t: TASKS[t] for t in args.tasks}, args.samples, args.seed, args.sizes, builder)
-    except ValueError as e:
-        sys.exit(f"error: the prompts could not be built: {e}\n(--chat-template picks a template, a built-in name "
-                 "or a file; --tasks leaves out tool_selection for a template that does not render tools)")
-    modes = settings(args.head_tokens)
+    builder, workloads = _workloads(args, model_dir, tokenizer_dir)
     engine_kwargs: dict[str, Any] = {
         "model_path": model_dir, "tokenizer_path": tokenizer_dir, "load_format": args.load_format,
         "dtype": args.dtype, "device": args.device, "chat_template": args.chat_template, "random_seed": args.seed,
     }
     if args.max_total_tokens is not None:
         engine_kwargs["max_total_tokens"] = args.max_total_tokens
-    runs = run_modes(modes, workload, builder, engine_kwargs, RunConfig(batch_size=args.batch_size),
-                     _Printer(modes, workload))
-    scores = results(runs, workload)
+    modes = settings(args.head_tokens, args.seam_tokens)
+    print("tuning: every setting on the tuning items", flush=True)
+    scores = _scores(modes, workloads["tuning"], builder, engine_kwargs, args.batch_size)
     per_setting = setting_scores(scores, modes)
     pick = recommend(per_setting, args.tolerance)
-    print_report(scores, per_setting, pick, args.tolerance)
-    return pick
+    print(f"held out: {pick.name} (chosen on the tuning items), dense and isolated spans on the held-out items",
+          flush=True)
+    checked = {name: modes[name] for name in (REFERENCE, BASELINE, pick.name)}
+    held_scores = _scores(checked, workloads["heldout"], builder, engine_kwargs, args.batch_size)
+    held = {s.name: s for s in setting_scores(held_scores, checked)}
+    print_table("tuning items (the setting is chosen on these):", scores, per_setting)
+    print_choice(per_setting, pick, args.tolerance)
+    print_table("held-out items (never chosen on):", held_scores, list(held.values()))
+    print_heldout(pick, held[pick.name], mean_over_tasks(held_scores, REFERENCE, "accuracy"))
+    return Recommendation(pick, held[pick.name])
 
 
 if __name__ == "__main__":

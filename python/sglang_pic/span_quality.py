@@ -1,27 +1,31 @@
 """Span quality: how far answers move when each document is prefilled as a span instead of with dense attention.
 
 Shared by `python -m sglang_pic.check_span_quality` (a quick run on the user's model) and the full benchmark
-(benchmark/bench_span_quality.py). Every item (span_quality_tasks.py) is rendered once through the server's own
-chat rendering (tools as spans, as with `tool_spans: true`) and tokenized by the engine's segmenter. A mode says
-how the prompt is sent and which Engine settings serve it:
-  dense         the prompt's token ids with the markers dropped (the same ids the spans have), full attention;
-  naive         the marked prompt: each document a span prefilled on its own (span_anchor none);
-  anchor        spans prefilled behind the model's anchor (span_anchor auto, span_policy.py);
-  headK         each request recomputes every span's first K tokens with full attention;
-  anchor+headK  both.
+(benchmark/bench_span_quality.py). Every item (span_quality_tasks.py, drawn from the tuning or the held-out seeds)
+is rendered once through the server's own chat rendering (earlier turns included; tools as spans, as with
+`tool_spans: true`) and tokenized by the engine's segmenter. A mode says how the prompt is sent and which Engine
+settings serve it:
+  dense          the prompt's token ids with the markers dropped (the same ids the spans have), full attention;
+  naive          the marked prompt: each document a span prefilled on its own (span_anchor none);
+  anchor         spans prefilled behind the model's anchor (span_anchor auto, span_policy.py);
+  headK          each request recomputes every span's first K tokens with full attention (span_head_tokens);
+  tailK          likewise its last K tokens (span_tail_tokens);
+  seamsK         both, K each: the span's two seams;
+  anchor+...     the anchor with a head, tail or seams.
 
 Each mode runs every task through one Engine (its cache shared across the samples, as in real use), greedy, in
 batches, and is shut down before the next starts. Per task and mode: accuracy against the gold answers; agreement
 with the dense answers (same `judge` key); the first token's top-1 agreement with dense and KL(dense || mode) of
-its distribution; computed prefill tokens per request and the extra over naive spans. The KL is over dense's top-K
-first tokens plus one bucket for the rest of the vocabulary (each mode returns its logprobs of those ids via
-token_ids_logprob): a lower bound on the full KL that is exact when the top K hold all of dense's mass.
+its distribution; computed prefill tokens per request and the extra over naive spans; the share of span tokens the
+requests recomputed (meta_info's recomputed_span_tokens over the prompts' span tokens; dense attends every
+document token fully, so its share is 1). The KL is over dense's top-K first tokens plus one bucket for the rest
+of the vocabulary (each mode returns its logprobs of those ids via token_ids_logprob): a lower bound on the full KL
+that is exact when the top K hold all of dense's mass.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -37,7 +41,7 @@ from sglang_pic.frontend_lang import strip_markers
 from sglang_pic.managers.request_builder import RequestBuilder
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.span_quality_tasks import Item, Task, TaskSizes, judge
+from sglang_pic.span_quality_tasks import Item, Task, TaskSizes, item_seed, judge
 from sglang_pic.tokenizer import load_tokenizer
 
 
@@ -59,21 +63,33 @@ REFERENCE = "dense"  # the answers and first-token distributions the other modes
 BASELINE = "naive"  # extra prefill tokens are counted over this mode's
 
 
-def span_mode(anchor: str, head_tokens: int) -> Mode:
-    return Mode("spans", {"span_anchor": anchor, "span_head_tokens": head_tokens})
+def span_mode(anchor: str, head_tokens: int, tail_tokens: int = 0) -> Mode:
+    """Spans under these Engine settings (a tail of 0 is the server's default, so it is not passed)."""
+    kwargs: dict[str, Any] = {"span_anchor": anchor, "span_head_tokens": head_tokens}
+    if tail_tokens:
+        kwargs["span_tail_tokens"] = tail_tokens
+    return Mode("spans", kwargs)
 
 
-def span_mode_name(anchor: str, head_tokens: int) -> str:
-    """naive, anchor, headK or anchor+headK."""
-    if head_tokens == 0:
-        return "anchor" if anchor == "auto" else BASELINE
-    return ("anchor+" if anchor == "auto" else "") + f"head{head_tokens}"
+def span_mode_name(anchor: str, head_tokens: int, tail_tokens: int = 0) -> str:
+    """naive, anchor, headK, tailK, seamsK (a head and a tail of K each) or headK+tailJ, the last four after
+    `anchor+` when the anchor is on."""
+    if head_tokens and head_tokens == tail_tokens:
+        parts = [f"seams{head_tokens}"]
+    else:
+        parts = [f"{what}{k}" for what, k in (("head", head_tokens), ("tail", tail_tokens)) if k]
+    if anchor == "auto":
+        parts.insert(0, "anchor")
+    return "+".join(parts) or BASELINE
 
 
-_SPAN_SETTINGS = (("none", 0), ("auto", 0), ("none", 8), ("none", 32), *(("auto", k) for k in (4, 8, 16, 32, 64)))
+_SPAN_SETTINGS = (
+    ("none", 0, 0), ("auto", 0, 0), ("none", 8, 0), ("none", 32, 0),
+    *(("auto", k, 0) for k in (4, 8, 16, 32, 64)), *(("auto", k, k) for k in (8, 16, 32)),
+)
 MODES: dict[str, Mode] = {
     REFERENCE: Mode("dense"),
-    **{span_mode_name(a, k): span_mode(a, k) for a, k in _SPAN_SETTINGS},
+    **{span_mode_name(*setting): span_mode(*setting) for setting in _SPAN_SETTINGS},
 }
 
 
@@ -94,16 +110,12 @@ def sizes_from_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         parser.error(str(e))
 
 
-def item_seed(seed: int, task: str) -> int:
-    """A task's generator seed: independent of which other tasks run, so a subset draws the same items."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{task}".encode()).digest()[:4], "little")
-
-
 @dataclass(frozen=True)
 class Prompt:
     marked: str  # the rendered chat prompt, documents (and tools) marked as spans
     ids: list[int]  # the engine's token ids for it: the dense prompt
     plain_ids_match: bool  # whether tokenizing strip_markers(marked) whole gives `ids` too
+    span_tokens: int  # tokens of its span segments: documents and tools
 
 
 class PromptBuilder:
@@ -122,15 +134,18 @@ class PromptBuilder:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def build(self, item: Item) -> Prompt:
+        turns = [{"role": t.role, "content": t.content} for t in item.earlier]
         body = ChatCompletionRequest(
-            messages=[{"role": "system", "content": item.system}, {"role": "user", "content": item.user}],
+            messages=[{"role": "system", "content": item.system}, *turns, {"role": "user", "content": item.user}],
             tools=list(item.tools) or None,
             tool_spans=bool(item.tools),
         )
         marked = render_chat(body, self.tokenizer, self.chat_template, self.args)
-        ids = [t for seg in self.request_builder.tokenize(marked) for t in seg.token_ids]
+        segments = self.request_builder.tokenize(marked)
+        ids = [t for seg in segments for t in seg.token_ids]
         plain = self.tokenizer(strip_markers(marked), add_special_tokens=True)["input_ids"]
-        return Prompt(marked, ids, list(plain) == ids)
+        spans = sum(len(seg.token_ids) for seg in segments if seg.kind == "span")
+        return Prompt(marked, ids, list(plain) == ids, spans)
 
     def tool_calls(self, item: Item, reply: str) -> list:
         if not item.tools or self.tool_parser is None:
@@ -140,17 +155,18 @@ class PromptBuilder:
 
 @dataclass(frozen=True)
 class Workload:
-    """Each task's items and their prompts."""
+    """Each task's items of one split (span_quality_tasks.SPLITS) and their prompts."""
 
     tasks: dict[str, Task]
+    split: str
     items: dict[str, list[Item]]
     prompts: dict[str, list[Prompt]]
 
     @classmethod
     def build(cls, tasks: dict[str, Task], samples: int, seed: int, sizes: TaskSizes,
-              builder: PromptBuilder) -> Workload:
-        items = {t: task.make(samples, item_seed(seed, t), sizes, builder.count) for t, task in tasks.items()}
-        return cls(tasks, items, {t: [builder.build(it) for it in items[t]] for t in tasks})
+              builder: PromptBuilder, split: str) -> Workload:
+        items = {t: task.make(samples, item_seed(seed, t, split), sizes, builder.count) for t, task in tasks.items()}
+        return cls(tasks, split, items, {t: [builder.build(it) for it in items[t]] for t in tasks})
 
     def requests(self) -> int:
         return sum(len(v) for v in self.items.values())
@@ -168,6 +184,8 @@ class Record:
     first_logprobs: dict[int, float]  # over the reference's top-K first tokens (the reference: its own top K)
     prompt_tokens: int
     computed_tokens: int
+    span_tokens: int  # the prompt's
+    recomputed_span_tokens: int  # of those, the ones the request computed itself with full attention
 
 
 @dataclass
@@ -204,6 +222,11 @@ def _first_logprobs(meta: dict[str, Any], asked: bool) -> dict[int, float]:
     return {tok: lp for lp, tok, _ in row}
 
 
+def _recomputed_span_tokens(mode: Mode, prompt: Prompt, meta: dict[str, Any]) -> int:
+    """Dense sends no spans: every document token attends fully, as if each span were recomputed whole."""
+    return prompt.span_tokens if mode.marking == "dense" else meta["recomputed_span_tokens"]
+
+
 def run_task(
     engine: Engine, mode: Mode, builder: PromptBuilder, items: list[Item], prompts: list[Prompt],
     max_new_tokens: int, reference: list[Record] | None, config: RunConfig, progress: Progress,
@@ -236,6 +259,7 @@ def run_task(
                 reply=out["text"], correct=right, key=key, first_token=out["output_ids"][0],
                 first_logprobs=_first_logprobs(meta, reference is not None),
                 prompt_tokens=meta["prompt_tokens"], computed_tokens=meta["prompt_tokens"] - meta["cached_tokens"],
+                span_tokens=prompt.span_tokens, recomputed_span_tokens=_recomputed_span_tokens(mode, prompt, meta),
             ))
         progress.requests_done(len(batch))
     return records, wall
@@ -284,6 +308,8 @@ class TaskModeResult:
     prompt_tokens_per_request: float
     computed_prefill_tokens_per_request: float
     extra_prefill_tokens_per_request: float | None
+    span_tokens_per_request: float
+    recomputed_span_share: float  # recomputed span tokens over span tokens, all requests together
     wall_s: float
     accuracy_by_depth: dict[str, float] | None = None
     examples: list[dict[str, Any]] = field(default_factory=list)
@@ -302,6 +328,10 @@ def _mean(values: list) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else float("nan")
+
+
 def summarize(
     records: list[Record], items: list[Item], wall: float, reference: list[Record] | None,
     baseline: list[Record] | None, examples: int,
@@ -318,6 +348,9 @@ def summarize(
         extra_prefill_tokens_per_request=(
             computed - _mean([r.computed_tokens for r in baseline]) if baseline is not None else None
         ),
+        span_tokens_per_request=_mean([r.span_tokens for r in records]),
+        recomputed_span_share=_share(sum(r.recomputed_span_tokens for r in records),
+                                     sum(r.span_tokens for r in records)),
         wall_s=wall,
         examples=[{"reply": r.reply, "gold": asdict(i.gold), "correct": r.correct}
                   for r, i in zip(records[:examples], items)],
@@ -346,6 +379,12 @@ def results(runs: dict[str, ModeRun], workload: Workload, examples: int = 0) -> 
             for m, run in runs.items()}
         for t in workload.tasks
     }
+
+
+def mean_over_tasks(scores: dict[str, dict[str, TaskModeResult]], mode: str, name: str) -> float | None:
+    """A mode's field `name` averaged over the tasks, each weighing the same (None where a task has none)."""
+    values = [getattr(by_mode[mode], name) for by_mode in scores.values()]
+    return None if any(v is None for v in values) else _mean(values)
 
 
 def reference_topk_mass(runs: dict[str, ModeRun], task: str) -> float | None:
