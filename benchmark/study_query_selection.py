@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from sglang_pic.engine import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.model_loader.loader import model_dirs
+from sglang_pic.radix_ext.segments import normalize_runs
 from sglang_pic.span_quality import PromptBuilder, add_size_flags, sizes_from_flags
 from sglang_pic.span_quality_tasks import SPLITS, item_seed, judge
 
@@ -128,18 +129,8 @@ def select_runs(scores: list[list[float]], fraction: float, unit: str = "tokens"
             runs[s], chosen = [(0, len(scores[s]))], chosen + len(scores[s])
         return runs
     ranked = sorted(((v, s, j) for s, row in enumerate(scores) for j, v in enumerate(row)), reverse=True)
-    keep = round(fraction * len(ranked))
-    chosen = [sorted(j for _, s2, j in ranked[:keep] if s2 == s) for s in range(len(scores))]
-    runs = []
-    for offsets in chosen:
-        spans: list[tuple[int, int]] = []
-        for j in offsets:
-            if spans and spans[-1][0] + spans[-1][1] == j:
-                spans[-1] = (spans[-1][0], spans[-1][1] + 1)
-            else:
-                spans.append((j, 1))
-        runs.append(spans)
-    return runs
+    keep = ranked[: round(fraction * len(ranked))]
+    return [list(normalize_runs([(j, 1) for _, s2, j in keep if s2 == s], len(row))) for s, row in enumerate(scores)]
 
 
 def with_runs(marked: str, ssep: str, settings_marker: str, runs: list[list[tuple[int, int]]]) -> str:

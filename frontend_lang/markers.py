@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sglang_pic.span_policy import SETTING_FIELDS, SPAN_ONLY_FIELDS, check_settings, format_settings
+from sglang_pic.span_policy import check_settings, format_settings
 
 SSEP_MARKER = "<|ssep|>"
 PDEP_MARKER = "<|pdep|>"
@@ -47,7 +47,7 @@ def span(
         raise ValueError("span text is empty")
     settings = {"span_anchor": anchor, "span_head_tokens": head_tokens, "span_tail_tokens": tail_tokens,
                 "span_recompute": None if recompute is None else [list(run) for run in recompute]}
-    check_settings(settings, SETTING_FIELDS + SPAN_ONLY_FIELDS)
+    check_settings(settings)
     given = any(v is not None for v in settings.values())
     own = SPAN_SETTINGS_MARKER + format_settings(settings) if given else ""
     return SSEP_MARKER + own + text + PDEP_MARKER

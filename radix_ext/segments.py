@@ -99,10 +99,9 @@ def canonicalize(segments: Sequence[Segment]) -> list[Segment]:
 
     PDEP text with no span before it sees only causal text, so its KV is plain prefix KV: it joins the prefix.
     Adjacent PDEP segments attend exactly like one, and an empty prefix or PDEP carries nothing. A span recomputed
-    whole with full attention is PDEP text. A prompt that ends in a span from a job
-    ends in PDEP text one token long, since the request computes its last token itself (its logits give the first
-    output token) and cannot do so behind the span's anchor. Equal prompts thus get equal keys however their
-    markers were written.
+    whole with full attention is PDEP text. A prompt that ends in a span from a job ends in PDEP text one token
+    long, since the request computes its last token itself (its logits give the first output token) and cannot do
+    so behind the span's anchor. Equal prompts thus get equal keys however their markers were written.
     """
     segments = _last_token_own(segments)
     out: list[Segment] = []

@@ -31,7 +31,7 @@ from typing import Any
 DEFAULT_HEAD_TOKENS = 64
 ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
 SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens")
-SPAN_ONLY_FIELDS = ("span_recompute",)  # settings a span may carry but a request or the server may not
+SPAN_FIELDS = (*SETTING_FIELDS, "span_recompute")  # a span's own settings: the request's, and its exact runs
 _SENTINEL = "\u2063sglang-pic-span\u2063"
 
 
@@ -59,11 +59,12 @@ class SpanPolicy:
         return prefix if self.anchor_is_prefix else self.anchor
 
 
-def check_settings(settings: Mapping[str, Any], names: tuple[str, ...] = SETTING_FIELDS) -> None:
-    """Refuse a setting (one of `names`; a None value: not given) with a ValueError naming the field."""
+def check_settings(settings: Mapping[str, Any]) -> None:
+    """Refuse a setting (one of SPAN_FIELDS; a None value: not given) with a ValueError naming the field. Requests
+    and the server carry SETTING_FIELDS only, so only a span's own settings can hold span_recompute."""
     for name, value in settings.items():
-        if name not in names:
-            raise ValueError(f"unknown span setting {name!r}; a span takes {', '.join(names)}")
+        if name not in SPAN_FIELDS:
+            raise ValueError(f"unknown span setting {name!r}; a span takes {', '.join(SPAN_FIELDS)}")
         if value is None:
             continue
         if name == "span_anchor" and value not in ANCHOR_CHOICES:
@@ -82,13 +83,13 @@ def _is_runs(value: Any) -> bool:
 
 
 def format_settings(settings: Mapping[str, Any]) -> str:
-    """A span's own settings (SETTING_FIELDS; None: not given) as the JSON object after its settings marker."""
+    """A span's own settings (SPAN_FIELDS; None: not given) as the JSON object after its settings marker."""
     return json.dumps({k: v for k, v in settings.items() if v is not None}, separators=(",", ":"))
 
 
 def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
     """A span's text after its marker as (its own settings, its text): settings are `marker` then a JSON object
-    of SETTING_FIELDS (values are checked where the request's are)."""
+    of SPAN_FIELDS (values are checked where the request's are)."""
     if not body.startswith(marker):
         return None, body
     try:
@@ -97,7 +98,7 @@ def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
         raise ValueError(f"a span's settings after {marker!r} are not JSON: {e.msg}") from None
     if not isinstance(settings, dict):
         raise ValueError(f"a span's settings after {marker!r} must be a JSON object, got {settings!r}")
-    check_settings({name: None for name in settings}, SETTING_FIELDS + SPAN_ONLY_FIELDS)
+    check_settings({name: None for name in settings})
     return settings, body[end:]
 
 

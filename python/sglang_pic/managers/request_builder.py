@@ -17,7 +17,7 @@ from sglang_pic.radix_ext.segments import Segment, canonicalize, recompute_names
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.span_policy import SETTING_FIELDS, SPAN_ONLY_FIELDS, SpanPolicy, anchor_tokens, check_settings
+from sglang_pic.span_policy import SpanPolicy, anchor_tokens, check_settings
 from sglang_pic.tokenizer import fast_decode
 
 
@@ -226,12 +226,13 @@ class RequestBuilder:
         return SpanPolicy(anchor, head, tail_tokens=tail)
 
     def _span_policy(self, settings: Mapping[str, Any], base: SpanPolicy | None = None) -> SpanPolicy:
-        """`base` (the server's settings) with the settings (SETTING_FIELDS) a request or a span gives replaced."""
+        """`base` (the server's settings) with the settings (span_policy.SPAN_FIELDS) a request or a span gives
+        replaced."""
         base = self.span_policy if base is None else base
         given = {name: value for name, value in settings.items() if value is not None}
         if not given:
             return base
-        check_settings(given, SETTING_FIELDS + SPAN_ONLY_FIELDS)
+        check_settings(given)
         if self.server_args.disable_pic:  # no spans: nothing the settings would change
             return SpanPolicy()
         head = given.get("span_head_tokens", base.head_tokens)
