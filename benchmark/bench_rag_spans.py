@@ -178,6 +178,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--span-anchor", help="the server's --span-anchor for the span modes (default: its default)")
     p.add_argument("--span-head-tokens", type=int,
                    help="the server's --span-head-tokens for the span modes (default: its default)")
+    p.add_argument("--span-query-share", type=float,
+                   help="the server's --span-query-share for the span modes (default: its default, no probe)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="commit each step's tokens before launching the next")
     p.add_argument("--disable-shared-decode", action="store_true",
@@ -211,6 +213,8 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
         kwargs["span_anchor"] = args.span_anchor
     if args.span_head_tokens is not None:
         kwargs["span_head_tokens"] = args.span_head_tokens
+    if args.span_query_share is not None:
+        kwargs["span_query_share"] = args.span_query_share
     return kwargs
 
 

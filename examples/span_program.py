@@ -14,11 +14,19 @@ DOCS = [
     "Kiroku is a small software company that makes a note-taking app for researchers. It was founded in 2015 in "
     "Kyoto by Mei Tanaka, who was born in Lyon, France, and moved to Japan to study computer science. The company "
     "has 40 employees, most of them engineers, and its app stores notes as plain text files so that they can be "
-    "read without it. In 2021 Kiroku opened a second office in Osaka.",
+    "read without it. In 2021 Kiroku opened a second office in Osaka, close to two universities whose labs use "
+    "the app. The next year it released a version for tablets that can sync notes between devices without any "
+    "server, and it now sells yearly licences to libraries and research institutes in twelve countries. Its "
+    "engineers meet once a month with the scientists who use the app most, and every feature of the last three "
+    "releases, from the citation search to the shared notebooks, started as a request made at one of those meetings.",
     "Brightleaf is a solar panel company based in Porto, Portugal. Alice Martin founded it in 2009 after ten years "
     "as an electrical engineer at a power utility. Brightleaf designs panels for the roofs of old buildings, where "
     "weight limits rule out standard panels, and it employs about 300 people. Most of its panels are sold in Spain "
-    "and Portugal, and the company plans to open a factory in Braga.",
+    "and Portugal, and the company plans to open a factory in Braga. Its panels are lighter than most because "
+    "they use a thin glass front and an aluminium frame, and each one comes with a twenty-year warranty. In 2022 "
+    "Brightleaf won a national prize for fitting panels to the roof of a nineteenth-century market hall in Lisbon. "
+    "The company also trains roofers to install its panels, runs a repair service for them, and buys old panels back "
+    "so that their glass and aluminium can be recycled at a plant it shares with two other manufacturers near Aveiro.",
 ]
 
 

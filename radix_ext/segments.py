@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -31,7 +32,7 @@ SegmentKind = Literal["prefix", "span", "pdep"]
 SPAN_NAMESPACE = "span"
 PDEP_NAMESPACE_PREFIX = "pdep:"
 _KINDS = ("prefix", "span", "pdep")
-_HASH_TAG = b"sglang_pic.segments.v3\0"
+_HASH_TAG = b"sglang_pic.segments.v4\0"
 Runs = tuple[tuple[int, int], ...]  # (offset, length) runs of a segment's tokens, sorted and apart
 
 
@@ -59,12 +60,15 @@ class Segment:
     # this text (a span recomputed whole, a span's last token). They attend and are keyed as this text; the runs
     # only let a request count the span tokens it computes itself. Not part of any key.
     span_runs: Runs = ()
+    # Spans only: the share of its tokens the request's probe adds to `recompute` (span_policy's query_share). Not
+    # part of any key: the runs it chooses are.
+    query_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"unknown segment kind {self.kind!r}; expected one of {_KINDS}")
-        if self.kind != "span" and (self.anchor or self.recompute):
-            raise ValueError(f"a {self.kind} segment has no anchor or recomputed runs; only spans do")
+        if self.kind != "span" and (self.anchor or self.recompute or self.query_share):
+            raise ValueError(f"a {self.kind} segment has no anchor, recomputed runs or query share; only spans do")
         if self.kind == "span" and self.span_runs:
             raise ValueError("a span has no span runs; only the text that spans turn into does")
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
@@ -75,7 +79,7 @@ class Segment:
     def from_job(self) -> bool:
         """Whether a span's KV can only come from a span job: an anchor is not in any request's row, and the
         shared tokens after a recomputed run were computed behind the span's own tokens, not the request's."""
-        return bool(self.anchor) or bool(self.recompute)
+        return bool(self.anchor) or bool(self.recompute) or self.query_share > 0
 
     @property
     def recomputed_whole(self) -> bool:
@@ -133,7 +137,8 @@ def _last_token_own(segments: Sequence[Segment]) -> list[Segment]:
     last = max((i for i, s in enumerate(out) if s.token_ids), default=None)
     if last is not None and out[last].kind == "span" and out[last].from_job:
         seg = out[last]
-        rest = [Segment("span", seg.token_ids[:-1], seg.anchor, seg.recompute)] if len(seg.token_ids) > 1 else []
+        rest = [Segment("span", seg.token_ids[:-1], seg.anchor, seg.recompute, query_share=seg.query_share)] \
+            if len(seg.token_ids) > 1 else []
         out[last : last + 1] = [*rest, Segment("pdep", seg.token_ids[-1:], span_runs=((0, 1),))]
     return out
 
@@ -150,13 +155,22 @@ def _check_canonical(segments: Sequence[Segment]) -> None:
             raise ValueError(f"segment {i} ({seg.kind}) is not in canonical form; call canonicalize() first")
 
 
-def _encode(seg: Segment) -> bytes:
-    """Kind, length, tokens, then anchor length, anchor, the number of recomputed runs and their (offset, length)
-    pairs, as little-endian int64: self-delimiting, so a sequence of records is unambiguous."""
-    n, m, r = len(seg.token_ids), len(seg.anchor), len(seg.recompute)
-    runs = [x for run in seg.recompute for x in run]
+def _token_hasher(tokens: Sequence[int]):
+    return hashlib.sha256(array("q", tokens).tobytes())
+
+
+def _encode(seg: Segment, length: int | None = None, tokens_digest: bytes | None = None) -> bytes:
+    """Kind, length, the sha256 of the tokens (int64s), then anchor length, anchor, the number of recomputed runs and
+    their (offset, length) pairs, as little-endian int64: self-delimiting, so a sequence of records is unambiguous.
+    `length` and `tokens_digest`: the record of the segment cut to its first `length` tokens, whose digest the caller
+    has (a running hash over the tokens makes every cut of a span one pass: recompute_namespaces)."""
+    n = len(seg.token_ids) if length is None else length
+    digest = tokens_digest if tokens_digest is not None else _token_hasher(seg.token_ids).digest()
+    cut = seg.recompute if length is None else normalize_runs(seg.recompute, n)  # as the cut Segment holds them
+    m, r = len(seg.anchor), len(cut)
+    runs = [x for run in cut for x in run]
     return struct.pack(
-        f"<BQ{n}qQ{m}qQ{2 * r}q", _KINDS.index(seg.kind), n, *seg.token_ids, m, *seg.anchor, r, *runs
+        f"<BQ32sQ{m}qQ{2 * r}q", _KINDS.index(seg.kind), n, digest, m, *seg.anchor, r, *runs
     )
 
 
@@ -192,11 +206,13 @@ def recompute_namespaces(segments: Sequence[Segment]) -> list[tuple[str, ...]]:
     h = _structure_hasher(())
     out = []
     for seg in segments:
-        spaces = []
+        spaces, tokens, at = [], _token_hasher(()), 0
         for start, _ in seg.recompute:
             cut = h.copy()
             if start:
-                cut.update(_encode(Segment("span", seg.token_ids[:start], seg.anchor, seg.recompute)))
+                tokens.update(array("q", seg.token_ids[at:start]).tobytes())
+                at = start
+                cut.update(_encode(seg, start, tokens.digest()))
             spaces.append(PDEP_NAMESPACE_PREFIX + cut.hexdigest())
         out.append(tuple(spaces))
         h.update(_encode(seg))

@@ -1,7 +1,7 @@
 """GPU: the FlashInfer backend against the Triton backend on a tiny model, in bf16 (FlashInfer's kernels take no
 float32): prompt logprobs through isolated spans and PDEP, and the logprobs of the greedy tokens through anchored
-spans and recomputed heads, agree within the difference between two of our own backends (torch_native and
-Triton); decode steps replay FlashInfer's graph-mode decode."""
+spans, recomputed heads and a probe pass (span query shares), agree within the difference between two of our own
+backends (torch_native and Triton); decode steps replay FlashInfer's graph-mode decode."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ ISOLATED = [  # prompt logprobs may cover these spans: the request computes or r
 ANCHORED = [  # spans served from span jobs (anchor, recomputed head): compared on their outputs
     "System." + span(DOCS[0], anchor="none", head_tokens=0) + span(DOCS[1]) + pdep(" Question: which city?"),
     "Other." + span(DOCS[1], anchor="none", head_tokens=0) + span(DOCS[0], head_tokens=4) + pdep(" Answer:"),
+    "Probe." + span(DOCS[0], query_share=0.3) + span(DOCS[1], query_share=0.3) + pdep(" Which city?"),
 ]
 PARAMS = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 

@@ -95,6 +95,7 @@ ENGINE_CASES = [
     "shared_decode_tp2_engine",
     "shared_decode_common_prefix_engine",
     "shared_decode_static_plan",
+    "span_probe_engine",
 ]
 
 
@@ -157,6 +158,13 @@ def test_shared_decode_in_the_engine_gives_the_same_tokens(worker: InterpreterWo
 def test_shared_decode_in_the_engine_with_tp2_or_a_common_prefix(worker: InterpreterWorker, name: str) -> None:
     entry = _entry(worker, name)
     assert entry["identical"] and entry["shared_steps"] > 0
+
+
+@pytest.mark.slow  # two engines prefilling under the interpreter
+def test_span_probe_chooses_alike_through_the_triton_backend(worker: InterpreterWorker) -> None:
+    assert _entry(worker, "span_probe_engine") == {
+        "dtype": "float32", "nan": False, "probed": 4, "same_choice": True, "identical": True,
+    }
 
 
 def test_shared_decode_static_plan_keeps_the_live_rows(worker: InterpreterWorker) -> None:

@@ -186,7 +186,7 @@ def test_information_routes(server):
         assert info["port"] == int(server.url.rsplit(":", 1)[1])
         # One model path for both routes; the settings chosen at start-up are shown as they were chosen.
         assert info["model_path"] == server.get("/get_model_info").json()["model_path"]
-        assert (info["span_head_tokens"], info["attention_backend"], info["device"]) == (64, "torch_native", "cpu")
+        assert (info["span_head_tokens"], info["attention_backend"], info["device"]) == (128, "torch_native", "cpu")
         state = info["internal_states"][0]
         assert state["max_total_num_tokens"] == 4096
         assert {"available_tokens", "evictable_tokens", "token_usage", "num_running_reqs"} <= set(state)

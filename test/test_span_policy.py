@@ -215,22 +215,30 @@ def _span_slots(engine: Engine, text: str, anchor: str) -> torch.Tensor:
     return engine.scheduler.tree.match_prefix(RadixKey(tokens, namespace)).device_indices
 
 
+def span_kv(engine: Engine, text: str) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The slots of an anchored span in the tree and a copy of their keys and values in every layer."""
+    slots = _span_slots(engine, text, "auto")
+    pool = engine.scheduler.runner.token_to_kv_pool
+    return slots, [tuple(t[slots].clone() for t in pool.get_kv_buffer(i)) for i in range(pool.layer_num)]
+
+
+def assert_span_kv_unchanged(engine: Engine, text: str, before) -> None:
+    slots, kv = span_kv(engine, text)
+    assert torch.equal(slots, before[0])
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv, before[1]))
+
+
 @pytest.mark.parametrize("selection", ["head3", "scattered"], indirect=True)
 def test_shared_span_slots_never_change(setup, selection):
     engine, _ = setup
     engine.flush_cache()
     engine.generate("Cold." + span(DOCS[1]) + "Go.", PARAMS, span_anchor="auto", span_head_tokens=3)
-    slots = _span_slots(engine, DOCS[1], "auto")
-    pool = engine.scheduler.runner.token_to_kv_pool
-    before = [(pool.get_kv_buffer(i)[0][slots].clone(), pool.get_kv_buffer(i)[1][slots].clone())
-              for i in range(pool.layer_num)]
+    before = span_kv(engine, DOCS[1])
     texts = [f"Prefix number {i} is different." + span(DOCS[1]) + "Go." for i in range(4)]
     outs = engine.generate(texts, PARAMS, span_anchor="auto", span_head_tokens=3)
     recomputed = sum(n for _, n in SELECTIONS[selection](_span_length(engine, DOCS[1])))
     assert all(o["meta_info"]["recomputed_span_tokens"] == recomputed for o in outs)
-    assert torch.equal(_span_slots(engine, DOCS[1], "auto"), slots)
-    for i, (k, v) in enumerate(before):
-        assert torch.equal(pool.get_kv_buffer(i)[0][slots], k) and torch.equal(pool.get_kv_buffer(i)[1][slots], v)
+    assert_span_kv_unchanged(engine, DOCS[1], before)
 
 
 def _assert_accounting(engine: Engine) -> None:

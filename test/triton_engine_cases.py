@@ -118,7 +118,37 @@ def shared_decode_common_prefix_engine_case() -> dict:
     }
 
 
+def span_probe_engine_case() -> dict:
+    """The probe pass (span_query_share) through the Triton backend: its requests choose the tokens torch_native's
+    choose (the probe scores beside whichever kernel), and answer alike."""
+    from sglang_pic.engine import Engine
+    from sglang_pic.managers import span_probe
+
+    choices: dict[str, list] = {}
+    real = span_probe.choose
+    common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=2048, device="cpu",
+                  span_head_tokens=2, span_query_share=0.25)
+    params = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    outs = {}
+    for name, kw in {"torch_native": {}, "triton": dict(attention_backend="triton")}.items():
+        made = choices[name] = []
+        span_probe.choose = lambda segments, scores, made=made: made.append(real(segments, scores)) or made[-1]
+        try:
+            with Engine(**common, **kw) as e:
+                outs[name] = [o["output_ids"] for o in e.generate(_span_prompts(), params)]
+        finally:
+            span_probe.choose = real
+    return {
+        "dtype": "float32",
+        "nan": False,
+        "probed": len(choices["triton"]),
+        "same_choice": sorted(map(repr, choices["triton"])) == sorted(map(repr, choices["torch_native"])),
+        "identical": outs["triton"] == outs["torch_native"],
+    }
+
+
 ENGINE_CASES: dict[str, Callable[[], dict]] = {
+    "span_probe_engine": span_probe_engine_case,
     "kivi_engine": kivi_engine_case,
     "shared_decode_engine": shared_decode_engine_case,
     "shared_decode_tp2_engine": shared_decode_tp2_engine_case,

@@ -100,9 +100,10 @@ class Engine:
         span_anchor: str | list[str | None] | None = None,
         span_head_tokens: int | list[int | None] | None = None,
         span_tail_tokens: int | list[int | None] | None = None,
+        span_query_share: float | list[float | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
-        """SGLang's Engine.generate; span_anchor, span_head_tokens and span_tail_tokens override the server's span
-        quality settings for these prompts (span_policy.py)."""
+        """SGLang's Engine.generate; span_anchor, span_head_tokens, span_tail_tokens and span_query_share override
+        the server's span quality settings for these prompts (span_policy.py)."""
         obj = GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -118,6 +119,7 @@ class Engine:
             span_anchor=span_anchor,
             span_head_tokens=span_head_tokens,
             span_tail_tokens=span_tail_tokens,
+            span_query_share=span_query_share,
         )
         msgs = self.request_builder.build(obj)
         if stream:
@@ -236,6 +238,7 @@ class Engine:
             span_anchor=obj.span_anchor,
             span_head_tokens=obj.span_head_tokens,
             span_tail_tokens=obj.span_tail_tokens,
+            span_query_share=obj.span_query_share,
         )
 
     def get_model_info(self) -> dict[str, Any]:

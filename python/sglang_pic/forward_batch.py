@@ -24,6 +24,7 @@ from sglang_pic.utils_tensor import upload
 
 if TYPE_CHECKING:
     from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan
+    from sglang_pic.layers.attention_probe import AttentionProbe
     from sglang_pic.layers.attention_backend import AttentionBackend
     from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
@@ -132,6 +133,9 @@ class ForwardBatch:
     shared_decode: "SharedDecodePlan | None" = None
     # The backend's own dataclass of per-batch data, set by its init_forward_metadata.
     attn_metadata: Any = None
+    # Question rows whose attention every layer also scores (layers/attention_probe.py); None: none. Tensor
+    # parallelism sends it beside the packed batch (model_executor/batch_broadcast.py).
+    probe: "AttentionProbe | None" = None
 
     @classmethod
     def build(

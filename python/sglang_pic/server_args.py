@@ -222,8 +222,8 @@ class ServerArgs:
     span_settings_marker: str = _arg(
         "<|span_settings|>",
         "Text marker right after a span marker that opens the span's own settings, a JSON object with "
-        "span_anchor, span_head_tokens and/or span_tail_tokens (what span(doc, anchor=..., head_tokens=...) "
-        "writes).",
+        "span_anchor, span_head_tokens, span_tail_tokens, span_query_share and/or span_recompute (what "
+        "span(doc, anchor=..., head_tokens=...) writes).",
     )
     span_anchor: str = _arg(
         "auto",
@@ -241,6 +241,12 @@ class ServerArgs:
         0,
         "Trailing tokens of every span each request recomputes likewise; with --span-head-tokens, each span's two "
         "seams. Needs the radix cache and --page-size 1.",
+    )
+    span_query_share: float = _arg(
+        0.0,
+        "Share of each request's span tokens it also recomputes, chosen per request by a probe pass: the text after "
+        "the last span runs over the reused span KV, and the span tokens its queries attend to most are recomputed "
+        "(0: no probe). Needs the radix cache and --page-size 1.",
     )
     ssep_token_id: int = _arg(-1, "Id that stands for the span marker in input_ids.")
     pdep_token_id: int = _arg(-2, "Id that stands for the prompt-dependent marker in input_ids.")
@@ -343,11 +349,16 @@ class ServerArgs:
         for name in ("span_head_tokens", "span_tail_tokens"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        explicit = self.span_anchor not in ("auto", "none") or bool(self.span_head_tokens or self.span_tail_tokens)
+        if not 0 <= self.span_query_share <= 1:
+            raise ValueError(f"span_query_share must be in [0, 1], got {self.span_query_share}")
+        explicit = self.span_anchor not in ("auto", "none") or bool(
+            self.span_head_tokens or self.span_tail_tokens or self.span_query_share
+        )
         if explicit and not self.disable_pic and not self.spans_from_jobs():  # without PIC there are no spans
             raise ValueError(
-                "span_anchor, span_head_tokens and span_tail_tokens need the radix cache and page_size 1 (span KV "
-                "then comes from span jobs only); use span_anchor auto or none and 0 recomputed tokens here"
+                "span_anchor, span_head_tokens, span_tail_tokens and span_query_share need the radix cache and "
+                "page_size 1 (span KV then comes from span jobs only); use span_anchor auto or none and 0 recomputed "
+                "tokens here"
             )
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path

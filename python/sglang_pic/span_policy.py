@@ -11,6 +11,9 @@ full attention answers, and both keep the shared KV one unmodified copy:
   tail_tokens  likewise its last k tokens: with a head, the span's two seams (HYPIC).
   recompute    one span only: the exact (offset, length) runs of its tokens to recompute, chosen by the client
                (a selector that scored the span's tokens for this request), over head and tail.
+  query_share  the engine chooses such runs itself, per request: a probe pass runs the text after the last span
+               over the reused span KV, and the request then also recomputes this share of its span tokens, those
+               the probe's queries attended to most (ProphetKV's selection; managers/span_probe.py).
 The anchor may also be the prompt's own prefix (`prefix`: the span is keyed on it, so it is shared only behind
 that prefix, which is SGLang's parallel encoding). A span can carry its own settings in the prompt text
 (`split_settings`), over the request's, which are over the server's.
@@ -27,10 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# The recommended head for ordinary models, from benchmark/bench_span_quality.py (README, span quality table).
-DEFAULT_HEAD_TOKENS = 64
+# The recommended head for ordinary models: the cheapest setting of benchmark/bench_span_quality.py within one point
+# of dense attention on every task family (docs/results.md, span quality frontier).
+DEFAULT_HEAD_TOKENS = 128
 ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
-SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens")
+SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens", "span_query_share")
 SPAN_FIELDS = (*SETTING_FIELDS, "span_recompute")  # a span's own settings: the request's, and its exact runs
 _SENTINEL = "\u2063sglang-pic-span\u2063"
 
@@ -42,11 +46,12 @@ class SpanPolicy:
     anchor_is_prefix: bool = False  # the anchor is each prompt's prefix segment, whatever it holds
     tail_tokens: int = 0
     runs: tuple[tuple[int, int], ...] | None = None  # a span's own `span_recompute`, over head and tail
+    query_share: float = 0.0  # of the span's tokens, recomputed where the request's question attends most
 
     @property
     def from_job(self) -> bool:
         return bool(self.anchor) or self.anchor_is_prefix or self.head_tokens > 0 or self.tail_tokens > 0 \
-            or bool(self.runs)
+            or bool(self.runs) or self.query_share > 0
 
     def recompute_runs(self, length: int) -> tuple[tuple[int, int], ...]:
         """The tokens of a span of `length` that a request recomputes, as (offset, length) runs (the segment
@@ -73,6 +78,8 @@ def check_settings(settings: Mapping[str, Any]) -> None:
             raise ValueError(f"span_recompute must be a list of [offset, length] pairs of integers, got {value!r}")
         if name in ("span_head_tokens", "span_tail_tokens") and (type(value) is not int or value < 0):
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if name == "span_query_share" and (type(value) not in (int, float) or not 0 <= value <= 1):
+            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
 def _is_runs(value: Any) -> bool:

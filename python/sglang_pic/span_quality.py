@@ -11,6 +11,8 @@ settings serve it:
   headK          each request recomputes every span's first K tokens with full attention (span_head_tokens);
   tailK          likewise its last K tokens (span_tail_tokens);
   seamsK         both, K each: the span's two seams;
+  ...+queryP     each request's probe pass also recomputes P percent of its span tokens, those its question
+                 attends to most (span_query_share);
   anchor+...     the anchor with a head, tail or seams.
 
 Each mode runs every task through one Engine (its cache shared across the samples, as in real use), greedy, in
@@ -63,21 +65,25 @@ REFERENCE = "dense"  # the answers and first-token distributions the other modes
 BASELINE = "naive"  # extra prefill tokens are counted over this mode's
 
 
-def span_mode(anchor: str, head_tokens: int, tail_tokens: int = 0) -> Mode:
-    """Spans under these Engine settings (a tail of 0 is the server's default, so it is not passed)."""
+def span_mode(anchor: str, head_tokens: int, tail_tokens: int = 0, query_share: float = 0.0) -> Mode:
+    """Spans under these Engine settings (a tail or query share of 0 is the server's default: not passed)."""
     kwargs: dict[str, Any] = {"span_anchor": anchor, "span_head_tokens": head_tokens}
     if tail_tokens:
         kwargs["span_tail_tokens"] = tail_tokens
+    if query_share:
+        kwargs["span_query_share"] = query_share
     return Mode("spans", kwargs)
 
 
-def span_mode_name(anchor: str, head_tokens: int, tail_tokens: int = 0) -> str:
-    """naive, anchor, headK, tailK, seamsK (a head and a tail of K each) or headK+tailJ, the last four after
-    `anchor+` when the anchor is on."""
+def span_mode_name(anchor: str, head_tokens: int, tail_tokens: int = 0, query_share: float = 0.0) -> str:
+    """naive, anchor, headK, tailK, seamsK (a head and a tail of K each) or headK+tailJ, then queryP (P percent of
+    the span tokens chosen by the probe), all after `anchor+` when the anchor is on."""
     if head_tokens and head_tokens == tail_tokens:
         parts = [f"seams{head_tokens}"]
     else:
         parts = [f"{what}{k}" for what, k in (("head", head_tokens), ("tail", tail_tokens)) if k]
+    if query_share:
+        parts.append(f"query{round(100 * query_share)}")
     if anchor == "auto":
         parts.insert(0, "anchor")
     return "+".join(parts) or BASELINE
@@ -85,7 +91,8 @@ def span_mode_name(anchor: str, head_tokens: int, tail_tokens: int = 0) -> str:
 
 _SPAN_SETTINGS = (
     ("none", 0, 0), ("auto", 0, 0), ("none", 8, 0), ("none", 32, 0),
-    *(("auto", k, 0) for k in (4, 8, 16, 32, 64)), *(("auto", k, k) for k in (8, 16, 32)),
+    *(("auto", k, 0) for k in (4, 8, 16, 32, 64, 128, 256)), *(("auto", k, k) for k in (8, 16, 32)),
+    *(("auto", 8, 0, share) for share in (0.1, 0.2, 0.3, 0.5)), *(("auto", 8, 8, share) for share in (0.1, 0.2, 0.3)),
 )
 MODES: dict[str, Mode] = {
     REFERENCE: Mode("dense"),
@@ -258,7 +265,7 @@ def run_task(
             records.append(Record(
                 reply=out["text"], correct=right, key=key, first_token=out["output_ids"][0],
                 first_logprobs=_first_logprobs(meta, reference is not None),
-                prompt_tokens=meta["prompt_tokens"], computed_tokens=meta["prompt_tokens"] - meta["cached_tokens"],
+                prompt_tokens=meta["prompt_tokens"], computed_tokens=meta["prompt_tokens"] - meta["cached_tokens"] + meta["probe_tokens"],
                 span_tokens=prompt.span_tokens, recomputed_span_tokens=_recomputed_span_tokens(mode, prompt, meta),
             ))
         progress.requests_done(len(batch))

@@ -62,6 +62,7 @@ class SamplingFields(RequestModel):
     span_anchor: str | None = None
     span_head_tokens: int | None = None
     span_tail_tokens: int | None = None
+    span_query_share: float | None = None
 
     def span_settings(self) -> dict[str, Any]:
         """This request's span quality settings by name (SETTING_FIELDS), for GenerateReqInput."""

@@ -131,6 +131,7 @@ class ToolSpanSettings(RequestModel):
     span_anchor: str | None = None
     span_head_tokens: int | None = None
     span_tail_tokens: int | None = None
+    span_query_share: float | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

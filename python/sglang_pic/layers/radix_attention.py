@@ -1,4 +1,5 @@
-"""The attention layer models call: it forwards unrotated q, k, v to the batch's attention backend."""
+"""The attention layer models call: it forwards unrotated q, k, v to the batch's attention backend (and, in a probe
+pass, lets the probe score the question's attention: layers/attention_probe.py)."""
 
 from __future__ import annotations
 
@@ -30,4 +31,7 @@ class RadixAttention(nn.Module):
         self.rotary = rotary
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+        out = forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+        if forward_batch.probe is not None:
+            forward_batch.probe.score(q, self, forward_batch)
+        return out

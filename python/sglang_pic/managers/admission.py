@@ -27,6 +27,7 @@ from sglang_pic.managers.req import FinishReason, Req, ReqSegment
 from sglang_pic.managers.req_kv import ReqKVManager
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, plan_entry
 from sglang_pic.managers.scheduler_state import RequestQueues, SchedulerStats
+from sglang_pic.managers.span_probe import add_probe_counts
 from sglang_pic.managers.waiting_order import WaitingOrder
 from sglang_pic.server_args import ServerArgs
 
@@ -186,6 +187,7 @@ class Admission:
             if req.req_pool_idx is None:
                 return Offer.NO_ROW
             self.kv.match(req)
+            add_probe_counts(req)
         return self._wait(req, room) or self._admit(req, room)
 
     def _wait(self, req: Req, room: Room) -> Offer | None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_pic.radix_ext.segments import Segment, recompute_namespaces, segment_keys, tail_key
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.sglang_fields import GENERATE_ALIASES, GENERATE_FIELDS, accept_fields
 from sglang_pic.span_policy import SETTING_FIELDS
@@ -32,6 +34,7 @@ class GenerateReqInput:
     span_anchor: str | list[str | None] | None = None
     span_head_tokens: int | list[int | None] | None = None
     span_tail_tokens: int | list[int | None] | None = None
+    span_query_share: float | list[float | None] | None = None
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateReqInput":
@@ -115,6 +118,32 @@ class TokenizedSegment:
     span_runs: tuple[tuple[int, int], ...] = ()
 
 
+def wire_segments(segments: Sequence[Segment]) -> list[TokenizedSegment]:
+    """A span with recomputed runs becomes its pieces: each run a "head" segment, keyed like PDEP text on the
+    structure before it (radix_ext.segments.recompute_namespaces), and each stretch between runs a span segment
+    read from the tree path of the whole anchored span (see managers/req.py)."""
+    out, start = [], 0
+    for seg, key, spaces in zip(segments, segment_keys(segments), recompute_namespaces(segments)):
+        tokens = seg.token_ids
+        if seg.kind != "span":
+            out.append(TokenizedSegment(seg.kind, tokens, key.extra_key, start=start, span_runs=seg.span_runs))
+        else:
+            anchor_len, runs = len(key.token_ids) - len(tokens), iter(spaces)
+            for recomputed, a, b in seg.pieces():
+                if recomputed:
+                    piece = TokenizedSegment("head", tokens[a:b], next(runs), start + a, span_runs=((0, b - a),))
+                else:
+                    lead = key.token_ids[: anchor_len + a]
+                    piece = TokenizedSegment(
+                        "span", tokens[a:b], key.extra_key, start + a, key_lead=lead, span_rest=tokens[b:]
+                    )
+                out.append(piece)
+        start += len(tokens)
+    if out[-1].kind == "span":
+        out.append(TokenizedSegment("pdep", (), tail_key(segments, ()).extra_key, start=start))
+    return out
+
+
 @dataclass
 class TokenizedGenerateReq:
     """One validated, tokenized request, as the request builder sends it to a scheduler (pickled over ZMQ from the
@@ -137,6 +166,9 @@ class TokenizedGenerateReq:
     stream: bool = False
     return_text_in_logprobs: bool = False
     created_time: float = field(default_factory=time.time)
+    # The canonical prompt, when one of its spans has a query share: the scheduler probes the request, then
+    # re-keys it with the runs the probe chose (managers/span_probe.py). None: `segments` are final.
+    probe: tuple[Segment, ...] | None = None
 
     def prompt_ids(self) -> list[int]:
         return [t for seg in self.segments for t in seg.tokens]

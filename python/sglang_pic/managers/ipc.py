@@ -191,6 +191,7 @@ class TokenDelta:
     cached_prefix_tokens: int
     cached_span_tokens: int
     recomputed_span_tokens: int
+    probe_tokens: int
     first_token_time: float | None
     new_output_token_logprobs: list = field(default_factory=list)
     new_output_top_logprobs: list = field(default_factory=list)

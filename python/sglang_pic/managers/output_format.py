@@ -72,6 +72,7 @@ class ReqReport:
             cached_prefix_tokens=req.cached_prefix_tokens,
             cached_span_tokens=req.cached_span_tokens,
             recomputed_span_tokens=req.recomputed_span_tokens,
+            probe_tokens=req.probe_tokens,
             first_token_time=req.first_token_time,
             new_output_token_logprobs=req.output_token_logprobs[start:],
             new_output_top_logprobs=req.output_top_logprobs[start:],
@@ -119,6 +120,7 @@ class ReqOutput:
     cached_prefix_tokens: int = 0
     cached_span_tokens: int = 0
     recomputed_span_tokens: int = 0
+    probe_tokens: int = 0
     first_token_time: float | None = None
     spec_meta: dict | None = None
     decode_window: DecodeWindow | None = None
@@ -132,6 +134,7 @@ class ReqOutput:
         self.cached_prefix_tokens = delta.cached_prefix_tokens
         self.cached_span_tokens = delta.cached_span_tokens
         self.recomputed_span_tokens = delta.recomputed_span_tokens
+        self.probe_tokens = delta.probe_tokens
         self.first_token_time = delta.first_token_time
         self.spec_meta = delta.spec_meta
 
@@ -179,6 +182,7 @@ class OutputFormatter:
             "cached_prefix_tokens": out.cached_prefix_tokens,
             "cached_span_tokens": out.cached_span_tokens,
             "recomputed_span_tokens": out.recomputed_span_tokens,  # span tokens it computed itself (span_policy.py)
+            "probe_tokens": out.probe_tokens,  # prompt tokens its query-driven selection computed a second time
             "finish_reason": out.finished_reason.to_json() if out.finished_reason else None,
             "e2e_latency": time.time() - h.created_time,
         }

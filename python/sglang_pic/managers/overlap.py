@@ -79,7 +79,7 @@ class StepRows:
                                              req.token_ids_logprob))
                 firsts.append(ids[0] if req.logprob_start_len == 0 and positions[0] == 0 else None)
                 row += len(positions)
-            if e.completes and not e.req.warmup:
+            if e.completes and e.req.samples():
                 sample_rows.append(row)
                 sampled.append(e.req)
                 row += 1

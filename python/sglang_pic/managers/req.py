@@ -12,6 +12,11 @@ start with the span's anchor and every span token before them (`key_lead`): the 
 as its job computed it, and the request reads only those pieces' slots. A span with an anchor or recomputed runs is
 never computed in a request's row (`from_job`); a span job computes its whole key (`span_id`).
 
+A request whose spans have a query share (span_policy.py) runs twice: a probe pass of the prompt as its other
+settings give it, whose question (the text after the last span) scores the span tokens, then the prompt re-keyed
+with the tokens the probe chose to recompute (managers/span_probe.py). `probe` holds the canonical prompt until
+the probe has chosen.
+
 A Req holds scheduler state only. It is built from the tokenizer's wire message (`Req.from_wire`, one path for the
 server's scheduler process and the offline Engine); what only the client's side needs (streaming, the arrival time,
 the stream cursors, the decoded text) stays with the output (managers/output_format.py). The outputs the scheduler
@@ -30,6 +35,7 @@ import torch
 
 from sglang_pic.managers.io_struct import TokenizedGenerateReq, TokenizedSegment
 from sglang_pic.radix_ext import RadixKey
+from sglang_pic.radix_ext.segments import Segment
 from sglang_pic.sampling.sampling_params import SamplingParams
 
 
@@ -136,6 +142,14 @@ class Req:
     # The output grammar's matcher (sampling/grammar.py), built by the scheduler: it has accepted the output so far.
     grammar: Any = field(default=None, repr=False, compare=False)
     arrival_step: int = 0
+    # The probe pass (see the module doc): the canonical prompt until the probe has chosen, where its question
+    # starts, the question's attention to each prompt position so far, and the probe pass's cache counts
+    # (cached prefix, cached span and computed span tokens), which the request reports.
+    probe: tuple[Segment, ...] | None = None
+    question_start: int = 0
+    probe_scores: Any = field(default=None, repr=False)
+    probe_counts: tuple[int, int, int] | None = None
+    probe_tokens: int = 0  # prompt tokens the prefill after the probe computes (all of them computed twice)
 
     @classmethod
     def from_wire(cls, msg: TokenizedGenerateReq) -> "Req":
@@ -156,6 +170,8 @@ class Req:
             eos_token_ids=msg.eos_token_ids,
             priority=msg.priority,
             generator=generator,
+            probe=msg.probe,
+            question_start=_question_start(msg.probe) if msg.probe is not None else 0,
         )
 
     # ---- derived views -------------------------------------------------------------------------------------
@@ -191,8 +207,16 @@ class Req:
 
     def reuse_limit(self) -> int | None:
         """The first prompt position whose KV must be computed here rather than reused from the cache: its logits
-        give a prompt logprob the request returns. None: everything may be reused."""
-        return max(self.logprob_start_len - 1, 0) if self.needs_input_logprobs() else None
+        give a prompt logprob the request returns, or it is the probe's question (scored only when computed).
+        None: everything may be reused."""
+        limit = max(self.logprob_start_len - 1, 0) if self.needs_input_logprobs() else None
+        if self.probe is not None:
+            limit = self.question_start if limit is None else min(limit, self.question_start)
+        return limit
+
+    def samples(self) -> bool:
+        """Whether the request samples a token once its prefill completes (not a span job, not a probe pass)."""
+        return not self.warmup and self.probe is None
 
     def reuses_whole(self, seg: ReqSegment) -> bool:
         """Whether the request may take all of `seg`'s KV from the cache (else it computes the rest itself)."""
@@ -205,3 +229,13 @@ class Req:
     def append_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         self.segments[-1].tokens.append(token_id)  # self.tail without a property call: runs per request per step
+
+
+def _question_start(segments: tuple[Segment, ...]) -> int:
+    """The position after the canonical prompt's last span: where its question starts."""
+    at = end = 0
+    for seg in segments:
+        at += len(seg.token_ids)
+        if seg.kind == "span":
+            end = at
+    return end

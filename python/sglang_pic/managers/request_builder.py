@@ -11,9 +11,9 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq, TokenizedSegment
+from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq, TokenizedSegment, wire_segments
 from sglang_pic.managers.segmenter import PromptSegmenter
-from sglang_pic.radix_ext.segments import Segment, canonicalize, recompute_namespaces, segment_keys, tail_key
+from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
 from sglang_pic.server_args import ServerArgs
@@ -149,11 +149,13 @@ class RequestBuilder:
         if item["return_logprob"] and logprob_start_len >= 0:
             self._check_prompt_logprobs(segments, logprob_start_len)
         base_rid = item["rid"] or uuid.uuid4().hex
-        wire_segments = self._wire_segments(segments)  # shared by the n copies: the scheduler copies what it grows
+        wire = wire_segments(segments)  # shared by the n copies: the scheduler copies what it grows
+        probe = tuple(segments) if any(seg.query_share for seg in segments) else None
         return [
             TokenizedGenerateReq(
                 rid=base_rid if params.n == 1 else f"{base_rid}-{k}",
-                segments=wire_segments,
+                segments=wire,
+                probe=probe,
                 sampling_params=params,
                 prompt_len=prompt_len,
                 eos_token_ids=self.eos_token_ids,
@@ -219,11 +221,11 @@ class RequestBuilder:
         args = self.server_args
         if not args.spans_from_jobs():
             return SpanPolicy()
-        head, tail = args.resolved_span_head_tokens(), args.span_tail_tokens
+        head, tail, share = args.resolved_span_head_tokens(), args.span_tail_tokens, args.span_query_share
         if args.span_anchor == "prefix":
-            return SpanPolicy((), head, anchor_is_prefix=True, tail_tokens=tail)
+            return SpanPolicy((), head, anchor_is_prefix=True, tail_tokens=tail, query_share=share)
         anchor = self._model_anchor if args.span_anchor == "auto" else anchor_tokens(args.span_anchor, self.tokenizer)
-        return SpanPolicy(anchor, head, tail_tokens=tail)
+        return SpanPolicy(anchor, head, tail_tokens=tail, query_share=share)
 
     def _span_policy(self, settings: Mapping[str, Any], base: SpanPolicy | None = None) -> SpanPolicy:
         """`base` (the server's settings) with the settings (span_policy.SPAN_FIELDS) a request or a span gives
@@ -237,17 +239,19 @@ class RequestBuilder:
             return SpanPolicy()
         head = given.get("span_head_tokens", base.head_tokens)
         tail = given.get("span_tail_tokens", base.tail_tokens)
+        share = given.get("span_query_share", base.query_share)
         runs = given.get("span_recompute")
         runs = None if runs is None else tuple(tuple(run) for run in runs)
         anchor = given.get("span_anchor")
         if anchor is None:
-            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix, tail, runs)
+            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix, tail, runs, share)
         else:
-            policy = SpanPolicy(self._model_anchor if anchor == "auto" else (), head, anchor == "prefix", tail, runs)
+            policy = SpanPolicy(self._model_anchor if anchor == "auto" else (), head, anchor == "prefix", tail, runs,
+                                share)
         if policy.from_job and not self.server_args.spans_from_jobs():
             raise ValueError(
-                "span_anchor, span_head_tokens and span_tail_tokens need a server with the radix cache and page_size "
-                "1; this one serves isolated spans only (span_anchor none, 0 recomputed tokens)"
+                "span_anchor, span_head_tokens, span_tail_tokens and span_query_share need a server with the radix "
+                "cache and page_size 1; this one serves isolated spans only (span_anchor none, 0 recomputed tokens)"
             )
         return policy
 
@@ -261,7 +265,8 @@ class RequestBuilder:
                     p = self._span_policy(own[i], policy) if i in own else policy
                 except ValueError as e:
                     raise ValueError(f"span {sum(s.kind == 'span' for s in segments[:i])}: {e}") from None
-                seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.recompute_runs(len(seg.token_ids)))
+                seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.recompute_runs(len(seg.token_ids)),
+                              query_share=p.query_share)
             out.append(seg)
         return out
 
@@ -298,32 +303,6 @@ class RequestBuilder:
         if not self.server_args.enable_priority_scheduling and self.server_args.abort_on_priority_when_disabled:
             raise ValueError("priority is set but priority scheduling is off (--enable-priority-scheduling)")
         return priority
-
-    @staticmethod
-    def _wire_segments(segments: list[Segment]) -> list[TokenizedSegment]:
-        """A span with recomputed runs becomes its pieces: each run a "head" segment, keyed like PDEP text on the
-        structure before it (radix_ext.segments.recompute_namespaces), and each stretch between runs a span segment
-        read from the tree path of the whole anchored span (see managers/req.py)."""
-        out, start = [], 0
-        for seg, key, spaces in zip(segments, segment_keys(segments), recompute_namespaces(segments)):
-            tokens = seg.token_ids
-            if seg.kind != "span":
-                out.append(TokenizedSegment(seg.kind, tokens, key.extra_key, start=start, span_runs=seg.span_runs))
-            else:
-                anchor_len, runs = len(key.token_ids) - len(tokens), iter(spaces)
-                for recomputed, a, b in seg.pieces():
-                    if recomputed:
-                        piece = TokenizedSegment("head", tokens[a:b], next(runs), start + a, span_runs=((0, b - a),))
-                    else:
-                        lead = key.token_ids[: anchor_len + a]
-                        piece = TokenizedSegment(
-                            "span", tokens[a:b], key.extra_key, start + a, key_lead=lead, span_rest=tokens[b:]
-                        )
-                    out.append(piece)
-            start += len(tokens)
-        if out[-1].kind == "span":
-            out.append(TokenizedSegment("pdep", (), tail_key(segments, ()).extra_key, start=start))
-        return out
 
 
 def _count(name: str, value: Any, minimum: int) -> int:

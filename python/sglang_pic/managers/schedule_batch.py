@@ -7,12 +7,14 @@ to the device in one upload.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import torch
 
 from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
 from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan
+from sglang_pic.layers.attention_probe import AttentionProbe, ProbeRows
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.managers.shared_decode_planner import KeyRun, SharedDecodeSettings, plan_shared_decode
 
@@ -70,7 +72,7 @@ def plan_entry(req: Req, budget: int) -> BatchEntry:
             entry.input_ids.extend(seg.tokens[seg.done : seg.done + n])
             left -= n
     entry.completes = req.pending() == entry.num_tokens
-    if req.needs_input_logprobs():
+    if req.needs_input_logprobs() and req.probe is None:  # a probe pass's logits are not the request's
         lo = max(req.logprob_start_len - 1, 0)
         entry.logprob_positions = [p for p in entry.positions if lo <= p <= req.prompt_len - 2]
     return entry
@@ -85,7 +87,7 @@ def _add_entry(rows: BatchRows, e: BatchEntry) -> None:
     start = rows.num_tokens
     rows.logits_indices += [start + e.positions.index(p) for p in e.logprob_positions]
     # The last position is never a logprob position (they end at prompt_len - 2).
-    if e.completes and not e.req.warmup:
+    if e.completes and e.req.samples():
         rows.logits_indices.append(start + e.num_tokens - 1)
     rows.input_ids += e.input_ids
     rows.add(e.req.req_pool_idx, e.positions, e.attn_lo)
@@ -179,6 +181,25 @@ def _tree_path(seg: ReqSegment) -> list[tuple[object, int]]:
     return nodes
 
 
+def _probe(entries: list[BatchEntry], device: torch.device) -> AttentionProbe | None:
+    """The question rows of the entries in a probe pass (managers/span_probe.py), or None. An entry holding the
+    question's first token starts its request's scores afresh: a probe pass computes the whole question, again
+    when it is retracted and admitted anew."""
+    items, row = [], 0
+    for e in entries:
+        req = e.req
+        if req.probe is not None and e.positions and e.positions[-1] >= req.question_start:
+            first = bisect_left(e.positions, req.question_start)
+            if e.positions[first] == req.question_start:
+                req.probe_scores = torch.zeros(req.prompt_len, dtype=torch.float32, device=device)
+            seq_len = e.positions[-1] + 1
+            scores = torch.zeros(seq_len, dtype=torch.float32, device=device)
+            items.append(ProbeRows(row + first, row + e.num_tokens, req.req_pool_idx, seq_len, scores,
+                                   req.probe_scores))
+        row += e.num_tokens
+    return AttentionProbe(items) if items else None
+
+
 def build_forward_batch(
     plan: StepPlan, runner, next_input_ids: torch.Tensor, shared_decode: SharedDecodeSettings | None
 ) -> ForwardBatch:
@@ -209,6 +230,7 @@ def build_forward_batch(
         num_decode_tail=n if not is_decode else 0,
         shared_decode=shared,
     )
+    batch.probe = _probe(plan.entries, runner.device)
     if n:  # each decode feeds its row's last sampled token, which may not be on the host yet
         total = batch.input_ids.numel()
         batch.input_ids[total - n :] = next_input_ids[batch.req_pool_indices[batch.batch_size - n :]]

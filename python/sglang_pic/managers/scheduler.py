@@ -21,6 +21,7 @@ from sglang_pic.managers.req import FinishReason, Req, ReqSegment
 from sglang_pic.managers.req_kv import ReqKVManager
 from sglang_pic.managers.schedule_batch import StepPlan, build_forward_batch
 from sglang_pic.managers.scheduler_state import RequestQueues, SchedulerStats
+from sglang_pic.managers.span_probe import rekey
 from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings
 from sglang_pic.managers.spec_worker import SchedulerForSpec, SpecWorker, SpecWorkerFactory
 from sglang_pic.mem_cache.host_pool import HostKVPool
@@ -238,6 +239,7 @@ class Scheduler:
         if batch.shared_decode is not None:
             stats.shared_decode_steps += 1
             stats.decode_keys_saved += batch.shared_decode.keys_per_request - batch.shared_decode.keys_read
+        joined = [e.req for e in plan.entries if e.completes and e.req.samples() and not e.resumes]
         for e in plan.entries:
             req = e.req
             if not e.resumes and (e.num_tokens > 1 or not e.completes or not req.output_ids):
@@ -249,9 +251,20 @@ class Scheduler:
             if e.completes and req.warmup:
                 self.finishing.finish_span_job(req)
                 q.to_report.append(req)
+            elif e.completes and req.probe is not None:
+                self._probed(req)
             elif (e.num_tokens > 1 or not e.completes) and not e.resumes:
                 self.kv.cache(req)
-        q.running += [e.req for e in plan.entries if e.completes and not e.req.warmup and not e.resumes]
+        q.running += joined
+
+    def _probed(self, req: Req) -> None:
+        """A probe pass completed (managers/span_probe.py): its KV goes to the tree, and the request, re-keyed with
+        the tokens it chose, waits first in line for its prefill. Choosing reads the scores: the host waits for
+        this step's forward."""
+        self.kv.cache(req)
+        self.kv.release(req)
+        rekey(req)
+        self.queues.waiting.insert(0, req)
 
     def _describe_rows(self, reqs: list[Req], last: LastStep) -> SampleRows:
         """The sampled rows' description, once the forward is queued."""

@@ -2,7 +2,7 @@
 forward (so their collectives pair up with rank 0's) and drop the logits.
 
 Per step, three broadcasts from rank 0: a fixed-size header on the gloo group (idle followers wait on it), the
-batch's host lists on the gloo group, and one int64 payload on the device group holding the batch tensors (laid out
+batch's host lists (and a probe pass's question rows) on the gloo group, and one int64 payload on the device group holding the batch tensors (laid out
 by ForwardBatch.pack), the req_to_token entries the batch reads (row req_pool_index, columns 0..seq_len-1 of each
 request) and the shared decode plan, if any. A follower
 writes those entries into its own table before the forward, so its attention reads exactly rank 0's KV slot
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from sglang_pic.forward_batch import BatchHeader, ForwardBatch
 from sglang_pic.kernels.shared_decode_plan import ITEM_FIELDS, MEMBER_FIELDS, SharedDecodePlan
+from sglang_pic.layers.attention_probe import AttentionProbe
 
 I64 = torch.int64
 
@@ -37,8 +38,9 @@ class LoadWeights:
 
 
 PLAN_SIZES = 4  # SharedDecodePlan.sizes()
-# op, the BatchHeader, req_to_token entries R, then the shared decode plan's sizes (zeros without a plan)
-HEADER_LEN = 1 + BatchHeader.size() + 1 + PLAN_SIZES
+# op, the BatchHeader, req_to_token entries R, the probe's integers, then the shared decode plan's sizes (zeros
+# without a plan)
+HEADER_LEN = 1 + BatchHeader.size() + 2 + PLAN_SIZES
 
 
 def table_index(
@@ -62,10 +64,11 @@ class BatchBroadcaster:
         entries = sum(batch.seq_lens_cpu)
         shared = batch.shared_decode
         plan_sizes = shared.sizes() if shared is not None else (0,) * PLAN_SIZES
-        header = [Op.FORWARD, *batch.header().to_list(), entries, *plan_sizes]
+        probe = batch.probe.to_list() if batch.probe is not None else []
+        header = [Op.FORWARD, *batch.header().to_list(), entries, len(probe), *plan_sizes]
         dist.broadcast(torch.tensor(header, dtype=I64), 0, group=self.cpu_group)
         tensors, host = batch.pack()
-        dist.broadcast(torch.tensor(host, dtype=I64), 0, group=self.cpu_group)
+        dist.broadcast(torch.tensor(host + probe, dtype=I64), 0, group=self.cpu_group)
         rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
         table = batch.req_to_token_pool.req_to_token[rows, cols]
         payload = torch.cat([tensors, table, *([shared.flat()] if shared is not None else [])])
@@ -104,9 +107,10 @@ class BatchReceiver:
             dist.broadcast_object_list(folder, 0, group=self.cpu_group)
             return LoadWeights(folder[0])
         shape = BatchHeader.from_list(values[: BatchHeader.size()])
-        entries, *plan_sizes = values[BatchHeader.size() :]
-        host = torch.empty(shape.host_size(), dtype=I64)
+        entries, probe_len, *plan_sizes = values[BatchHeader.size() :]
+        host = torch.empty(shape.host_size() + probe_len, dtype=I64)
         dist.broadcast(host, 0, group=self.cpu_group)
+        host = host.tolist()
         num_items, num_members = plan_sizes[:2]
         decodes = shape.batch_size if shape.mode.is_decode() else shape.num_decode_tail
         plan_len = (num_items * ITEM_FIELDS + num_members * MEMBER_FIELDS + decodes + 1) if num_items else 0
@@ -116,10 +120,12 @@ class BatchReceiver:
         tensors, slots, plan = payload.split(sizes)
         runner = self.runner
         batch = ForwardBatch.unpack(
-            shape, tensors, host.tolist(), req_to_token_pool=runner.req_to_token_pool,
+            shape, tensors, host[: shape.host_size()], req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool, attn_backend=runner.attn_backend,
             shared_decode=SharedDecodePlan.from_flat(plan, tuple(plan_sizes)) if num_items else None,
         )
+        if probe_len:
+            batch.probe = AttentionProbe.from_list(host[shape.host_size() :], runner.device)
         rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
         runner.req_to_token_pool.req_to_token[rows, cols] = slots
         return batch

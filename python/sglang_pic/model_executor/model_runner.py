@@ -187,7 +187,10 @@ class ModelRunner:
 
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
         """This rank's forward (its collectives included), without sending the batch anywhere."""
-        return self.forward_with(batch, self.graph_runner)
+        logits = self.forward_with(batch, self.graph_runner)
+        if batch.probe is not None:
+            batch.probe.finish(self.tp.device_group if self.tp.size > 1 else None)
+        return logits
 
     @torch.inference_mode()
     def forward_with(self, batch: ForwardBatch, graph_runner, prepared: bool = False) -> torch.Tensor:

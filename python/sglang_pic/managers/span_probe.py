@@ -1,0 +1,85 @@
+"""Query-driven selection: each request chooses the span tokens it recomputes from its own question's attention.
+
+A request whose spans have a query share (span_policy.py) is first prefilled as its other settings give it: spans
+read from their jobs, seams recomputed, and its question (the text after its last span) computed in full, never
+read from the cache. That probe pass samples nothing; every layer scores how much attention the question pays to
+each position (layers/attention_probe.py). When it completes, the request's KV goes to the radix tree like any
+prefill's and the request chooses: of the span tokens no run covers yet, in spans with a share, it takes the sum
+over those spans of share x span length, in aligned blocks (SELECT_BLOCK) highest summed score first (the earlier
+block on ties, so the same request chooses the same tokens; the last block taken is cut to the budget), adds them
+to its spans' recomputed runs, and is re-keyed exactly as if the client had
+sent those runs (`span_recompute`). It then waits at the front of the queue and is prefilled again: what comes
+before its first newly chosen token (its prefix, earlier seams) is a cache hit, the rest is computed with the
+chosen tokens attending to everything before them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sglang_pic.managers.io_struct import wire_segments
+from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.radix_ext.segments import Segment, canonicalize
+
+# Tokens are chosen in aligned blocks of a span, ranked by the block's summed score: every chosen run is a radix key
+# and two pieces of the request, so single scattered tokens would cut a span into hundreds of pieces (on the H200
+# RAG workload that host work held the probe to 5 samples/s).
+SELECT_BLOCK = 16
+
+
+def choose(segments: tuple[Segment, ...], scores: np.ndarray) -> list[Segment]:
+    """The canonical prompt `segments` with the chosen tokens added to its spans' runs (see the module doc);
+    `scores`: one per prompt position."""
+    blocks, spans, budget, at = [], [], 0.0, 0
+    for i, seg in enumerate(segments):
+        n = len(seg.token_ids)
+        if seg.kind == "span" and seg.query_share > 0:
+            covered = np.zeros(n, dtype=bool)
+            for start, length in seg.recompute:
+                covered[start : start + length] = True
+            for lo in range(0, n, SELECT_BLOCK):
+                free = at + lo + np.flatnonzero(~covered[lo : lo + SELECT_BLOCK])
+                if free.size:
+                    blocks.append((-float(scores[free].sum()), int(free[0]), free))
+            spans.append((i, at))
+            budget += seg.query_share * n
+        at += n
+    if not spans:
+        return list(segments)
+    left, picked = int(round(budget)), []
+    for _, _, free in sorted(blocks, key=lambda b: b[:2]):
+        if left <= 0:
+            break
+        picked.append(free[:left])
+        left -= len(picked[-1])
+    chosen = np.sort(np.concatenate(picked)) if picked else np.zeros(0, dtype=np.int64)
+    out = list(segments)
+    for i, start in spans:
+        seg = segments[i]
+        mine = chosen[(chosen >= start) & (chosen < start + len(seg.token_ids))] - start
+        runs = seg.recompute + tuple((int(o), 1) for o in mine)
+        out[i] = Segment("span", seg.token_ids, seg.anchor, runs)
+    return canonicalize(out)
+
+
+def rekey(req: Req) -> None:
+    """After the probe pass (its KV already handed to the tree and its row released): the request's segments as its
+    chosen runs key them; its probe-pass counts are kept for what it reports."""
+    scores = req.probe_scores.cpu().numpy()
+    segments = choose(req.probe, scores)
+    req.probe_counts = (req.cached_prefix_tokens, req.cached_span_tokens, req.recomputed_span_tokens)
+    req.segments = [ReqSegment.from_wire(seg) for seg in wire_segments(segments)]
+    req.probe = req.probe_scores = None
+
+
+def add_probe_counts(req: Req) -> None:
+    """After a match of a probed request: it reports what the cache held before its probe pass, the prompt tokens
+    its second prefill computes (`probe_tokens`), and the span tokens it computed itself in either pass, once each:
+    those this match misses, and those it finds that the probe pass computed (at most as many as it computed)."""
+    if req.probe_counts is None:
+        return
+    prefix, span, computed = req.probe_counts
+    req.probe_tokens = req.prompt_len - req.cached_prefix_tokens - req.cached_span_tokens
+    own = sum(n for seg in req.segments for _, n in seg.span_runs)
+    req.recomputed_span_tokens += min(computed, own - req.recomputed_span_tokens)
+    req.cached_prefix_tokens, req.cached_span_tokens = prefix, span

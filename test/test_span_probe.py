@@ -1,0 +1,264 @@
+"""Query-driven selection (span_query_share, managers/span_probe.py) against a reference probe and the dense
+masked reference of test_span_policy.
+
+The reference probe runs the HF model (eager attention, which returns its probabilities) on the probe pass's flat
+sequence: the prompt as the request's other settings lay it out, each span's hidden anchor and head as its job saw
+them. It sums the question's attention to every visible position over layers, heads and question tokens, and
+takes the share of the span tokens no seam covers in blocks, the highest summed blocks first. The engine must
+choose exactly those tokens, and its answer must then equal the dense reference of the prompt with them
+recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_pic import Engine
+from sglang_pic.frontend_lang import span
+from sglang_pic.managers import span_probe
+from sglang_pic.managers.io_struct import GenerateReqInput, wire_segments
+from sglang_pic.managers.req import ReqSegment
+from sglang_pic.server_args import ServerArgs
+from test_span_policy import (
+    DOCS, NEW, PARAMS, _assert_accounting, assert_span_kv_unchanged, prompts, reference, span_kv,
+)
+
+SHARE = 0.3
+GIVEN = {"span_anchor": "auto", "span_head_tokens": 1, "span_query_share": SHARE}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    models = [AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation=impl).eval()
+              for impl in ("sdpa", "eager")]  # eager returns its probabilities
+    engine = Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096)
+    yield engine, models
+    engine.shutdown()
+
+
+@pytest.fixture
+def chosen(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Every choice the engine's probes make: prompt tokens -> the re-keyed canonical prompts, in order."""
+    made: dict[tuple, list] = {}
+    real = span_probe.choose
+
+    def record(segments, scores):
+        out = real(segments, scores)
+        made.setdefault(tuple(t for s in segments for t in s.token_ids), []).append(out)
+        return out
+
+    monkeypatch.setattr(span_probe, "choose", record)
+    return made
+
+
+def flat_layout(segments: list[ReqSegment]) -> tuple[list[int], list[int], list, list[bool]]:
+    """test_span_policy.layout for a request's segments as they are."""
+    ids, pos, scope, visible = [], [], [], []
+    for n, seg in enumerate(segments):
+        pieces = [(list(seg.key_lead), seg.start - len(seg.key_lead), False)] if seg.kind == "span" else []
+        for tokens, first, vis in [*pieces, (seg.tokens, seg.start, True)]:
+            ids += tokens
+            pos += range(first, first + len(tokens))
+            scope += [n if seg.kind == "span" else None] * len(tokens)
+            visible += [vis] * len(tokens)
+    return ids, pos, scope, visible
+
+
+def additive(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as the additive one eager attention expects."""
+    return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
+def reference_choice(model, req) -> set[int]:
+    """The prompt positions the reference probe recomputes (see the module doc)."""
+    ids, pos, scope, visible = flat_layout(req.segments)
+    j = torch.arange(len(ids))
+    sc = torch.tensor([-1 if s is None else s for s in scope])
+    vis = torch.tensor(visible)
+    mask = (j[None, :] <= j[:, None]) & (((sc[:, None] == sc[None, :]) & (sc[:, None] >= 0))
+                                         | ((sc[:, None] < 0) & vis[None, :]))
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), attention_mask=additive(mask)[None, None], position_ids=torch.tensor([pos]),
+                    output_attentions=True)
+    rows = [i for i, p in enumerate(pos) if visible[i] and p >= req.question_start]
+    mass = sum(a[0][:, rows].sum(dim=(0, 1)) for a in out.attentions)
+    by_position = {p: float(mass[i]) for i, p in enumerate(pos) if visible[i]}
+    blocks = []  # (minus the block's summed score, its first position, its positions)
+    at = 0
+    for seg in req.probe:
+        if seg.kind == "span":
+            covered = {o + i for o, n in seg.recompute for i in range(n)}
+            for lo in range(0, len(seg.token_ids), span_probe.SELECT_BLOCK):
+                free = [at + o for o in range(lo, min(lo + span_probe.SELECT_BLOCK, len(seg.token_ids)))
+                        if o not in covered]
+                if free:
+                    blocks.append((-sum(by_position[p] for p in free), free[0], free))
+        at += len(seg.token_ids)
+    budget = round(sum(SHARE * len(s.token_ids) for s in req.probe if s.kind == "span"))
+    chosen: list[int] = []
+    for _, _, free in sorted(blocks, key=lambda b: b[:2]):
+        chosen += free[: budget - len(chosen)]
+    return set(chosen)
+
+
+def span_positions(segments: list[ReqSegment]) -> set[int]:
+    """Prompt positions of span text the request computes itself (recomputed runs, spans turned into text)."""
+    return {seg.start + o + i for seg in segments for o, n in seg.span_runs for i in range(n)}
+
+
+def probe_pass(engine: Engine, text: str):
+    """The request in its probe-pass form (its segments before the probe chooses)."""
+    return engine.make_reqs(GenerateReqInput(text=text, **GIVEN))[0]
+
+
+def check_against_reference(engine, models, texts, outs, chosen) -> None:
+    model, eager = models
+    for text, out in zip(texts, outs):
+        req = probe_pass(engine, text)
+        (segments,) = chosen[tuple(req.prompt_ids())]
+        final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
+        assert span_positions(final) - span_positions(req.segments) == reference_choice(eager, req)
+        ref_tokens, ref_logps = reference(model, flat_layout(final), NEW)
+        assert out["output_ids"] == ref_tokens
+        logps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(logps, torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)]),
+                                   atol=2e-4, rtol=1e-4)
+
+
+def test_probe_chooses_what_the_reference_probe_chooses_and_answers_as_dense(setup, chosen):
+    """Cold one by one, then warm in one batch with the spans at different offsets."""
+    engine, model = setup
+    engine.flush_cache()
+    texts = prompts()
+    cold = [engine.generate(t, PARAMS, return_logprob=True, **GIVEN) for t in texts]
+    check_against_reference(engine, model, texts, cold, chosen)
+    chosen.clear()
+    warm = engine.generate(texts, PARAMS, return_logprob=True, **GIVEN)
+    check_against_reference(engine, model, texts, warm, chosen)
+    assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in warm)
+
+
+def test_the_same_request_chooses_the_same_tokens(setup, chosen):
+    engine, _ = setup
+    engine.flush_cache()
+    text = prompts()[1]
+    outs = [engine.generate(text, PARAMS, **GIVEN) for _ in range(2)]
+    outs.append(engine.generate([text, prompts()[0]], PARAMS, **GIVEN)[0])
+    choices = chosen[tuple(probe_pass(engine, text).prompt_ids())]
+    assert len(choices) == 3 and choices[0] == choices[1] == choices[2]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"] == outs[2]["output_ids"]
+
+
+def test_counts_cover_both_passes(setup, chosen):
+    """recomputed_span_tokens: the heads and the chosen tokens, each once (the probe pass computed the heads, the
+    second prefill found the first one in the cache); the cache counts are what the cache held before the probe
+    pass; probe_tokens, what the second prefill computed."""
+    engine, _ = setup
+    engine.flush_cache()
+    text = "Read this:" + span(DOCS[0]) + span(DOCS[1]) + "Which city?"
+    engine.generate("Warm the spans." + span(DOCS[0]) + span(DOCS[1]) + "Go.", PARAMS, span_anchor="auto",
+                    span_head_tokens=1)
+    meta = engine.generate(text, PARAMS, **GIVEN)["meta_info"]
+    req = probe_pass(engine, text)
+    span_tokens = sum(len(s.token_ids) for s in req.probe if s.kind == "span")
+    picked = round(SHARE * span_tokens)
+    assert meta["recomputed_span_tokens"] == 2 + picked
+    assert meta["cached_span_tokens"] == span_tokens - 2
+    (segments,) = chosen[tuple(req.prompt_ids())]
+    final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
+    first_chosen = min(span_positions(final) - span_positions(req.segments))
+    own_after = sum(1 for seg in final if seg.kind != "span" for i in range(len(seg.tokens))
+                    if seg.start + i >= first_chosen)  # shared span KV is read, everything else computed again
+    assert meta["probe_tokens"] == own_after
+
+
+def test_shared_span_slots_never_change(setup):
+    engine, _ = setup
+    engine.flush_cache()
+    engine.generate("Cold." + span(DOCS[1]) + "Go.", PARAMS, span_anchor="auto", span_head_tokens=1)
+    before = span_kv(engine, DOCS[1])
+    outs = engine.generate([f"Prefix number {i} differs." + span(DOCS[1]) + f"Question {i}?" for i in range(4)],
+                           PARAMS, **GIVEN)
+    assert all(o["meta_info"]["probe_tokens"] > 0 for o in outs)
+    assert_span_kv_unchanged(engine, DOCS[1], before)
+
+
+def test_accounting_after_finish_abort_and_retraction(setup, tiny_llama):
+    engine, _ = setup
+    engine.flush_cache()
+    engine.generate([f"Request {i}." + span(DOCS[i % 3]) + span(DOCS[(i + 1) % 3]) + "Answer:" for i in range(6)],
+                    PARAMS, **GIVEN)
+    _assert_accounting(engine)
+    for steps in range(4):  # aborted before, during and after its probe pass
+        rid = f"abort-{steps}"
+        with engine._lock:
+            for req in engine.make_reqs(GenerateReqInput(text=f"Abort {steps}." + span(DOCS[2]) + "x", rid=rid,
+                                                         sampling_params={"max_new_tokens": 64}, **GIVEN)):
+                engine.scheduler.add_request(req)
+            for _ in range(steps):
+                engine.scheduler.step()
+            assert engine.scheduler.abort_request(rid) is not None
+        while not engine.scheduler.is_idle():
+            engine.scheduler.step()
+        _assert_accounting(engine)
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=420, max_running_requests=16,
+                span_head_tokens=1, span_query_share=SHARE, chunked_prefill_size=64) as small:
+        outs = small.generate([f"Q{i}." + span(DOCS[i % 3]) + "Answer at length:" for i in range(12)],
+                              {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
+        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+        assert small.scheduler.stats.num_retractions > 0
+        _assert_accounting(small)
+
+
+def test_choose_takes_the_best_blocks_of_uncovered_span_tokens(monkeypatch):
+    from sglang_pic.radix_ext.segments import Segment
+
+    monkeypatch.setattr(span_probe, "SELECT_BLOCK", 4)
+    segments = (Segment("prefix", (1, 2)), Segment("span", tuple(range(10, 22)), recompute=((0, 2),), query_share=0.4),
+                Segment("pdep", (3,)), Segment("span", tuple(range(30, 42)), query_share=0.0), Segment("pdep", (4,)))
+    scores = np.zeros(28)
+    # span 1 sits at 2..13 in blocks 2-5 (2 and 3 covered: 2 left), 6-9 (summing 6), 10-13 (3); span 2 has no share
+    scores[[2, 3, 4, 5, 6, 9, 10, 11, 18]] = [50, 50, 1, 1, 3, 3, 2, 1, 99]
+    out = span_probe.choose(segments, scores)
+    assert out[1].recompute == ((0, 2), (4, 5))  # round(0.4 x 12) = 5 tokens: offsets 4-7, then 8 of the next block
+    assert out[3].recompute == ()
+
+
+def test_per_span_shares_choose_in_their_spans_only(setup, chosen):
+    """A span's own query_share over the request's: a span with share 0 keeps its shared KV whole."""
+    engine, models = setup
+    engine.flush_cache()
+    text = "Read:" + span(DOCS[0], query_share=0.0) + span(DOCS[1], query_share=0.5) + "Which one?"
+    out = engine.generate(text, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=1)
+    req = engine.make_reqs(GenerateReqInput(text=text, span_anchor="auto", span_head_tokens=1))[0]
+    (segments,) = chosen[tuple(req.prompt_ids())]
+    first, second = (s for s in segments if s.kind == "span")
+    assert first.recompute == ((0, 1),)
+    assert sum(n for _, n in second.recompute) == 1 + round(0.5 * len(second.token_ids))
+    final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
+    assert out["output_ids"] == reference(models[0], flat_layout(final), NEW)[0]
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "0.2", True])
+def test_bad_query_shares_are_refused(setup, value):
+    engine, _ = setup
+    with pytest.raises(ValueError, match="span_query_share must be a number in"):
+        engine.generate("x" + span(DOCS[0]) + "y", PARAMS, span_query_share=value)
+    with pytest.raises(ValueError, match="span 0: span_query_share must be a number in"):
+        engine.generate("x" + f'<|ssep|><|span_settings|>{{"span_query_share": {json.dumps(value)}}}' + DOCS[0]
+                        + "<|pdep|>y", PARAMS)
+
+
+def test_servers_that_cannot_probe_refuse_it(tiny_llama):
+    for flags, named in (({"page_size": 4}, "page_size 1"), ({"disable_radix_cache": True}, "radix cache")):
+        with pytest.raises(ValueError, match=named):
+            ServerArgs(model_path=str(tiny_llama), span_query_share=0.2, **flags)
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=1024, page_size=4) as paged:
+        with pytest.raises(ValueError, match="span_query_share need a server with the radix cache and page_size 1"):
+            paged.generate("x" + span(DOCS[0]) + "y", PARAMS, span_query_share=0.2)
