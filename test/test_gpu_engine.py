@@ -225,6 +225,24 @@ def _sampled_outputs(engine: Engine) -> list[dict]:
     return engine.generate(prompts, params, return_logprob=True, top_logprobs_num=3, return_text_in_logprobs=True)
 
 
+def test_probe_passes_on_cuda_choose_what_cpu_float32_chooses(tiny_llama, monkeypatch):
+    """A probe pass alone in its step is an extend CUDA graphs could replay; it runs eagerly, so its layers score
+    the question: the CUDA engine's probes choose the CPU engine's tokens, and answer alike."""
+    from probe_choices import recording
+    from sglang_pic.managers import span_probe
+
+    common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, span_head_tokens=2,
+                  span_query_share=0.3)
+    outs, choices = {}, {}
+    for device in ("cpu", "cuda"):
+        choices[device] = []
+        monkeypatch.setattr(span_probe, "choose", recording(choices[device]))
+        with Engine(device=device, **common) as engine:
+            outs[device] = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS[2:]]  # one at a time
+    assert len(choices["cpu"]) == 2 and choices["cuda"] == choices["cpu"]
+    assert outs["cuda"] == outs["cpu"]
+
+
 def test_cuda_sampling_matches_cpu_float32(tiny_llama):
     """Sampling on CUDA (filters, penalties, logit bias, stop strings, logprobs) picks the CPU float32 engine's
     tokens for seeded requests, and reports the same logprobs."""

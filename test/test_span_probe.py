@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from probe_choices import recording
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
 from sglang_pic.managers import span_probe
@@ -43,18 +44,16 @@ def setup(tiny_llama):
 
 
 @pytest.fixture
-def chosen(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """Every choice the engine's probes make: prompt tokens -> the re-keyed canonical prompts, in order."""
-    made: dict[tuple, list] = {}
-    real = span_probe.choose
-
-    def record(segments, scores):
-        out = real(segments, scores)
-        made.setdefault(tuple(t for s in segments for t in s.token_ids), []).append(out)
-        return out
-
-    monkeypatch.setattr(span_probe, "choose", record)
+def chosen(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every choice the engine's probes make, in order: the re-keyed canonical prompts."""
+    made: list = []
+    monkeypatch.setattr(span_probe, "choose", recording(made))
     return made
+
+
+def choices_of(chosen: list, req) -> list:
+    """The choices made for the prompt of `req`."""
+    return [c for c in chosen if [t for seg in c for t in seg.token_ids] == req.prompt_ids()]
 
 
 def flat_layout(segments: list[ReqSegment]) -> tuple[list[int], list[int], list, list[bool]]:
@@ -121,7 +120,7 @@ def check_against_reference(engine, models, texts, outs, chosen) -> None:
     model, eager = models
     for text, out in zip(texts, outs):
         req = probe_pass(engine, text)
-        (segments,) = chosen[tuple(req.prompt_ids())]
+        (segments,) = choices_of(chosen, req)
         final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
         assert span_positions(final) - span_positions(req.segments) == reference_choice(eager, req)
         ref_tokens, ref_logps = reference(model, flat_layout(final), NEW)
@@ -150,7 +149,7 @@ def test_the_same_request_chooses_the_same_tokens(setup, chosen):
     text = prompts()[1]
     outs = [engine.generate(text, PARAMS, **GIVEN) for _ in range(2)]
     outs.append(engine.generate([text, prompts()[0]], PARAMS, **GIVEN)[0])
-    choices = chosen[tuple(probe_pass(engine, text).prompt_ids())]
+    choices = choices_of(chosen, probe_pass(engine, text))
     assert len(choices) == 3 and choices[0] == choices[1] == choices[2]
     assert outs[0]["output_ids"] == outs[1]["output_ids"] == outs[2]["output_ids"]
 
@@ -170,7 +169,7 @@ def test_counts_cover_both_passes(setup, chosen):
     picked = round(SHARE * span_tokens)
     assert meta["recomputed_span_tokens"] == 2 + picked
     assert meta["cached_span_tokens"] == span_tokens - 2
-    (segments,) = chosen[tuple(req.prompt_ids())]
+    (segments,) = choices_of(chosen, req)
     final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
     first_chosen = min(span_positions(final) - span_positions(req.segments))
     own_after = sum(1 for seg in final if seg.kind != "span" for i in range(len(seg.tokens))
@@ -237,7 +236,7 @@ def test_per_span_shares_choose_in_their_spans_only(setup, chosen):
     text = "Read:" + span(DOCS[0], query_share=0.0) + span(DOCS[1], query_share=0.5) + "Which one?"
     out = engine.generate(text, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=1)
     req = engine.make_reqs(GenerateReqInput(text=text, span_anchor="auto", span_head_tokens=1))[0]
-    (segments,) = chosen[tuple(req.prompt_ids())]
+    (segments,) = choices_of(chosen, req)
     first, second = (s for s in segments if s.kind == "span")
     assert first.recompute == ((0, 1),)
     assert sum(n for _, n in second.recompute) == 1 + round(0.5 * len(second.token_ids))

@@ -59,14 +59,13 @@ def test_tp2_greedy_matches_tp1(arch, request):
 def test_tp2_probe_chooses_what_tp1_chooses(tiny_llama, monkeypatch):
     """Each rank scores its own heads and the ranks' scores are summed: the probe passes of tp 2 choose the tokens
     tp 1 chooses, and answer alike."""
+    from probe_choices import recording
     from sglang_pic.managers import span_probe
 
-    real = span_probe.choose
     outs, choices = {}, {}
     for tp_size in (1, 2):
-        made = choices[tp_size] = []
-        monkeypatch.setattr(span_probe, "choose", lambda segments, scores, made=made: made.append(
-            real(segments, scores)) or made[-1])
+        choices[tp_size] = []
+        monkeypatch.setattr(span_probe, "choose", recording(choices[tp_size]))
         with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, tp_size=tp_size,
                     span_head_tokens=2, span_query_share=0.3) as engine:
             outs[tp_size] = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]

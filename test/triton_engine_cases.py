@@ -121,23 +121,23 @@ def shared_decode_common_prefix_engine_case() -> dict:
 def span_probe_engine_case() -> dict:
     """The probe pass (span_query_share) through the Triton backend: its requests choose the tokens torch_native's
     choose (the probe scores beside whichever kernel), and answer alike."""
+    from probe_choices import CHOOSE, recording
     from sglang_pic.engine import Engine
     from sglang_pic.managers import span_probe
 
     choices: dict[str, list] = {}
-    real = span_probe.choose
     common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=2048, device="cpu",
                   span_head_tokens=2, span_query_share=0.25)
     params = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
     outs = {}
     for name, kw in {"torch_native": {}, "triton": dict(attention_backend="triton")}.items():
-        made = choices[name] = []
-        span_probe.choose = lambda segments, scores, made=made: made.append(real(segments, scores)) or made[-1]
+        choices[name] = []
+        span_probe.choose = recording(choices[name])
         try:
             with Engine(**common, **kw) as e:
                 outs[name] = [o["output_ids"] for o in e.generate(_span_prompts(), params)]
         finally:
-            span_probe.choose = real
+            span_probe.choose = CHOOSE
     return {
         "dtype": "float32",
         "nan": False,

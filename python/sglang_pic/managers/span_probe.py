@@ -7,10 +7,10 @@ each position (layers/attention_probe.py). When it completes, the request's KV g
 prefill's and the request chooses: of the span tokens no run covers yet, in spans with a share, it takes the sum
 over those spans of share x span length, in aligned blocks (SELECT_BLOCK) highest summed score first (the earlier
 block on ties, so the same request chooses the same tokens; the last block taken is cut to the budget), adds them
-to its spans' recomputed runs, and is re-keyed exactly as if the client had
-sent those runs (`span_recompute`). It then waits at the front of the queue and is prefilled again: what comes
-before its first newly chosen token (its prefix, earlier seams) is a cache hit, the rest is computed with the
-chosen tokens attending to everything before them.
+to its spans' recomputed runs, and is re-keyed exactly as if the client had sent those runs (`span_recompute`).
+It then waits at the front of the queue and is prefilled again: what comes before its first newly chosen token (its
+prefix, earlier seams) is a cache hit, the rest is computed with the chosen tokens attending to everything before
+them.
 """
 
 from __future__ import annotations

@@ -211,6 +211,8 @@ class CudaGraphRunner:
         self.outputs[key] = out
 
     def _padded_key(self, batch: ForwardBatch) -> tuple[ForwardMode, int, bool] | None:
+        if batch.probe is not None:  # its layers score the question in Python (layers/attention_probe.py)
+            return None
         if batch.forward_mode.is_decode():
             sizes, raw = self.batch_sizes, batch.batch_size
         elif batch.batch_size == 1 and batch.num_decode_tail == 0:
