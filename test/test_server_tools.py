@@ -34,13 +34,19 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def model_and_template(tmp_path_factory):
     from tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("tools")
     model = build_tiny_model(root, "qwen2", max_position_embeddings=2048)  # tool JSON is long in the tiny vocab
     template = root / "tools.jinja"
     template.write_text(TOOLS_TEMPLATE)
+    return model, template
+
+
+@pytest.fixture(scope="module")
+def server(model_and_template):
+    model, template = model_and_template
     srv = start_server(model, "--chat-template", str(template))
     yield srv
     stop_server(srv)
@@ -145,6 +151,38 @@ def test_tool_spans_reuse_each_description_in_any_order(server):
     as_spans = cached([TOOLS[2], TOOLS[0]], True)
     as_text = cached([TOOLS[2], TOOLS[1]], False)
     assert as_spans > as_text + 60
+
+
+def test_server_tool_spans_serve_unchanged_clients(model_and_template):
+    """With --tool-spans on, an OpenAI client that sends no extra field gets its tools as spans: a reordered or
+    smaller tool list reuses the cached descriptions (usage's cached_tokens); a request's own tool_spans wins."""
+    import openai
+
+    model, template = model_and_template
+    srv = start_server(model, "--chat-template", str(template), "--tool-spans", "on")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+
+        def cached(tools: list[dict]) -> int:
+            reply = client.chat.completions.create(model="m", messages=USER, tools=tools, max_tokens=2, temperature=0)
+            return reply.usage.prompt_tokens_details.cached_tokens
+
+        cached(TOOLS)
+        reordered, subset = cached([TOOLS[2], TOOLS[1], TOOLS[0]]), cached([TOOLS[2], TOOLS[0]])
+        assert reordered > 200 and subset > 200  # as text, only the ~15 tokens before the first tool
+        kinds = [s["kind"] for s in srv.post("/v1/tokenize", json={"messages": USER, "tools": TOOLS}).json()["segments"]]
+        assert kinds == ["prefix", "span", "span", "span", "pdep"]
+        own = srv.post("/v1/tokenize", json={"messages": USER, "tools": TOOLS, "tool_spans": False}).json()
+        assert [s["kind"] for s in own["segments"]] == ["prefix"]
+    finally:
+        stop_server(srv)
+
+
+def test_tool_spans_flag_takes_on_or_off(tmp_path):
+    from sglang_pic.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="tool_spans must be on or off"):
+        ServerArgs(model_path=str(tmp_path), tool_spans="yes")
 
 
 def test_tool_spans_take_their_own_settings(server):

@@ -242,6 +242,12 @@ class ServerArgs:
         "Trailing tokens of every span each request recomputes likewise; with --span-head-tokens, each span's two "
         "seams. Needs the radix cache and --page-size 1.",
     )
+    tool_spans: str = _arg(
+        "off",
+        "on: every chat request with tools gets each tool description as a span (with the server's span settings), so "
+        "agents that resend their tools in another order or subset reuse them without any extra field; a request's "
+        "own tool_spans overrides it. off: only requests asking for it.",
+    )
     span_query_share: float = _arg(
         0.0,
         "Share of each request's span tokens it also recomputes, chosen per request by a probe pass: the text after "
@@ -349,6 +355,8 @@ class ServerArgs:
         for name in ("span_head_tokens", "span_tail_tokens"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.tool_spans not in ("on", "off"):
+            raise ValueError(f"tool_spans must be on or off, got {self.tool_spans!r}")
         if not 0 <= self.span_query_share <= 1:
             raise ValueError(f"span_query_share must be in [0, 1], got {self.span_query_share}")
         explicit = self.span_anchor not in ("auto", "none") or bool(

@@ -92,7 +92,7 @@ def render_chat(body: ChatCompletionRequest, tokenizer, chat_template: str | Non
     bos = tokenizer.bos_token
     if bos and text.startswith(bos) and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]:
         text = text[len(bos) :]  # the tokenizer adds it again
-    if tools and body.tool_spans:
+    if tools and (body.tool_spans if body.tool_spans is not None else args.tool_spans == "on"):
         ssep = args.ssep_marker
         if isinstance(body.tool_spans, ToolSpanSettings):
             own = body.tool_spans

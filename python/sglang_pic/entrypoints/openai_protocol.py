@@ -153,8 +153,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # sglang_pic extension: each tool description becomes a span, reused whatever tools precede it; an object gives
-    # those spans their own settings.
-    tool_spans: bool | ToolSpanSettings = False
+    # those spans their own settings. None: the server's --tool-spans.
+    tool_spans: bool | ToolSpanSettings | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     # SGLang's extension: with a --reasoning-parser, put the thinking in reasoning_content (False: leave it in content).
@@ -213,7 +213,7 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: bool = True
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
-    tool_spans: bool | ToolSpanSettings = False
+    tool_spans: bool | ToolSpanSettings | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 
