@@ -215,6 +215,24 @@ def test_accounting_after_finish_abort_and_retraction(setup, tiny_llama):
         _assert_accounting(small)
 
 
+def test_a_probe_batch_never_replays_a_cuda_graph():
+    """Its layers score the question in Python, which a graph replay would skip: a one-request extend that fits a
+    captured size replays, the same batch with a probe does not."""
+    from types import SimpleNamespace
+
+    from sglang_pic.forward_batch import ForwardMode
+    from sglang_pic.layers.attention_probe import AttentionProbe
+    from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    runner = object.__new__(CudaGraphRunner)
+    runner.batch_sizes, runner.extend_sizes, runner.shared_plan = [4], [8], None
+    batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1, num_decode_tail=0,
+                            input_ids=torch.zeros(5), shared_decode=None, probe=None)
+    assert runner.can_run(batch)
+    batch.probe = AttentionProbe()
+    assert not runner.can_run(batch)
+
+
 def test_choose_takes_the_best_blocks_of_uncovered_span_tokens(monkeypatch):
     from sglang_pic.radix_ext.segments import Segment
 
