@@ -5,20 +5,14 @@ reused as spans in any order."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from server_utils import start_server, stop_server
 
-# A Hermes-style template (the layout Qwen2.5 uses): one JSON line per tool, calls in <tool_call> tags.
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nYou may call these functions:\n<tools>{% for t in tools %}\n{{ t | tojson }}"
-    "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
-    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
-    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+from bench_agent_tools import HERMES_TEMPLATE  # noqa: E402
 
 def tool(name: str, description: str) -> dict:
     params = {"type": "object", "properties": {"query": {"type": "string", "description": "what to look up"}}}
@@ -40,7 +34,7 @@ def model_and_template(tmp_path_factory):
     root = tmp_path_factory.mktemp("tools")
     model = build_tiny_model(root, "qwen2", max_position_embeddings=2048)  # tool JSON is long in the tiny vocab
     template = root / "tools.jinja"
-    template.write_text(TOOLS_TEMPLATE)
+    template.write_text(HERMES_TEMPLATE)  # one JSON line per tool, calls in <tool_call> tags (Qwen2.5's layout)
     return model, template
 
 
@@ -170,8 +164,8 @@ def test_server_tool_spans_serve_unchanged_clients(model_and_template):
         cached(TOOLS)
         reordered, subset = cached([TOOLS[2], TOOLS[1], TOOLS[0]]), cached([TOOLS[2], TOOLS[0]])
         assert reordered > 200 and subset > 200  # as text, only the ~15 tokens before the first tool
-        kinds = [s["kind"] for s in srv.post("/v1/tokenize", json={"messages": USER, "tools": TOOLS}).json()["segments"]]
-        assert kinds == ["prefix", "span", "span", "span", "pdep"]
+        counted = srv.post("/v1/tokenize", json={"messages": USER, "tools": TOOLS}).json()
+        assert [s["kind"] for s in counted["segments"]] == ["prefix", "span", "span", "span", "pdep"]
         own = srv.post("/v1/tokenize", json={"messages": USER, "tools": TOOLS, "tool_spans": False}).json()
         assert [s["kind"] for s in own["segments"]] == ["prefix"]
     finally:
