@@ -53,9 +53,14 @@ def setup(tiny_llama):
 
 
 def layout(engine: Engine, text: str, given: dict) -> tuple[list[int], list[int], list, list[bool]]:
-    """The reference's flat sequence for a prompt: ids, positions, each token's scope (None: it sees every visible
-    token before it; a span's number: it sees that span's hidden copy and tail) and whether later tokens see it."""
-    req = engine.make_reqs(GenerateReqInput(text=text, **given))[0]
+    """The reference's flat sequence for a prompt (segments_layout of the request the engine makes of it)."""
+    return segments_layout(engine.make_reqs(GenerateReqInput(text=text, **given))[0].segments)
+
+
+def segments_layout(segments) -> tuple[list[int], list[int], list, list[bool]]:
+    """A request's segments as the reference's flat sequence: ids, positions, each token's scope (None: it sees
+    every visible token before it; a span's number: it sees that span's hidden copy and tail) and whether later
+    tokens see it."""
     ids, pos, scope, visible = [], [], [], []
 
     def add(tokens, first: int, sc, vis: bool) -> None:
@@ -64,7 +69,7 @@ def layout(engine: Engine, text: str, given: dict) -> tuple[list[int], list[int]
         scope.extend([sc] * len(tokens))
         visible.extend([vis] * len(tokens))
 
-    for n, seg in enumerate(req.segments):
+    for n, seg in enumerate(segments):
         if seg.kind == "span":
             hidden = list(seg.key_lead)  # the span's anchor and head, as its job computed them
             add(hidden, seg.start - len(hidden), n, False)
@@ -74,18 +79,22 @@ def layout(engine: Engine, text: str, given: dict) -> tuple[list[int], list[int]
     return ids, pos, scope, visible
 
 
+def layout_mask(scope: list, visible: list[bool]) -> torch.Tensor:
+    """[L, L] boolean: token i attends to token j (causal; a span's tokens see their span and its hidden copy, other
+    tokens every visible token)."""
+    j = torch.arange(len(scope))
+    sc = torch.tensor([-1 if s is None else s for s in scope])
+    vis = torch.tensor(visible)
+    same_span = (sc[:, None] == sc[None, :]) & (sc[:, None] >= 0)
+    full = (sc[:, None] < 0) & vis[None, :]
+    return (j[None, :] <= j[:, None]) & (same_span | full)
+
+
 def reference(model, flat, n: int) -> tuple[list[int], list[torch.Tensor]]:
     ids, pos, scope, visible = (list(x) for x in flat)
     out, logps = [], []
     for _ in range(n):
-        L = len(ids)
-        j = torch.arange(L)
-        causal = j[None, :] <= j[:, None]
-        sc = torch.tensor([-1 if s is None else s for s in scope])
-        vis = torch.tensor(visible)
-        same_span = (sc[:, None] == sc[None, :]) & (sc[:, None] >= 0)
-        full = (sc[:, None] < 0) & vis[None, :]
-        mask = causal & (same_span | full)
+        mask = layout_mask(scope, visible)
         with torch.no_grad():
             logits = model(
                 torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])

@@ -25,7 +25,8 @@ from sglang_pic.managers.io_struct import GenerateReqInput, wire_segments
 from sglang_pic.managers.req import ReqSegment
 from sglang_pic.server_args import ServerArgs
 from test_span_policy import (
-    DOCS, NEW, PARAMS, _assert_accounting, assert_span_kv_unchanged, prompts, reference, span_kv,
+    DOCS, NEW, PARAMS, _assert_accounting, assert_span_kv_unchanged, layout_mask, prompts, reference,
+    segments_layout, span_kv,
 )
 
 SHARE = 0.3
@@ -56,19 +57,6 @@ def choices_of(chosen: list, req) -> list:
     return [c for c in chosen if [t for seg in c for t in seg.token_ids] == req.prompt_ids()]
 
 
-def flat_layout(segments: list[ReqSegment]) -> tuple[list[int], list[int], list, list[bool]]:
-    """test_span_policy.layout for a request's segments as they are."""
-    ids, pos, scope, visible = [], [], [], []
-    for n, seg in enumerate(segments):
-        pieces = [(list(seg.key_lead), seg.start - len(seg.key_lead), False)] if seg.kind == "span" else []
-        for tokens, first, vis in [*pieces, (seg.tokens, seg.start, True)]:
-            ids += tokens
-            pos += range(first, first + len(tokens))
-            scope += [n if seg.kind == "span" else None] * len(tokens)
-            visible += [vis] * len(tokens)
-    return ids, pos, scope, visible
-
-
 def additive(mask: torch.Tensor) -> torch.Tensor:
     """A boolean mask as the additive one eager attention expects."""
     return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
@@ -76,12 +64,8 @@ def additive(mask: torch.Tensor) -> torch.Tensor:
 
 def reference_choice(model, req) -> set[int]:
     """The prompt positions the reference probe recomputes (see the module doc)."""
-    ids, pos, scope, visible = flat_layout(req.segments)
-    j = torch.arange(len(ids))
-    sc = torch.tensor([-1 if s is None else s for s in scope])
-    vis = torch.tensor(visible)
-    mask = (j[None, :] <= j[:, None]) & (((sc[:, None] == sc[None, :]) & (sc[:, None] >= 0))
-                                         | ((sc[:, None] < 0) & vis[None, :]))
+    ids, pos, scope, visible = segments_layout(req.segments)
+    mask = layout_mask(scope, visible)
     with torch.no_grad():
         out = model(torch.tensor([ids]), attention_mask=additive(mask)[None, None], position_ids=torch.tensor([pos]),
                     output_attentions=True)
@@ -123,7 +107,7 @@ def check_against_reference(engine, models, texts, outs, chosen) -> None:
         (segments,) = choices_of(chosen, req)
         final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
         assert span_positions(final) - span_positions(req.segments) == reference_choice(eager, req)
-        ref_tokens, ref_logps = reference(model, flat_layout(final), NEW)
+        ref_tokens, ref_logps = reference(model, segments_layout(final), NEW)
         assert out["output_ids"] == ref_tokens
         logps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
         torch.testing.assert_close(logps, torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)]),
@@ -259,7 +243,7 @@ def test_per_span_shares_choose_in_their_spans_only(setup, chosen):
     assert first.recompute == ((0, 1),)
     assert sum(n for _, n in second.recompute) == 1 + round(0.5 * len(second.token_ids))
     final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
-    assert out["output_ids"] == reference(models[0], flat_layout(final), NEW)[0]
+    assert out["output_ids"] == reference(models[0], segments_layout(final), NEW)[0]
 
 
 @pytest.mark.parametrize("value", [1.5, -0.1, "0.2", True])

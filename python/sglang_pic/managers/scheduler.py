@@ -239,6 +239,8 @@ class Scheduler:
         if batch.shared_decode is not None:
             stats.shared_decode_steps += 1
             stats.decode_keys_saved += batch.shared_decode.keys_per_request - batch.shared_decode.keys_read
+        # Taken before the loop: a probe pass completing here re-keys its request (it samples from then on) but
+        # goes back to `waiting`, not into `running`.
         joined = [e.req for e in plan.entries if e.completes and e.req.samples() and not e.resumes]
         for e in plan.entries:
             req = e.req
