@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_pic.forward_batch import BatchRows
-from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV, SpanScaling
 from sglang_pic.kernels.reference import rope_f64
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
@@ -131,10 +131,12 @@ class PagedBatch:
         config: "ExtendConfig | None" = None,
         num_splits: int | None = None,
         stage: bool | None = None,
+        span: SpanScaling | None = None,
     ) -> torch.Tensor:
         """The extend kernel over this batch (k_buffer defaults to the batch's own pool; `num_splits` key-range
         chunks, by default as many as the engine would pick on this device). Position-free keys are staged
-        (rotated once into a workspace, see stage_keys) if `stage`, by default when the engine would."""
+        (rotated once into a workspace, see stage_keys) if `stage`, by default when the engine would. `span`
+        scales the attention to span keys."""
         from sglang_pic.kernels.extend_attention import extend_attention_fwd
         from sglang_pic.kernels.stage_keys import should_stage_keys
 
@@ -145,7 +147,7 @@ class PagedBatch:
         staged = self.stage_keys(kv.k_buffer) if stage and not keys_rotated else None
         extend_attention_fwd(
             self.q, out, kv, self.ext(), self.kernel_cos_sin, self.sm_scale, keys_rotated=keys_rotated, config=config,
-            num_splits=num_splits, num_sms=_num_sms(self.q.device), staged_keys=staged,
+            num_splits=num_splits, num_sms=_num_sms(self.q.device), staged_keys=staged, span=span,
         )
         return out
 

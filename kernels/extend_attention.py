@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV, SpanScaling
 from sglang_pic.kernels.rope import (
     HeadSplit,
     attend_block,
@@ -105,7 +105,8 @@ def extend_variants(
     do_not_specialize=["num_splits", "stride_mlt"],
     do_not_specialize_on_alignment=[
         "req_pool_indices_ptr", "extend_start_loc_ptr", "extend_seq_lens_ptr", "positions_ptr", "attn_lo_ptr",
-        "key_row_start_ptr",
+        "key_row_start_ptr", "span_ranges_ptr", "span_range_start_ptr", "span_temp_ptr", "span_scale_ptr",
+        "span_lse_ptr",
     ],
 )
 def _extend_attention_kernel(
@@ -123,6 +124,11 @@ def _extend_attention_kernel(
     positions_ptr,
     attn_lo_ptr,
     key_row_start_ptr,
+    span_ranges_ptr,
+    span_range_start_ptr,
+    span_temp_ptr,
+    span_scale_ptr,
+    span_lse_ptr,
     qk_scale,
     num_positions,
     num_splits,
@@ -149,7 +155,11 @@ def _extend_attention_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPAN_PASS: tl.constexpr,
 ):
+    """SPAN_PASS (APE's scaling of span keys, see SpanScaling) 0: plain attention; 1: only the log-sum-exp of each
+    scaled row's tempered span logits, per key chunk, into span_lse; 2: attention with span logits tempered and
+    shifted by (S * T - 1) times that log-sum-exp."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     # The last query blocks of a causal request see the most keys: they take the lowest ids of the slowest grid
@@ -175,6 +185,28 @@ def _extend_attention_kernel(
     lo = tl.load(attn_lo_ptr + row, mask=row_mask, other=0).to(tl.int32)
     kv_hi = tl.max(pos, 0) + 1
     kv_lo = tl.min(tl.where(row_mask, lo, kv_hi), 0)
+    if SPAN_PASS > 0:
+        r_first = tl.load(span_range_start_ptr + b)
+        r_last = tl.load(span_range_start_ptr + b + 1)
+        inv_temp = 1.0 / tl.load(span_temp_ptr + b)
+        row_in_span = tl.zeros([BLOCK_M], tl.int32)
+        for r in range(r_first, r_last):
+            s_lo = tl.load(span_ranges_ptr + 2 * r)
+            s_hi = tl.load(span_ranges_ptr + 2 * r + 1)
+            row_in_span |= ((pos >= s_lo) & (pos < s_hi)).to(tl.int32)
+        row_scaled = row_mask & (row_in_span == 0)
+        shift = tl.zeros([BLOCK_M], tl.float32)
+        if SPAN_PASS == 2:
+            lse_row = span_lse_ptr + row * stride_mlt + head * num_splits
+            m_s = tl.full([BLOCK_M], -1.0e30, tl.float32)
+            l_s = tl.zeros([BLOCK_M], tl.float32)
+            for c in range(0, num_splits):
+                x = tl.load(lse_row + c, mask=row_scaled, other=float("-inf"))
+                m_new = tl.maximum(m_s, x)
+                l_s = l_s * tl.math.exp2(m_s - m_new) + tl.math.exp2(x - m_new)
+                m_s = m_new
+            group_lse = tl.where(l_s > 0.0, m_s + tl.math.log2(l_s), 0.0)
+            shift = (tl.load(span_scale_ptr + b) * tl.load(span_temp_ptr + b) - 1.0) * group_lse
 
     # Queries: rotate by their own positions and fold in the softmax scale (base-2 exponent).
     offs_r = tl.arange(0, BLOCK_HALF)
@@ -238,14 +270,32 @@ def _extend_attention_kernel(
         qk = key_scores(q1, q2, q_tail, k1, k2, k_rows, n_mask, dtype, HALF, TAIL, BLOCK_TAIL, DOT_DTYPE, DOT_PRECISION)
 
         visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= pos[:, None])
+        if SPAN_PASS > 0:
+            key_in_span = tl.zeros([BLOCK_N], tl.int32)
+            for r in range(r_first, r_last):
+                s_lo = tl.load(span_ranges_ptr + 2 * r)
+                s_hi = tl.load(span_ranges_ptr + 2 * r + 1)
+                key_in_span |= ((offs_n >= s_lo) & (offs_n < s_hi)).to(tl.int32)
+            span_key = row_scaled[:, None] & (key_in_span != 0)[None, :]
+            if SPAN_PASS == 1:
+                visible = visible & span_key
+            qk = tl.where(span_key, qk * inv_temp + shift[:, None], qk)
         qk = tl.where(visible, qk, float("-inf"))
-        v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
-        v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
-        m_i, l_i, acc = attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
+        if SPAN_PASS == 1:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(qk - m_new[:, None]), 1)
+            m_i = m_new
+        else:
+            v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
+            v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
+            m_i, l_i, acc = attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_mask = row_mask[:, None] & (offs_v[None, :] < V_DIM)
-    if SPLIT:
+    if SPAN_PASS == 1:
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_i), float("-inf"))
+        tl.store(span_lse_ptr + row * stride_mlt + head * num_splits + chunk_id, lse, mask=row_mask)
+    elif SPLIT:
         mid_row = row * stride_mot + head * (num_splits * V_DIM) + chunk_id * V_DIM
         tl.store(mid_o_ptr + mid_row[:, None] + offs_v[None, :], out, mask=out_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_i), float("-inf"))
@@ -311,6 +361,7 @@ def extend_kernel_params(
         "ROTATE_KEYS": not rotated,
         "KEYS_STAGED": keys_staged,
         "SPLIT": split_keys,
+        "SPAN_PASS": 0,
         "DOT_DTYPE": dot_operand_dtype(dtype, device),
         "DOT_PRECISION": dot_precision(dtype),
         "num_warps": cfg.num_warps,
@@ -332,6 +383,7 @@ def extend_attention_fwd(
     num_splits: int | None = None,
     num_sms: int = 1,
     staged_keys: StagedKeys | None = None,
+    span: SpanScaling | None = None,
 ) -> None:
     """out [T, Hq, Dv] = attention of q [T, Hq, D] (unrotated, rows as `ext` lays them out) over `kv`.
 
@@ -341,7 +393,8 @@ def extend_attention_fwd(
     Keys are rotated in the dtype of `cos_sin_cache` (pass it in the pool's dtype, see RotaryEmbedding.kernel_table).
     keys_rotated=True is the baseline: the pool holds keys already rotated by their position, so only queries
     are rotated. With `staged_keys` (from stage_keys over the same requests) keys are read, rotated, from its
-    workspace instead of kv.k_buffer; values still come from the pool.
+    workspace instead of kv.k_buffer; values still come from the pool. `span` (over the same requests) scales the
+    attention to span keys: a first pass of the kernel takes each row's span log-sum-exp, the second attends.
     """
     num_tokens, num_heads, head_dim = q.shape
     max_extend_len, k_buffer, v_buffer = ext.max_extend_len, kv.k_buffer, kv.v_buffer
@@ -366,6 +419,35 @@ def extend_attention_fwd(
     mid_o = q.new_empty((num_tokens, num_heads, num_splits, v_dim) if num_splits > 1 else (0,), dtype=torch.float32)
     mid_lse = q.new_empty((num_tokens, num_heads, num_splits) if num_splits > 1 else (0,), dtype=torch.float32)
     grid = (kv.req_pool_indices.shape[0], num_kv_heads, q_blocks * num_splits)
+    if span is None:
+        span_args = [kv.req_pool_indices] * 4 + [mid_lse]  # any pointers: unused
+        passes = (0,)
+    else:
+        span_lse = q.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
+        span_args = [span.ranges, span.range_start, span.temperature, span.scale, span_lse]
+        passes = (1, 2)
+    for span_pass in passes:
+        _launch_extend(grid, q, k_buffer, v_buffer, out, mid_o, mid_lse, cos_sin_cache, kv, ext, staged_keys,
+                       span_args, sm_scale, num_splits, num_heads, v_dim, {**params, "SPAN_PASS": span_pass})
+    if num_splits > 1:
+        _extend_merge_kernel[(num_tokens, num_heads)](
+            mid_o,
+            mid_lse,
+            out,
+            num_splits,
+            num_heads * num_splits * v_dim,
+            num_heads * num_splits,
+            out.stride(0),
+            V_DIM=v_dim,
+            BLOCK_V=params["BLOCK_V"],
+            num_warps=1,
+        )
+
+
+def _launch_extend(grid, q, k_buffer, v_buffer, out, mid_o, mid_lse, cos_sin_cache, kv, ext, staged_keys, span_args,
+                   sm_scale, num_splits, num_heads, v_dim, params) -> None:
+    """One launch of the extend kernel (extend_attention_fwd's arguments; `span_args`: its five span pointers)."""
+    staged = staged_keys is not None
     _extend_attention_kernel[grid](
         q,
         k_buffer,
@@ -381,6 +463,7 @@ def extend_attention_fwd(
         ext.positions,
         ext.attn_lo,
         staged_keys.row_start if staged else kv.req_pool_indices,  # any int64 pointer when unused
+        *span_args,
         sm_scale * LOG2E,
         cos_sin_cache.shape[0],
         num_splits,
@@ -394,16 +477,3 @@ def extend_attention_fwd(
         cos_sin_cache.stride(0),
         **params,
     )
-    if num_splits > 1:
-        _extend_merge_kernel[(num_tokens, num_heads)](
-            mid_o,
-            mid_lse,
-            out,
-            num_splits,
-            num_heads * num_splits * v_dim,
-            num_heads * num_splits,
-            out.stride(0),
-            V_DIM=v_dim,
-            BLOCK_V=params["BLOCK_V"],
-            num_warps=1,
-        )

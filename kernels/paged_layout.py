@@ -36,3 +36,27 @@ class ExtendRows:
     positions: torch.Tensor  # [T] int64
     attn_lo: torch.Tensor  # [T] int64
     max_extend_len: int  # host bound on extend_seq_lens (it sizes the extend grid and may exceed the true maximum)
+
+
+@dataclass(frozen=True)
+class SpanScaling:
+    """APE's query-time scaling of attention to span keys, per request b of a batch. Its span keys are the key index
+    ranges [lo, hi) in ranges[range_start[b] : range_start[b + 1]]: spans whose KV was encoded apart from the request
+    (a span job's, or its own isolated prefill). A query outside those ranges sees the span keys as one group with
+    logits divided by temperature[b], weighted against the other keys by exp(scale[b] * temperature[b] * LSE), the
+    group's log-sum-exp of its tempered logits; queries inside a span (the span encoding itself) are not scaled.
+    temperature = scale = 1 is plain attention."""
+
+    ranges: torch.Tensor  # [R, 2] int64
+    range_start: torch.Tensor  # [B + 1] int64
+    temperature: torch.Tensor  # [B] float32
+    scale: torch.Tensor  # [B] float32
+
+    def in_spans(self, index: torch.Tensor, requests: torch.Tensor | None = None) -> torch.Tensor:
+        """Whether key index index[i, ...] of request requests[i] (default: request i) lies in one of its spans."""
+        b = torch.arange(self.range_start.shape[0] - 1, device=index.device) if requests is None else requests
+        owner = torch.repeat_interleave(self.range_start.diff())  # [R] request of each range
+        mine = owner[None, :] == b[:, None]  # [n, R]
+        idx = index.reshape(index.shape[0], -1, 1)
+        inside = (idx >= self.ranges[:, 0]) & (idx < self.ranges[:, 1]) & mine[:, None, :]
+        return inside.any(-1).view(index.shape)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV, SpanScaling
 
 QUERY_CHUNK = 512
 
@@ -32,8 +32,11 @@ def attention_reference(
     cos_sin_cache: torch.Tensor,  # [P, rotary_dim]
     sm_scale: float,
     keys_rotated: bool = False,
+    span: SpanScaling | None = None,
 ) -> torch.Tensor:
-    """[T, Hq, Dv] float64. Query t sees keys j of its request with attn_lo[t] <= j <= positions[t]."""
+    """[T, Hq, Dv] float64. Query t sees keys j of its request with attn_lo[t] <= j <= positions[t]. With `span`,
+    a query outside its request's spans attends to two groups, its span keys with tempered logits and the rest,
+    each normalized on its own and weighted by APE's scaled log-sum-exps (SpanScaling)."""
     num_heads = q.shape[1]
     group = num_heads // kv.k_buffer.shape[1]
     out = torch.zeros((q.shape[0], num_heads, kv.v_buffer.shape[-1]), dtype=torch.float64, device=q.device)
@@ -56,7 +59,27 @@ def attention_reference(
             visible = (key_idx[None, :] >= attn_lo[rows][:, None]) & (key_idx[None, :] <= pos[:, None])
             scores = scores.masked_fill(~visible[None], float("-inf"))
             out[rows] = torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), values)
+            if span is not None:
+                _span_groups(out, rows, pos, scores, values, key_idx, span, b)
     return out
+
+
+def _span_groups(out, rows, pos, scores, values, key_idx, span: SpanScaling, b: int) -> None:
+    """Overwrite the rows of queries outside request b's spans with APE's merge of their two key groups."""
+    lo_hi = span.ranges[int(span.range_start[b]) : int(span.range_start[b + 1])].tolist()
+    in_span = torch.zeros_like(key_idx, dtype=torch.bool)
+    for lo, hi in lo_hi:
+        in_span |= (key_idx >= lo) & (key_idx < hi)
+    temp, scale = float(span.temperature[b]), float(span.scale[b])
+    tempered = scores.masked_fill(~in_span[None, None, :], float("-inf")) / temp
+    plain = scores.masked_fill(in_span[None, None, :], float("-inf"))
+    lse_span, lse_plain = torch.logsumexp(tempered, -1), torch.logsumexp(plain, -1)  # [H, n]
+    o_span = torch.einsum("hnl,lhd->nhd", torch.softmax(tempered, -1).nan_to_num(0.0), values)
+    o_plain = torch.einsum("hnl,lhd->nhd", torch.softmax(plain, -1).nan_to_num(0.0), values)
+    w = torch.softmax(torch.stack([scale * temp * lse_span, lse_plain]), dim=0).nan_to_num(0.0)  # [2, H, n]
+    merged = w[0].T[..., None] * o_span + w[1].T[..., None] * o_plain
+    scaled = torch.tensor([not any(lo <= p < hi for lo, hi in lo_hi) for p in pos.tolist()], device=out.device)
+    out[rows[scaled]] = merged[scaled]
 
 
 def store_reference(

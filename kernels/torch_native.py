@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV
+from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV, SpanScaling
 
 
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -38,6 +38,8 @@ def paged_attention_torch(
     sm_scale: float,
     keys_rotated: bool = False,
     out: torch.Tensor | None = None,
+    span: SpanScaling | None = None,
+    requests: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Batched masked attention for extend and decode alike, each request's queries padded to ext.max_extend_len
     and keys to kv.max_seq_len (the true maximum when 0, which reads it from the device). Returns [T, Hq, Dv]
@@ -45,7 +47,8 @@ def paged_attention_torch(
     requests into one output).
 
     keys_rotated=True reads keys that were stored already rotated (the baseline engines use); then only
-    queries are rotated here.
+    queries are rotated here. `span` scales the attention to span keys (see SpanScaling), whose request b is request
+    requests[b] of `span` (default: b).
     """
     T, hq, d = q.shape
     k_buffer, v_buffer, seq_lens = kv.k_buffer, kv.v_buffer, kv.seq_lens
@@ -86,9 +89,42 @@ def paged_attention_torch(
     kh = keys.permute(0, 2, 1, 3)
     vh = values.permute(0, 2, 1, 3)
     mask = visible[:, None, None, :, :].expand(bsz, hkv, group, max_q, max_kv).reshape(bsz, hkv, group * max_q, max_kv)
-    attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale)
+    if span is None:
+        attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=sm_scale)
+    else:
+        logits = _span_scaled_logits(qh, kh, mask, sm_scale, span, requests, q_pos, kv_idx, group)
+        attn = torch.matmul(torch.softmax(logits, dim=-1), vh)
     dv = attn.shape[-1]
     attn = attn.view(bsz, hkv, group, max_q, dv).permute(0, 3, 1, 2, 4).reshape(bsz, max_q, hq, dv)
     result = torch.empty((T, hq, dv), dtype=q.dtype, device=device) if out is None else out
     result[rows[q_valid]] = attn[q_valid].to(q.dtype)
     return result
+
+
+def _span_scaled_logits(
+    qh: torch.Tensor,  # [B, Hkv, G*Q, D]
+    kh: torch.Tensor,  # [B, Hkv, K, D]
+    mask: torch.Tensor,  # [B, Hkv, G*Q, K] visible keys
+    sm_scale: float,
+    span: SpanScaling,
+    requests: torch.Tensor | None,
+    q_pos: torch.Tensor,  # [B, Q]
+    kv_idx: torch.Tensor,  # [K]
+    group: int,
+) -> torch.Tensor:
+    """Masked logits with APE's scaling of span keys (SpanScaling): a span key's logit x becomes
+    x / T + (S * T - 1) * LSE, LSE the log-sum-exp of the row's visible tempered span logits, so that the group
+    weighs exp(S * T * LSE) against the other keys; rows of queries inside a span keep plain logits."""
+    bsz = qh.shape[0]
+    b = torch.arange(bsz, device=qh.device) if requests is None else requests
+    temp, scale = span.temperature[b].float(), span.scale[b].float()
+    key_span = span.in_spans(kv_idx[None, :].expand(bsz, -1), b)  # [B, K]
+    row_scaled = ~span.in_spans(q_pos, b)  # [B, Q]
+    row_scaled = row_scaled[:, None, None, :].expand(-1, 1, group, -1).reshape(bsz, 1, -1, 1)
+    logits = torch.matmul(qh, kh.transpose(-1, -2)) * sm_scale
+    tempered = logits / temp[:, None, None, None]
+    in_group = mask & key_span[:, None, None, :]
+    lse = torch.logsumexp(tempered.masked_fill(~in_group, float("-inf")), dim=-1, keepdim=True)
+    bias = torch.where(torch.isfinite(lse), (scale * temp - 1)[:, None, None, None] * lse, torch.zeros_like(lse))
+    scaled = torch.where(key_span[:, None, None, :] & row_scaled, tempered + bias, logits)
+    return scaled.masked_fill(~mask, float("-inf"))

@@ -44,6 +44,8 @@ ATTENTION_CASES = [
     "spans_key_splits3_fp32",
     "extend_key_splits5_bf16",
     "spans_staged_keys_page16_fp32",
+    "span_scaling_key_splits3_fp32",
+    "span_scaling_staged_keys_bf16",
     "prefill_staged_keys_fp32",
     "extend_staged_keys_splits3_partial_rotary_bf16",
     "decode_splits_gqa_page16_fp32",
@@ -96,6 +98,7 @@ ENGINE_CASES = [
     "shared_decode_common_prefix_engine",
     "shared_decode_static_plan",
     "span_probe_engine",
+    "span_attention_engine",
 ]
 
 
@@ -158,6 +161,12 @@ def test_shared_decode_in_the_engine_gives_the_same_tokens(worker: InterpreterWo
 def test_shared_decode_in_the_engine_with_tp2_or_a_common_prefix(worker: InterpreterWorker, name: str) -> None:
     entry = _entry(worker, name)
     assert entry["identical"] and entry["shared_steps"] > 0
+
+
+@pytest.mark.slow  # four engines under the interpreter
+def test_span_attention_scaling_through_the_triton_backend_and_tp2(worker: InterpreterWorker) -> None:
+    assert _entry(worker, "span_attention_engine") == {"dtype": "float32", "nan": False, "identical": True,
+                                                        "scaled": True}
 
 
 @pytest.mark.slow  # two engines prefilling under the interpreter

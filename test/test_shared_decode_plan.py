@@ -183,7 +183,7 @@ def test_a_step_whose_plan_does_not_fit_the_graph_records_no_sharing():
         runner.num_replays, runner.num_shared_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}, 0
         plan = object()
         batch = _Stub(forward_mode=ForwardMode.DECODE, batch_size=3, shared_decode=plan, input_ids=torch.zeros(3),
-                      probe=None)
+                      probe=None, span_scaling=None, deviation=None)
         assert runner.replay(batch).shape == (3, 2)
         assert batch.shared_decode is (plan if fits else None)
         assert runner.num_shared_replays == int(fits)

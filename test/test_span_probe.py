@@ -71,7 +71,12 @@ def reference_choice(model, req) -> set[int]:
                     output_attentions=True)
     rows = [i for i, p in enumerate(pos) if visible[i] and p >= req.question_start]
     mass = sum(a[0][:, rows].sum(dim=(0, 1)) for a in out.attentions)
-    by_position = {p: float(mass[i]) for i, p in enumerate(pos) if visible[i]}
+    return chosen_blocks(req, {p: float(mass[i]) for i, p in enumerate(pos) if visible[i]})
+
+
+def chosen_blocks(req, by_position: dict[int, float]) -> set[int]:
+    """The positions a request with these scores recomputes: the share of its span tokens that no seam covers, in
+    aligned blocks, the highest summed blocks first (the earlier on ties)."""
     blocks = []  # (minus the block's summed score, its first position, its positions)
     at = 0
     for seg in req.probe:
@@ -100,13 +105,14 @@ def probe_pass(engine: Engine, text: str):
     return engine.make_reqs(GenerateReqInput(text=text, **GIVEN))[0]
 
 
-def check_against_reference(engine, models, texts, outs, chosen) -> None:
-    model, eager = models
+def check_against_reference(engine, model, choice, texts, outs, chosen, given=GIVEN) -> None:
+    """Each request chose what `choice(req)` (a reference selection) chooses for it, and answered as the dense
+    reference of its prompt with those tokens recomputed."""
     for text, out in zip(texts, outs):
-        req = probe_pass(engine, text)
+        req = engine.make_reqs(GenerateReqInput(text=text, **given))[0]
         (segments,) = choices_of(chosen, req)
         final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
-        assert span_positions(final) - span_positions(req.segments) == reference_choice(eager, req)
+        assert span_positions(final) - span_positions(req.segments) == choice(req)
         ref_tokens, ref_logps = reference(model, segments_layout(final), NEW)
         assert out["output_ids"] == ref_tokens
         logps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
@@ -116,24 +122,33 @@ def check_against_reference(engine, models, texts, outs, chosen) -> None:
 
 def test_probe_chooses_what_the_reference_probe_chooses_and_answers_as_dense(setup, chosen):
     """Cold one by one, then warm in one batch with the spans at different offsets."""
-    engine, model = setup
+    engine, (model, eager) = setup
+    check_cold_and_warm(engine, model, lambda req: reference_choice(eager, req), chosen, GIVEN)
+
+
+def check_cold_and_warm(engine, model, choice, chosen, given) -> None:
+    """check_against_reference cold one by one, then warm in one batch with the spans at different offsets."""
     engine.flush_cache()
     texts = prompts()
-    cold = [engine.generate(t, PARAMS, return_logprob=True, **GIVEN) for t in texts]
-    check_against_reference(engine, model, texts, cold, chosen)
+    cold = [engine.generate(t, PARAMS, return_logprob=True, **given) for t in texts]
+    check_against_reference(engine, model, choice, texts, cold, chosen, given)
     chosen.clear()
-    warm = engine.generate(texts, PARAMS, return_logprob=True, **GIVEN)
-    check_against_reference(engine, model, texts, warm, chosen)
+    warm = engine.generate(texts, PARAMS, return_logprob=True, **given)
+    check_against_reference(engine, model, choice, texts, warm, chosen, given)
     assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in warm)
 
 
 def test_the_same_request_chooses_the_same_tokens(setup, chosen):
-    engine, _ = setup
+    assert_same_choice(setup[0], chosen, GIVEN)
+
+
+def assert_same_choice(engine, chosen, given) -> None:
+    """A prompt alone twice and in a batch with another chooses the same tokens each time and answers alike."""
     engine.flush_cache()
     text = prompts()[1]
-    outs = [engine.generate(text, PARAMS, **GIVEN) for _ in range(2)]
-    outs.append(engine.generate([text, prompts()[0]], PARAMS, **GIVEN)[0])
-    choices = choices_of(chosen, probe_pass(engine, text))
+    outs = [engine.generate(text, PARAMS, **given) for _ in range(2)]
+    outs.append(engine.generate([text, prompts()[0]], PARAMS, **given)[0])
+    choices = choices_of(chosen, engine.make_reqs(GenerateReqInput(text=text, **given))[0])
     assert len(choices) == 3 and choices[0] == choices[1] == choices[2]
     assert outs[0]["output_ids"] == outs[1]["output_ids"] == outs[2]["output_ids"]
 
@@ -161,28 +176,37 @@ def test_counts_cover_both_passes(setup, chosen):
     assert meta["probe_tokens"] == own_after
 
 
-def test_shared_span_slots_never_change(setup):
+SELECTORS = ["query", "deviation"]  # the deviation pass (test_span_deviation.py) shares these tests
+
+
+@pytest.mark.parametrize("select", SELECTORS)
+def test_shared_span_slots_never_change(setup, select):
     engine, _ = setup
     engine.flush_cache()
     engine.generate("Cold." + span(DOCS[1]) + "Go.", PARAMS, span_anchor="auto", span_head_tokens=1)
     before = span_kv(engine, DOCS[1])
     outs = engine.generate([f"Prefix number {i} differs." + span(DOCS[1]) + f"Question {i}?" for i in range(4)],
-                           PARAMS, **GIVEN)
+                           PARAMS, **GIVEN, span_select=select)
     assert all(o["meta_info"]["probe_tokens"] > 0 for o in outs)
     assert_span_kv_unchanged(engine, DOCS[1], before)
 
 
-def test_accounting_after_finish_abort_and_retraction(setup, tiny_llama):
+@pytest.mark.parametrize("select", SELECTORS)
+def test_accounting_after_finish_abort_and_retraction(setup, tiny_llama, select):
+    """Slots, tree locks and table rows (a deviation pass's scratch row too) are all free again."""
     engine, _ = setup
+    given = {**GIVEN, "span_select": select}
+    rows = engine.scheduler.runner.req_to_token_pool
+    free_rows = rows.available_size()
     engine.flush_cache()
     engine.generate([f"Request {i}." + span(DOCS[i % 3]) + span(DOCS[(i + 1) % 3]) + "Answer:" for i in range(6)],
-                    PARAMS, **GIVEN)
+                    PARAMS, **given)
     _assert_accounting(engine)
     for steps in range(4):  # aborted before, during and after its probe pass
         rid = f"abort-{steps}"
         with engine._lock:
             for req in engine.make_reqs(GenerateReqInput(text=f"Abort {steps}." + span(DOCS[2]) + "x", rid=rid,
-                                                         sampling_params={"max_new_tokens": 64}, **GIVEN)):
+                                                         sampling_params={"max_new_tokens": 64}, **given)):
                 engine.scheduler.add_request(req)
             for _ in range(steps):
                 engine.scheduler.step()
@@ -190,8 +214,9 @@ def test_accounting_after_finish_abort_and_retraction(setup, tiny_llama):
         while not engine.scheduler.is_idle():
             engine.scheduler.step()
         _assert_accounting(engine)
+    assert rows.available_size() == free_rows
     with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=420, max_running_requests=16,
-                span_head_tokens=1, span_query_share=SHARE, chunked_prefill_size=64) as small:
+                span_head_tokens=1, span_query_share=SHARE, span_select=select, chunked_prefill_size=64) as small:
         outs = small.generate([f"Q{i}." + span(DOCS[i % 3]) + "Answer at length:" for i in range(12)],
                               {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True})
         assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
@@ -211,9 +236,15 @@ def test_a_probe_batch_never_replays_a_cuda_graph():
     runner = object.__new__(CudaGraphRunner)
     runner.batch_sizes, runner.extend_sizes, runner.shared_plan = [4], [8], None
     batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1, num_decode_tail=0,
-                            input_ids=torch.zeros(5), shared_decode=None, probe=None)
+                            input_ids=torch.zeros(5), shared_decode=None, probe=None, span_scaling=None,
+                            deviation=None)
     assert runner.can_run(batch)
     batch.probe = AttentionProbe()
+    assert not runner.can_run(batch)
+    # Nor does a batch with APE's span scaling: its two kernel passes loop over ranges no graph was captured with.
+    batch.probe, batch.span_scaling = None, object()
+    assert not runner.can_run(batch)
+    batch.span_scaling, batch.deviation = None, object()  # nor a deviation pass, which stops after its first layers
     assert not runner.can_run(batch)
 
 

@@ -56,9 +56,10 @@ def test_tp2_greedy_matches_tp1(arch, request):
     assert_same(request.getfixturevalue(f"tiny_{arch}"))
 
 
-def test_tp2_probe_chooses_what_tp1_chooses(tiny_llama, monkeypatch):
-    """Each rank scores its own heads and the ranks' scores are summed: the probe passes of tp 2 choose the tokens
-    tp 1 chooses, and answer alike."""
+@pytest.mark.parametrize("select", ["query", "deviation"])
+def test_tp2_probe_chooses_what_tp1_chooses(tiny_llama, monkeypatch, select):
+    """Each rank scores its own heads and the ranks' scores are summed: the probe passes (query or deviation) of
+    tp 2 choose the tokens tp 1 chooses, and answer alike."""
     from probe_choices import recording
     from sglang_pic.managers import span_probe
 
@@ -67,7 +68,7 @@ def test_tp2_probe_chooses_what_tp1_chooses(tiny_llama, monkeypatch):
         choices[tp_size] = []
         monkeypatch.setattr(span_probe, "choose", recording(choices[tp_size]))
         with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=2048, tp_size=tp_size,
-                    span_head_tokens=2, span_query_share=0.3) as engine:
+                    span_head_tokens=2, span_query_share=0.3, span_select=select) as engine:
             outs[tp_size] = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
     assert len(choices[1]) == 2 and sorted(map(repr, choices[2])) == sorted(map(repr, choices[1]))
     assert outs[2] == outs[1]

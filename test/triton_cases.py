@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from sglang_pic.kernels.paged_layout import SpanScaling
 from sglang_pic.kernels.reference import attention_reference, relative_errors, store_reference
 from sglang_pic.kernels.torch_native import paged_attention_torch
 
@@ -38,9 +39,11 @@ def attention_case(
     stage: bool = False,
     shares: list | None = None,
     members: int = 2,
+    span_ranges: list[list[tuple[int, int]]] | None = None,
     **kw,
 ) -> dict:
     batch = pb.make_paged_batch(specs, hq, hkv, dim, DTYPES[dtype], "cpu", page_size=page, **kw)
+    span = None if span_ranges is None else span_scaling(span_ranges)
     if keys_rotated:
         batch.k_buffer = batch.rotated_pool()
     if shares is not None:  # decodes holding the same slots at different offsets, through the shared kernel
@@ -51,14 +54,25 @@ def attention_case(
     elif decode:
         out = batch.run_decode(splits, keys_rotated=keys_rotated)
     else:
-        out = batch.run_extend(keys_rotated=keys_rotated, num_splits=extend_splits, stage=stage)
+        out = batch.run_extend(keys_rotated=keys_rotated, num_splits=extend_splits, stage=stage, span=span)
     args = batch.attention_args()
     return {
         "dtype": dtype,
         "nan": bool(out.isnan().any()),
-        "vs_reference": relative_errors(out, attention_reference(*args, keys_rotated=keys_rotated)),
-        "vs_torch_native": relative_errors(out, paged_attention_torch(*args, keys_rotated=keys_rotated)),
+        "vs_reference": relative_errors(out, attention_reference(*args, keys_rotated=keys_rotated, span=span)),
+        "vs_torch_native": relative_errors(out, paged_attention_torch(*args, keys_rotated=keys_rotated, span=span)),
     }
+
+
+def span_scaling(ranges: list[list[tuple[int, int]]]) -> SpanScaling:
+    """APE's scaling over each request's span `ranges`, with a temperature and scale of its own per request."""
+    flat = [r for request in ranges for r in request]
+    starts = [0]
+    for request in ranges:
+        starts.append(starts[-1] + len(request))
+    n = len(ranges)
+    return SpanScaling(torch.tensor(flat, dtype=torch.int64).view(-1, 2), torch.tensor(starts),
+                       torch.linspace(0.5, 1.0, n), torch.linspace(1.5, 0.8, n))
 
 
 def store_case(dtype: str, rotate: bool, page: int) -> dict:
@@ -354,6 +368,14 @@ CASES: dict[str, Callable[[], dict]] = {
         [E(90, 4), E(33, 1), P(20)], 4, 2, 32, "bfloat16", extend_splits=5
     ),
     "spans_staged_keys_page16_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16, stage=True),
+    # APE's span scaling: spans computed here and cached ones, a request with none, decodes as one-token extends
+    "span_scaling_key_splits3_fp32": lambda: attention_case(
+        [*span_specs, D(90)], 4, 2, 32, "float32", page=16, extend_splits=3,
+        span_ranges=[[(5, 15), (30, 36), (40, 50)], [(0, 20)], [], [(10, 40)], [(0, 30), (60, 80)]],
+    ),
+    "span_scaling_staged_keys_bf16": lambda: attention_case(
+        span_specs, 4, 2, 32, "bfloat16", stage=True, span_ranges=[[(5, 15), (30, 36)], [(0, 20)], [(2, 5)], []],
+    ),
     # a prefill's keys all come through the store, which writes their rotated copies: no staging pass runs
     "prefill_staged_keys_fp32": lambda: attention_case([P(37), P(70)], 4, 2, 32, "float32", page=16, stage=True),
     "extend_staged_keys_splits3_partial_rotary_bf16": lambda: attention_case(

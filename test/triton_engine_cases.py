@@ -147,7 +147,25 @@ def span_probe_engine_case() -> dict:
     }
 
 
+def span_attention_engine_case() -> dict:
+    """APE's span scaling (server flags) through the Triton backend, alone and with tensor parallelism 2: greedy
+    tokens equal torch_native's, and differ from plain attention's."""
+    ape = dict(span_attention_temperature=0.6, span_attention_scale=1.4)
+    outs, _ = _engine_outputs(
+        {"torch_native": ape, "triton": dict(attention_backend="triton", **ape),
+         "tp2": dict(attention_backend="triton", tp_size=2, **ape), "plain": {}},
+        _span_prompts(),
+    )
+    return {
+        "dtype": "float32",
+        "nan": False,
+        "identical": outs["triton"] == outs["torch_native"] == outs["tp2"],
+        "scaled": outs["torch_native"] != outs["plain"],
+    }
+
+
 ENGINE_CASES: dict[str, Callable[[], dict]] = {
+    "span_attention_engine": span_attention_engine_case,
     "span_probe_engine": span_probe_engine_case,
     "kivi_engine": kivi_engine_case,
     "shared_decode_engine": shared_decode_engine_case,

@@ -24,7 +24,7 @@ def main() -> None:
 
     cuda = torch.device("cuda")
     float_ptrs = {"q_ptr", "k_ptr", "v_ptr", "k_buf_ptr", "v_buf_ptr", "out_ptr", "ws_ptr"}
-    fp32_ptrs = {"cos_sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
+    fp32_ptrs = {"cos_sin_ptr", "mid_o_ptr", "mid_lse_ptr", "span_temp_ptr", "span_scale_ptr", "span_lse_ptr"}
 
     def build(kernel, params: dict, dtype: str) -> None:
         consts = dict(params)

@@ -101,9 +101,12 @@ class Engine:
         span_head_tokens: int | list[int | None] | None = None,
         span_tail_tokens: int | list[int | None] | None = None,
         span_query_share: float | list[float | None] | None = None,
+        span_select: str | list[str | None] | None = None,
+        span_attention_temperature: float | list[float | None] | None = None,
+        span_attention_scale: float | list[float | None] | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
-        """SGLang's Engine.generate; span_anchor, span_head_tokens, span_tail_tokens and span_query_share override
-        the server's span quality settings for these prompts (span_policy.py)."""
+        """SGLang's Engine.generate; the span_* arguments override the server's span quality settings for these
+        prompts (span_policy.py)."""
         obj = GenerateReqInput(
             text=prompt,
             input_ids=input_ids,
@@ -120,6 +123,9 @@ class Engine:
             span_head_tokens=span_head_tokens,
             span_tail_tokens=span_tail_tokens,
             span_query_share=span_query_share,
+            span_select=span_select,
+            span_attention_temperature=span_attention_temperature,
+            span_attention_scale=span_attention_scale,
         )
         msgs = self.request_builder.build(obj)
         if stream:
@@ -239,6 +245,9 @@ class Engine:
             span_head_tokens=obj.span_head_tokens,
             span_tail_tokens=obj.span_tail_tokens,
             span_query_share=obj.span_query_share,
+            span_select=obj.span_select,
+            span_attention_temperature=obj.span_attention_temperature,
+            span_attention_scale=obj.span_attention_scale,
         )
 
     def get_model_info(self) -> dict[str, Any]:

@@ -23,8 +23,10 @@ import torch
 from sglang_pic.utils_tensor import upload
 
 if TYPE_CHECKING:
+    from sglang_pic.kernels.paged_layout import SpanScaling
     from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan
     from sglang_pic.layers.attention_probe import AttentionProbe
+    from sglang_pic.layers.deviation_probe import DeviationProbe
     from sglang_pic.layers.attention_backend import AttentionBackend
     from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
@@ -136,6 +138,12 @@ class ForwardBatch:
     # Question rows whose attention every layer also scores (layers/attention_probe.py); None: none. Tensor
     # parallelism sends it beside the packed batch (model_executor/batch_broadcast.py).
     probe: "AttentionProbe | None" = None
+    # APE's scaling of attention to span keys for the batch's requests that ask for it (kernels/paged_layout.py);
+    # None: none do. Its decodes then run in the extend kernel, and the batch eagerly.
+    span_scaling: "SpanScaling | None" = None
+    # A deviation pass's comparison of new and shared span KV (layers/deviation_probe.py); the model then runs only
+    # layers up to the probe's and computes no logits. None: a whole forward.
+    deviation: "DeviationProbe | None" = None
 
     @classmethod
     def build(

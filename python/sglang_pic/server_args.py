@@ -10,7 +10,7 @@ from typing import Any
 
 from sglang_pic.parser_names import REASONING_PARSER_NAMES as REASONING_PARSERS
 from sglang_pic.parser_names import TOOL_CALL_PARSER_NAMES as TOOL_CALL_PARSERS
-from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS
+from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, check_settings
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -254,6 +254,22 @@ class ServerArgs:
         "the last span runs over the reused span KV, and the span tokens its queries attend to most are recomputed "
         "(0: no probe). Needs the radix cache and --page-size 1.",
     )
+    span_select: str = _arg(
+        "query",
+        "How each request chooses the --span-query-share of span tokens it recomputes: query (a probe pass scores "
+        "them by the attention the text after the spans pays them) or deviation (a pass through the first layers "
+        "scores them by how far their KV with full attention is from the shared copy).",
+    )
+    span_attention_temperature: float = _arg(
+        1.0,
+        "APE's attention temperature T for span keys: a query after the spans sees the keys of spans encoded apart "
+        "from it with logits divided by T (1: plain attention). Runs on the triton and torch_native backends.",
+    )
+    span_attention_scale: float = _arg(
+        1.0,
+        "APE's scale S for span keys: their softmax group weighs exp(S * T * LSE) against the other keys, LSE the "
+        "log-sum-exp of their tempered logits (1 with T = 1: plain attention).",
+    )
     ssep_token_id: int = _arg(-1, "Id that stands for the span marker in input_ids.")
     pdep_token_id: int = _arg(-2, "Id that stands for the prompt-dependent marker in input_ids.")
 
@@ -359,6 +375,10 @@ class ServerArgs:
             raise ValueError(f"tool_spans must be on or off, got {self.tool_spans!r}")
         if not 0 <= self.span_query_share <= 1:
             raise ValueError(f"span_query_share must be in [0, 1], got {self.span_query_share}")
+        check_settings({"span_select": self.span_select, "span_attention_temperature": self.span_attention_temperature,
+                        "span_attention_scale": self.span_attention_scale})
+        if (self.span_attention_temperature, self.span_attention_scale) != (1.0, 1.0):
+            self.check_span_attention()
         explicit = self.span_anchor not in ("auto", "none") or bool(
             self.span_head_tokens or self.span_tail_tokens or self.span_query_share
         )
@@ -375,6 +395,17 @@ class ServerArgs:
         """Whether anchored spans and recomputed heads can be served (span_policy.py): their KV lives only in the
         radix tree, in one-token pages (a span's partial last page is never cached)."""
         return not (self.disable_radix_cache or self.disable_pic) and self.page_size == 1
+
+    def check_span_attention(self) -> None:
+        """Refuse APE's span attention scaling where it does not run: its two-pass kernel exists for the triton and
+        torch_native backends, and VeriCache's draft kernel does not scale."""
+        if self.resolved_attention_backend() not in ("triton", "torch_native"):
+            raise ValueError(
+                "span_attention_temperature and span_attention_scale need the triton or torch_native attention "
+                f"backend; this server runs {self.resolved_attention_backend()}"
+            )
+        if self.speculative_algorithm is not None:
+            raise ValueError("span_attention_temperature and span_attention_scale do not run with speculative decoding")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

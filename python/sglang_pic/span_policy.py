@@ -11,9 +11,16 @@ full attention answers, and both keep the shared KV one unmodified copy:
   tail_tokens  likewise its last k tokens: with a head, the span's two seams (HYPIC).
   recompute    one span only: the exact (offset, length) runs of its tokens to recompute, chosen by the client
                (a selector that scored the span's tokens for this request), over head and tail.
-  query_share  the engine chooses such runs itself, per request: a probe pass runs the text after the last span
-               over the reused span KV, and the request then also recomputes this share of its span tokens, those
-               the probe's queries attended to most (ProphetKV's selection; managers/span_probe.py).
+  query_share  the engine chooses such runs itself, per request: the request also recomputes this share of its
+               span tokens, those its selection pass scores highest (`select`):
+                 query      a probe pass runs the text after the last span over the reused span KV and scores the
+                            span tokens its queries attend to most (ProphetKV; managers/span_probe.py);
+                 deviation  a pass through the first layers computes every prompt token with full attention and
+                            scores each span token by how far its KV there is from the shared copy (CacheBlend;
+                            managers/span_deviation.py).
+  attention temperature and scale: APE's reweighting, with no recompute, of the attention a request's own
+               tokens pay to the span KV it reads (kernels/paged_layout.py, SpanScaling). One pair per request:
+               the spans form one group.
 The anchor may also be the prompt's own prefix (`prefix`: the span is keyed on it, so it is shared only behind
 that prefix, which is SGLang's parallel encoding). A span can carry its own settings in the prompt text
 (`split_settings`), over the request's, which are over the server's.
@@ -34,9 +41,13 @@ from typing import Any
 # of dense attention on every task family (docs/results.md, span quality frontier).
 DEFAULT_HEAD_TOKENS = 128
 ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
-SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens", "span_query_share")
+REQUEST_ONLY_FIELDS = ("span_select", "span_attention_temperature", "span_attention_scale")  # never one span's
+ATTENTION_FIELDS = ("span_attention_temperature", "span_attention_scale")
+SELECT_CHOICES = ("query", "deviation")
+SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens", "span_query_share", *REQUEST_ONLY_FIELDS)
 SPAN_FIELDS = (*SETTING_FIELDS, "span_recompute")  # a span's own settings: the request's, and its exact runs
 _SENTINEL = "\u2063sglang-pic-span\u2063"
+MAX_ATTENTION_FACTOR = 16.0  # past this a temperature or scale only flattens or saturates the softmax
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,8 @@ class SpanPolicy:
     tail_tokens: int = 0
     runs: tuple[tuple[int, int], ...] | None = None  # a span's own `span_recompute`, over head and tail
     query_share: float = 0.0  # of the span's tokens, recomputed where the request's question attends most
+    attention: tuple[float, float] = (1.0, 1.0)  # the request's APE temperature and scale
+    select: str = "query"  # how the request chooses its query_share of span tokens (SELECT_CHOICES)
 
     @property
     def from_job(self) -> bool:
@@ -80,6 +93,10 @@ def check_settings(settings: Mapping[str, Any]) -> None:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if name == "span_query_share" and (type(value) not in (int, float) or not 0 <= value <= 1):
             raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+        if name == "span_select" and value not in SELECT_CHOICES:
+            raise ValueError(f"span_select must be one of {', '.join(SELECT_CHOICES)}, got {value!r}")
+        if name in ATTENTION_FIELDS and (type(value) not in (int, float) or not 0 < value <= MAX_ATTENTION_FACTOR):
+            raise ValueError(f"{name} must be a number in (0, {MAX_ATTENTION_FACTOR}], got {value!r}")
 
 
 def _is_runs(value: Any) -> bool:
@@ -106,6 +123,9 @@ def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
     if not isinstance(settings, dict):
         raise ValueError(f"a span's settings after {marker!r} must be a JSON object, got {settings!r}")
     check_settings({name: None for name in settings})
+    shared = [name for name in REQUEST_ONLY_FIELDS if name in settings]
+    if shared:
+        raise ValueError(f"{shared[0]} applies to all of a request's spans at once: give it with the request")
     return settings, body[end:]
 
 

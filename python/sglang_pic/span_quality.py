@@ -13,6 +13,10 @@ settings serve it:
   seamsK         both, K each: the span's two seams;
   ...+queryP     each request's probe pass also recomputes P percent of its span tokens, those its question
                  attends to most (span_query_share);
+  ...+devP       likewise, those whose KV at the second layer deviates most from the shared copy
+                 (span_select deviation);
+  ...+apeTxSy    APE's reweighting of the attention to span keys: temperature x and scale y in percent
+                 (span_attention_temperature, span_attention_scale);
   anchor+...     the anchor with a head, tail or seams.
 
 Each mode runs every task through one Engine (its cache shared across the samples, as in real use), greedy, in
@@ -65,25 +69,35 @@ REFERENCE = "dense"  # the answers and first-token distributions the other modes
 BASELINE = "naive"  # extra prefill tokens are counted over this mode's
 
 
-def span_mode(anchor: str, head_tokens: int, tail_tokens: int = 0, query_share: float = 0.0) -> Mode:
-    """Spans under these Engine settings (a tail or query share of 0 is the server's default: not passed)."""
+def span_mode(anchor: str, head_tokens: int, tail_tokens: int = 0, query_share: float = 0.0,
+              temperature: float = 1.0, scale: float = 1.0, select: str = "query") -> Mode:
+    """Spans under these Engine settings (a tail or query share of 0, a temperature or scale of 1, the query
+    selector are the server's defaults: not passed)."""
     kwargs: dict[str, Any] = {"span_anchor": anchor, "span_head_tokens": head_tokens}
     if tail_tokens:
         kwargs["span_tail_tokens"] = tail_tokens
     if query_share:
         kwargs["span_query_share"] = query_share
+    if select != "query":
+        kwargs["span_select"] = select
+    if (temperature, scale) != (1.0, 1.0):
+        kwargs["span_attention_temperature"], kwargs["span_attention_scale"] = temperature, scale
     return Mode("spans", kwargs)
 
 
-def span_mode_name(anchor: str, head_tokens: int, tail_tokens: int = 0, query_share: float = 0.0) -> str:
-    """naive, anchor, headK, tailK, seamsK (a head and a tail of K each) or headK+tailJ, then queryP (P percent of
-    the span tokens chosen by the probe), all after `anchor+` when the anchor is on."""
+def span_mode_name(anchor: str, head_tokens: int, tail_tokens: int = 0, query_share: float = 0.0,
+                   temperature: float = 1.0, scale: float = 1.0, select: str = "query") -> str:
+    """naive, anchor, headK, tailK, seamsK (a head and a tail of K each) or headK+tailJ, then queryP or devP (P
+    percent of the span tokens chosen by the query probe or by KV deviation), then apeTxSy (APE's temperature x and
+    scale y, in percent), all after `anchor+` when the anchor is on."""
     if head_tokens and head_tokens == tail_tokens:
         parts = [f"seams{head_tokens}"]
     else:
         parts = [f"{what}{k}" for what, k in (("head", head_tokens), ("tail", tail_tokens)) if k]
     if query_share:
-        parts.append(f"query{round(100 * query_share)}")
+        parts.append(f"{'query' if select == 'query' else 'dev'}{round(100 * query_share)}")
+    if (temperature, scale) != (1.0, 1.0):
+        parts.append(f"apeT{round(100 * temperature)}S{round(100 * scale)}")
     if anchor == "auto":
         parts.insert(0, "anchor")
     return "+".join(parts) or BASELINE
@@ -93,6 +107,8 @@ _SPAN_SETTINGS = (
     ("none", 0, 0), ("auto", 0, 0), ("none", 8, 0), ("none", 32, 0),
     *(("auto", k, 0) for k in (4, 8, 16, 32, 64, 128, 256)), *(("auto", k, k) for k in (8, 16, 32)),
     *(("auto", 8, 0, share) for share in (0.1, 0.2, 0.3, 0.5)), *(("auto", 8, 8, share) for share in (0.1, 0.2, 0.3)),
+    *(("auto", k, 0, 0.0, t, s) for k in (0, 16) for t, s in ((0.7, 1.1), (0.8, 1.0), (0.9, 0.9), (1.0, 1.2))),
+    *(("auto", 8, 0, share, 1.0, 1.0, "deviation") for share in (0.1, 0.2, 0.3, 0.5)),
 )
 MODES: dict[str, Mode] = {
     REFERENCE: Mode("dense"),

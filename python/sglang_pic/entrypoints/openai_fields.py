@@ -63,6 +63,9 @@ class SamplingFields(RequestModel):
     span_head_tokens: int | None = None
     span_tail_tokens: int | None = None
     span_query_share: float | None = None
+    span_select: str | None = None
+    span_attention_temperature: float | None = None
+    span_attention_scale: float | None = None
 
     def span_settings(self) -> dict[str, Any]:
         """This request's span quality settings by name (SETTING_FIELDS), for GenerateReqInput."""

@@ -107,7 +107,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         table = fb.req_to_token_pool.req_to_token
         for group in fb.attn_metadata.groups:
             kv = group.kv(k_buf, v_buf, table)
-            paged_attention_torch(q3, kv, group.ext, layer.rotary.cos_sin_cache, layer.scaling, out=out)
+            paged_attention_torch(q3, kv, group.ext, layer.rotary.cos_sin_cache, layer.scaling, out=out,
+                                  span=fb.span_scaling, requests=group.requests)
         return out.reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
 
 

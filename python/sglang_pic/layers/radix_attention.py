@@ -1,5 +1,6 @@
 """The attention layer models call: it forwards unrotated q, k, v to the batch's attention backend (and, in a probe
-pass, lets the probe score the question's attention: layers/attention_probe.py)."""
+pass, lets the probe score the question's attention: layers/attention_probe.py; in a deviation pass, the new KV's
+distance from the shared span KV: layers/deviation_probe.py)."""
 
 from __future__ import annotations
 
@@ -34,4 +35,6 @@ class RadixAttention(nn.Module):
         out = forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
         if forward_batch.probe is not None:
             forward_batch.probe.score(q, self, forward_batch)
+        if forward_batch.deviation is not None:
+            forward_batch.deviation.score(k, v, self, forward_batch)
         return out

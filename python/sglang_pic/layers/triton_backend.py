@@ -76,7 +76,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         fb = forward_batch
-        decodes = fb.num_decodes
+        # Span scaling runs in the extend kernel only (its two passes): then every decode is a one-token extend.
+        decodes = fb.num_decodes if fb.span_scaling is None else 0
         extends = fb.batch_size - decodes
         meta = TritonMetadata(extends, fb.positions.shape[0] - decodes)
         if decodes and fb.shared_decode is None:
@@ -125,9 +126,9 @@ class TritonAttnBackend(AttentionBackend):
             # A mixed batch's decodes go to the decode kernel below: in extend tiles each would fill one row.
             extend_attention_fwd(
                 q3[:rows], out[:rows], kv, meta.ext, cos_sin, layer.scaling, num_sms=self.sm_count(q.device),
-                staged_keys=staged,
+                staged_keys=staged, span=fb.span_scaling,
             )
-        if fb.num_decodes:
+        if extends < fb.batch_size:
             decode_kv = _paged(fb, k_buf, v_buf, slice(extends, None))
             if fb.shared_decode is not None:
                 if meta.shared_buffers is None:
@@ -148,7 +149,8 @@ class TritonAttnBackend(AttentionBackend):
         so the variants are: each extend tile (by query rows and context) with keys staged or rotated in-kernel and
         the key range split or not, staging, the store and decode. Each runs one request on the padding row of the
         request table: every key is the dummy slot 0, the only slot written. Returns the number of attention
-        launches."""
+        launches. APE's span passes (SPAN_PASS 1 and 2) are left to compile at a request's first use: they would
+        triple the extend variants for a setting few servers use."""
         k_buf, v_buf = token_to_kv_pool.get_kv_buffer(layer.layer_id)
         device, dtype = k_buf.device, k_buf.dtype
         cos_sin = layer.rotary.kernel_table(dtype)

@@ -27,6 +27,7 @@ from sglang_pic.managers.req import FinishReason, Req, ReqSegment
 from sglang_pic.managers.req_kv import ReqKVManager
 from sglang_pic.managers.schedule_batch import BatchEntry, DecodeGroup, StepPlan, plan_entry
 from sglang_pic.managers.scheduler_state import RequestQueues, SchedulerStats
+from sglang_pic.managers.span_deviation import select_by_deviation, wants_deviation_pass
 from sglang_pic.managers.span_probe import add_probe_counts
 from sglang_pic.managers.waiting_order import WaitingOrder
 from sglang_pic.server_args import ServerArgs
@@ -91,6 +92,7 @@ class Admission:
         """`leave`: told of each request that leaves the running set; `may_mix`: decodes may ride along with
         prefills (not when a speculative worker decodes in rounds of its own)."""
         self.args = args
+        self.runner = runner
         self.req_rows = runner.req_to_token_pool
         self.pool_size = runner.allocator.size
         self.kv = kv
@@ -188,7 +190,7 @@ class Admission:
                 return Offer.NO_ROW
             self.kv.match(req)
             add_probe_counts(req)
-        return self._wait(req, room) or self._admit(req, room)
+        return self._wait(req, room) or self._select(req, room) or self._admit(req, room)
 
     def _wait(self, req: Req, room: Room) -> Offer | None:
         """Why a matched request waits (it is not admitted now, the requests after it still are offered); None: it
@@ -207,6 +209,16 @@ class Admission:
             self.kv.release(req)  # it finds that KV in the tree when it matches again next step
             return Offer.WAITS_FOR_OWNER
         return None
+
+    def _select(self, req: Req, room: Room) -> Offer | None:
+        """A deviation-selected request's pass (managers/span_deviation.py), then its offer under the runs it chose;
+        None: it selects no other way than by its prefill (a query probe's is one)."""
+        if not wants_deviation_pass(req):
+            return None
+        if not select_by_deviation(req, self.runner, self.kv):
+            self.kv.release(req)
+            return Offer.NO_KV_ROOM
+        return self._offer(req, room)
 
     def _admit(self, req: Req, room: Room) -> Offer:
         """Admit a matched request if its KV and tokens fit what is left of the step."""

@@ -35,6 +35,9 @@ class GenerateReqInput:
     span_head_tokens: int | list[int | None] | None = None
     span_tail_tokens: int | list[int | None] | None = None
     span_query_share: float | list[float | None] | None = None
+    span_select: str | list[str | None] | None = None
+    span_attention_temperature: float | list[float | None] | None = None
+    span_attention_scale: float | list[float | None] | None = None
 
     @classmethod
     def from_json(cls, body: Any) -> "GenerateReqInput":
@@ -169,6 +172,9 @@ class TokenizedGenerateReq:
     # The canonical prompt, when one of its spans has a query share: the scheduler probes the request, then
     # re-keys it with the runs the probe chose (managers/span_probe.py). None: `segments` are final.
     probe: tuple[Segment, ...] | None = None
+    # APE's (temperature, scale) for the attention to its spans (kernels/paged_layout.py SpanScaling); None: plain.
+    span_attention: tuple[float, float] | None = None
+    span_select: str = "query"  # how its probe chooses (span_policy.py): query or deviation
 
     def prompt_ids(self) -> list[int]:
         return [t for seg in self.segments for t in seg.tokens]

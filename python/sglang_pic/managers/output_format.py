@@ -182,7 +182,9 @@ class OutputFormatter:
             "cached_prefix_tokens": out.cached_prefix_tokens,
             "cached_span_tokens": out.cached_span_tokens,
             "recomputed_span_tokens": out.recomputed_span_tokens,  # span tokens it computed itself (span_policy.py)
-            "probe_tokens": out.probe_tokens,  # prompt tokens its query-driven selection computed a second time
+            # prompt tokens its selection computed again: a query probe's second prefill, a deviation pass (in
+            # whole-model token equivalents)
+            "probe_tokens": out.probe_tokens,
             "finish_reason": out.finished_reason.to_json() if out.finished_reason else None,
             "e2e_latency": time.time() - h.created_time,
         }

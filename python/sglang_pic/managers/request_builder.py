@@ -151,11 +151,15 @@ class RequestBuilder:
         base_rid = item["rid"] or uuid.uuid4().hex
         wire = wire_segments(segments)  # shared by the n copies: the scheduler copies what it grows
         probe = tuple(segments) if any(seg.query_share for seg in segments) else None
+        has_spans = any(seg.kind == "span" for seg in segments)
+        span_attention = policy.attention if has_spans and policy.attention != (1.0, 1.0) else None
         return [
             TokenizedGenerateReq(
                 rid=base_rid if params.n == 1 else f"{base_rid}-{k}",
                 segments=wire,
                 probe=probe,
+                span_attention=span_attention,
+                span_select=policy.select,
                 sampling_params=params,
                 prompt_len=prompt_len,
                 eos_token_ids=self.eos_token_ids,
@@ -219,13 +223,16 @@ class RequestBuilder:
     # ---- span quality settings (span_policy.py) ----------------------------------------------------------------
     def _server_span_policy(self) -> SpanPolicy:
         args = self.server_args
+        attention = (args.span_attention_temperature, args.span_attention_scale)
         if not args.spans_from_jobs():
-            return SpanPolicy()
+            return SpanPolicy(attention=attention, select=args.span_select)
         head, tail, share = args.resolved_span_head_tokens(), args.span_tail_tokens, args.span_query_share
         if args.span_anchor == "prefix":
-            return SpanPolicy((), head, anchor_is_prefix=True, tail_tokens=tail, query_share=share)
+            return SpanPolicy((), head, anchor_is_prefix=True, tail_tokens=tail, query_share=share, attention=attention,
+                              select=args.span_select)
         anchor = self._model_anchor if args.span_anchor == "auto" else anchor_tokens(args.span_anchor, self.tokenizer)
-        return SpanPolicy(anchor, head, tail_tokens=tail, query_share=share)
+        return SpanPolicy(anchor, head, tail_tokens=tail, query_share=share, attention=attention,
+                          select=args.span_select)
 
     def _span_policy(self, settings: Mapping[str, Any], base: SpanPolicy | None = None) -> SpanPolicy:
         """`base` (the server's settings) with the settings (span_policy.SPAN_FIELDS) a request or a span gives
@@ -240,14 +247,19 @@ class RequestBuilder:
         head = given.get("span_head_tokens", base.head_tokens)
         tail = given.get("span_tail_tokens", base.tail_tokens)
         share = given.get("span_query_share", base.query_share)
+        attention = (float(given.get("span_attention_temperature", base.attention[0])),
+                     float(given.get("span_attention_scale", base.attention[1])))
+        if attention != (1.0, 1.0):
+            self.server_args.check_span_attention()
+        select = given.get("span_select", base.select)
         runs = given.get("span_recompute")
         runs = None if runs is None else tuple(tuple(run) for run in runs)
         anchor = given.get("span_anchor")
         if anchor is None:
-            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix, tail, runs, share)
+            policy = SpanPolicy(base.anchor, head, base.anchor_is_prefix, tail, runs, share, attention, select)
         else:
             policy = SpanPolicy(self._model_anchor if anchor == "auto" else (), head, anchor == "prefix", tail, runs,
-                                share)
+                                share, attention, select)
         if policy.from_job and not self.server_args.spans_from_jobs():
             raise ValueError(
                 "span_anchor, span_head_tokens, span_tail_tokens and span_query_share need a server with the radix "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
+from sglang_pic.kernels.paged_layout import SpanScaling
 from sglang_pic.kernels.shared_decode_plan import SharedDecodePlan
 from sglang_pic.layers.attention_probe import AttentionProbe, ProbeRows
 from sglang_pic.managers.req import Req, ReqSegment
@@ -200,6 +201,22 @@ def _probe(entries: list[BatchEntry], device: torch.device) -> AttentionProbe | 
     return AttentionProbe(items) if items else None
 
 
+def span_scaling(reqs: list[Req], device: torch.device) -> SpanScaling | None:
+    """APE's scaling for the batch's requests `reqs` (in batch order), or None when none asks for it."""
+    if all(r.span_attention is None for r in reqs):
+        return None
+    ranges, starts, factors = [], [0], []
+    for r in reqs:
+        if r.span_attention is not None:
+            ranges += r.span_ranges()
+        starts.append(len(ranges))
+        factors.append(r.span_attention or (1.0, 1.0))
+    temperature, scale = torch.tensor(factors, dtype=torch.float32).T
+    span_ranges = torch.tensor(ranges, dtype=torch.int64).view(-1, 2)
+    return SpanScaling(span_ranges.to(device), torch.tensor(starts, dtype=torch.int64).to(device),
+                       temperature.contiguous().to(device), scale.contiguous().to(device))
+
+
 def build_forward_batch(
     plan: StepPlan, runner, next_input_ids: torch.Tensor, shared_decode: SharedDecodeSettings | None
 ) -> ForwardBatch:
@@ -215,8 +232,9 @@ def build_forward_batch(
         _add_decodes(rows, plan.decode.reqs)
         slots.append(plan.decode.slots)
     is_decode = all(_is_decode_entry(e) for e in plan.entries)
+    scaling = span_scaling([e.req for e in plan.entries] + (plan.decode.reqs if n else []), runner.device)
     shared = None
-    if n and not (is_decode and plan.entries):  # the plan covers exactly the decode rows
+    if n and scaling is None and not (is_decode and plan.entries):  # the plan covers exactly the decode rows
         decode_lens = rows.seq_lens[len(rows.seq_lens) - n :]
         shared = shared_decode_plan(plan.decode.reqs, decode_lens, shared_decode, runner.device)
     batch = ForwardBatch.build(
@@ -231,6 +249,7 @@ def build_forward_batch(
         shared_decode=shared,
     )
     batch.probe = _probe(plan.entries, runner.device)
+    batch.span_scaling = scaling
     if n:  # each decode feeds its row's last sampled token, which may not be on the host yet
         total = batch.input_ids.numel()
         batch.input_ids[total - n :] = next_input_ids[batch.req_pool_indices[batch.batch_size - n :]]

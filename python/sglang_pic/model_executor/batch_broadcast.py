@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 from sglang_pic.forward_batch import BatchHeader, ForwardBatch
+from sglang_pic.kernels.paged_layout import SpanScaling
 from sglang_pic.kernels.shared_decode_plan import ITEM_FIELDS, MEMBER_FIELDS, SharedDecodePlan
 from sglang_pic.layers.attention_probe import AttentionProbe
+from sglang_pic.layers.deviation_probe import DeviationProbe
 
 I64 = torch.int64
 
@@ -38,9 +40,25 @@ class LoadWeights:
 
 
 PLAN_SIZES = 4  # SharedDecodePlan.sizes()
-# op, the BatchHeader, req_to_token entries R, the probe's integers, then the shared decode plan's sizes (zeros
-# without a plan)
-HEADER_LEN = 1 + BatchHeader.size() + 2 + PLAN_SIZES
+# op, the BatchHeader, req_to_token entries R, the integers of the probe, the span scaling and the deviation probe,
+# then the shared decode plan's sizes (zeros without a plan)
+HEADER_LEN = 1 + BatchHeader.size() + 4 + PLAN_SIZES
+
+
+def scaling_to_list(scaling: SpanScaling | None) -> list[int]:
+    """A batch's span scaling as integers: range starts, ranges, then temperatures and scales as float32 bits."""
+    if scaling is None:
+        return []
+    factors = torch.cat([scaling.temperature, scaling.scale]).float().cpu().view(torch.int32).long()
+    return [*scaling.range_start.tolist(), *scaling.ranges.flatten().tolist(), *factors.tolist()]
+
+
+def scaling_from_list(values: list[int], batch_size: int, device: torch.device) -> SpanScaling:
+    starts = torch.tensor(values[: batch_size + 1], dtype=I64)
+    ranges = torch.tensor(values[batch_size + 1 : -2 * batch_size], dtype=I64).view(-1, 2)
+    factors = torch.tensor(values[-2 * batch_size :], dtype=torch.int32).view(torch.float32)
+    return SpanScaling(ranges.to(device), starts.to(device), factors[:batch_size].to(device),
+                       factors[batch_size:].to(device))
 
 
 def table_index(
@@ -65,10 +83,13 @@ class BatchBroadcaster:
         shared = batch.shared_decode
         plan_sizes = shared.sizes() if shared is not None else (0,) * PLAN_SIZES
         probe = batch.probe.to_list() if batch.probe is not None else []
-        header = [Op.FORWARD, *batch.header().to_list(), entries, len(probe), *plan_sizes]
+        scaling = scaling_to_list(batch.span_scaling)
+        deviation = batch.deviation.to_list() if batch.deviation is not None else []
+        header = [Op.FORWARD, *batch.header().to_list(), entries, len(probe), len(scaling), len(deviation),
+                  *plan_sizes]
         dist.broadcast(torch.tensor(header, dtype=I64), 0, group=self.cpu_group)
         tensors, host = batch.pack()
-        dist.broadcast(torch.tensor(host + probe, dtype=I64), 0, group=self.cpu_group)
+        dist.broadcast(torch.tensor(host + probe + scaling + deviation, dtype=I64), 0, group=self.cpu_group)
         rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
         table = batch.req_to_token_pool.req_to_token[rows, cols]
         payload = torch.cat([tensors, table, *([shared.flat()] if shared is not None else [])])
@@ -107,8 +128,8 @@ class BatchReceiver:
             dist.broadcast_object_list(folder, 0, group=self.cpu_group)
             return LoadWeights(folder[0])
         shape = BatchHeader.from_list(values[: BatchHeader.size()])
-        entries, probe_len, *plan_sizes = values[BatchHeader.size() :]
-        host = torch.empty(shape.host_size() + probe_len, dtype=I64)
+        entries, probe_len, scaling_len, deviation_len, *plan_sizes = values[BatchHeader.size() :]
+        host = torch.empty(shape.host_size() + probe_len + scaling_len + deviation_len, dtype=I64)
         dist.broadcast(host, 0, group=self.cpu_group)
         host = host.tolist()
         num_items, num_members = plan_sizes[:2]
@@ -124,8 +145,14 @@ class BatchReceiver:
             token_to_kv_pool=runner.token_to_kv_pool, attn_backend=runner.attn_backend,
             shared_decode=SharedDecodePlan.from_flat(plan, tuple(plan_sizes)) if num_items else None,
         )
+        probe_end = shape.host_size() + probe_len
         if probe_len:
-            batch.probe = AttentionProbe.from_list(host[shape.host_size() :], runner.device)
+            batch.probe = AttentionProbe.from_list(host[shape.host_size() : probe_end], runner.device)
+        scaling_end = probe_end + scaling_len
+        if scaling_len:
+            batch.span_scaling = scaling_from_list(host[probe_end:scaling_end], shape.batch_size, runner.device)
+        if deviation_len:
+            batch.deviation = DeviationProbe.from_list(host[scaling_end:], runner.device)
         rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
         runner.req_to_token_pool.req_to_token[rows, cols] = slots
         return batch

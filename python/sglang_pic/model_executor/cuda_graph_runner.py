@@ -213,6 +213,10 @@ class CudaGraphRunner:
     def _padded_key(self, batch: ForwardBatch) -> tuple[ForwardMode, int, bool] | None:
         if batch.probe is not None:  # its layers score the question in Python (layers/attention_probe.py)
             return None
+        if batch.span_scaling is not None:  # its ranges size the kernel's loops; no graph was captured with them
+            return None
+        if batch.deviation is not None:  # it stops after its first layers and scores in Python
+            return None
         if batch.forward_mode.is_decode():
             sizes, raw = self.batch_sizes, batch.batch_size
         elif batch.batch_size == 1 and batch.num_decode_tail == 0:

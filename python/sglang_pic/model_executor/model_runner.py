@@ -188,9 +188,19 @@ class ModelRunner:
     def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
         """This rank's forward (its collectives included), without sending the batch anywhere."""
         logits = self.forward_with(batch, self.graph_runner)
+        group = self.tp.device_group if self.tp.size > 1 else None
         if batch.probe is not None:
-            batch.probe.finish(self.tp.device_group if self.tp.size > 1 else None)
+            batch.probe.finish(group)
+        if batch.deviation is not None:
+            batch.deviation.finish(group)
         return logits
+
+    def forward_deviation(self, batch: ForwardBatch) -> torch.Tensor:
+        """A deviation pass (managers/span_deviation.py) on every rank; its scores, summed over the ranks."""
+        if self.broadcaster is not None:
+            self.broadcaster.send(batch)
+        self.forward_local(batch)
+        return batch.deviation.scores
 
     @torch.inference_mode()
     def forward_with(self, batch: ForwardBatch, graph_runner, prepared: bool = False) -> torch.Tensor:

@@ -115,7 +115,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        deviation = forward_batch.deviation
+        for layer in self.layers if deviation is None else self.layers[: deviation.layer + 1]:
             hidden, residual = layer(hidden, residual, forward_batch)
         return self.norm(hidden, residual)[0]
 

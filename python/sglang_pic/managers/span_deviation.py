@@ -1,0 +1,81 @@
+"""Deviation-selected recompute (CacheBlend's selection): a request chooses the span tokens it recomputes by how far
+their KV with full attention is from the shared copy it would read.
+
+A request whose spans have a query share and whose span_select is `deviation` is matched like any other (its spans
+from their jobs, its seams its own). Before its prefill, at admission, a deviation pass runs its whole prompt with
+full attention through the first DEVIATION_LAYERS layers only, into throwaway slots of a scratch row, and scores
+every reused span position at the last of them (layers/deviation_probe.py). The request then chooses exactly as a
+query probe does (span_probe.choose: its share in aligned blocks, highest summed score first, ties to the earlier
+block), is re-keyed with those runs and matched again. The pass writes no slot that anything reads and frees its
+own at once: it leaves only the scores. It costs DEVIATION_LAYERS / num_layers of a dense prefill of the prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
+from sglang_pic.layers.deviation_probe import DeviationProbe
+from sglang_pic.managers import span_probe
+from sglang_pic.managers.io_struct import wire_segments
+from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.managers.req_kv import ReqKVManager
+
+# CacheBlend reads the deviation after its first layer's attention; the second layer's KV is the first that depends
+# on the context, and so the first that can deviate.
+DEVIATION_LAYERS = 2
+
+
+def wants_deviation_pass(req: Req) -> bool:
+    return req.probe is not None and req.span_select == "deviation"
+
+
+def compared_positions(req: Req) -> list[int]:
+    """The positions of a matched request whose KV it reads from the shared span copy."""
+    return [p for seg in req.segments if seg.kind == "span" for p in range(seg.start, seg.start + seg.cached)]
+
+
+def deviation_scores(req: Req, runner, kv: ReqKVManager) -> torch.Tensor | None:
+    """The deviation pass of a matched request: one score per prompt position (0 off the compared ones), or None
+    when no scratch row or no slots for its prompt are free."""
+    n = req.prompt_len
+    row = kv.req_to_token_pool.alloc()
+    if row is None:
+        return None
+    if not kv.ensure_free(n):
+        kv.req_to_token_pool.free(row)
+        return None
+    slots = kv.allocator.alloc(n)
+    try:
+        kv.req_to_token_pool.write(row, slice(0, n), slots)
+        rows = BatchRows(input_ids=req.prompt_ids())
+        rows.add(row, range(n), [0] * n)
+        batch = ForwardBatch.build(
+            ForwardMode.EXTEND, rows, slots, runner.device, req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool=runner.token_to_kv_pool, attn_backend=runner.attn_backend,
+        )
+        layer = min(DEVIATION_LAYERS, runner.model_config.num_hidden_layers) - 1
+        positions = compared_positions(req)
+        shared = kv.req_to_token_pool.req_to_token[req.req_pool_idx, positions].tolist()
+        batch.deviation = DeviationProbe(layer, positions, shared,
+                                         torch.zeros(n, dtype=torch.float32, device=runner.device))
+        return runner.forward_deviation(batch)
+    finally:
+        kv.allocator.free(slots)
+        kv.req_to_token_pool.free(row)
+
+
+def select_by_deviation(req: Req, runner, kv: ReqKVManager) -> bool:
+    """Run a matched request's deviation pass, release its KV and re-key it with the runs its scores choose; False
+    (nothing changed) when the pass does not fit now. It reports the pass as `probe_tokens`, in whole-model token
+    equivalents (prompt tokens x the pass's layers / the model's)."""
+    scores = deviation_scores(req, runner, kv)
+    if scores is None:
+        return False
+    kv.release(req)
+    segments = span_probe.choose(req.probe, scores.cpu().numpy())
+    req.segments = [ReqSegment.from_wire(seg) for seg in wire_segments(segments)]
+    req.probe = None
+    layers = runner.model_config.num_hidden_layers
+    req.probe_tokens = -(-req.prompt_len * min(DEVIATION_LAYERS, layers) // layers)
+    return True

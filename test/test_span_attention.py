@@ -1,0 +1,141 @@
+"""APE's query-time scaling of span attention (span_attention_temperature / span_attention_scale) against a dense
+reference, and its settings.
+
+The reference is test_span_policy's flat sequence run through the HF model with an attention function of its own:
+a query outside every span (prefix, PDEP text, recomputed tokens, output) sees the visible span tokens as one group,
+normalized on its own with logits divided by T and weighted by exp(S * T * LSE) against the other visible keys,
+each group normalized on its own; a span's own tokens attend plainly. It shares nothing with the engine's kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_pic import Engine
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.server_args import ServerArgs
+from test_span_policy import PARAMS, prompts, reference, segments_layout
+
+TEMPERATURE, SCALE = 0.6, 1.4
+POLICIES = {  # name -> (span_anchor, span_head_tokens)
+    "isolated": ("none", 0),
+    "anchor+head": ("auto", 3),
+}
+REFERENCE_ATTENTION = "sglang_pic_span_groups_reference"
+
+
+class SpanGroups:
+    """What the reference attention needs about the flat sequence it runs: which prompt tokens are span tokens (the
+    tokens it appends are the request's own)."""
+
+    in_span: torch.Tensor | None = None
+    factors: tuple[float, float] = (1.0, 1.0)
+
+
+def _grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The reference's attention (see the module doc); the mask is the layout's boolean visibility."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1).double(), value.repeat_interleave(group, dim=1).double()
+    scores = torch.matmul(query.double(), key.transpose(2, 3)) * scaling  # [1, H, L, L]
+    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1.0
+    (temp, scale), n = SpanGroups.factors, key.shape[2]
+    in_span = torch.cat([SpanGroups.in_span, torch.zeros(n - len(SpanGroups.in_span), dtype=torch.bool)])
+    plain_scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.matmul(torch.softmax(plain_scores, -1), value)
+    span_keys = visible & in_span[None, None, None, :]
+    other_keys = visible & ~in_span[None, None, None, :]
+    tempered = (scores / temp).masked_fill(~span_keys, float("-inf"))
+    other = scores.masked_fill(~other_keys, float("-inf"))
+    weights = torch.softmax(torch.stack([scale * temp * torch.logsumexp(tempered, -1),
+                                         torch.logsumexp(other, -1)]), 0).nan_to_num(0.0)
+    merged = (weights[0, ..., None] * torch.matmul(torch.softmax(tempered, -1).nan_to_num(0.0), value)
+              + weights[1, ..., None] * torch.matmul(torch.softmax(other, -1).nan_to_num(0.0), value))
+    rows = ~in_span[None, None, :, None]
+    out = torch.where(rows, merged, out)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register(REFERENCE_ATTENTION, _grouped_attention)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32, attn_implementation=REFERENCE_ATTENTION)
+    engine = Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096)
+    yield engine, model.eval()
+    engine.shutdown()
+
+
+def grouped_reference(model, segments, factors: tuple[float, float]) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and log-probabilities of the reference for a request's segments."""
+    flat = segments_layout(segments)
+    SpanGroups.in_span, SpanGroups.factors = torch.tensor([s is not None for s in flat[2]]), factors
+    return reference(model, flat, PARAMS["max_new_tokens"])
+
+
+def check(engine: Engine, model, texts: list[str], outs: list[dict], given: dict) -> None:
+    factors = (given["span_attention_temperature"], given["span_attention_scale"])
+    for text, out in zip(texts, outs):
+        segments = engine.make_reqs(GenerateReqInput(text=text, **given))[0].segments
+        ref_tokens, ref_logps = grouped_reference(model, segments, factors)
+        assert out["output_ids"] == ref_tokens
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        want = torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)])
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_scaled_span_attention_equals_grouped_reference(setup, policy):
+    """Cold one by one, then warm in one batch (spans at new offsets, prefills beside decodes)."""
+    engine, model = setup
+    anchor, head = POLICIES[policy]
+    given = {"span_anchor": anchor, "span_head_tokens": head,
+             "span_attention_temperature": TEMPERATURE, "span_attention_scale": SCALE}
+    engine.flush_cache()
+    texts = prompts()
+    cold = [engine.generate(t, PARAMS, return_logprob=True, **given) for t in texts]
+    check(engine, model, texts, cold, given)
+    warm = engine.generate(texts, PARAMS, return_logprob=True, **given)
+    check(engine, model, texts, warm, given)
+
+
+def test_unit_factors_are_plain_attention(setup):
+    """T = S = 1 is no scaling at all; other factors change what the model says."""
+    engine, _ = setup
+    texts = prompts()
+    engine.flush_cache()
+    plain = engine.generate(texts, PARAMS, return_logprob=True)
+    engine.flush_cache()  # both cold: a cache hit may round differently from the prefill that computed it
+    unit = engine.generate(texts, PARAMS, return_logprob=True, span_attention_temperature=1.0,
+                           span_attention_scale=1.0)
+    assert [o["meta_info"]["output_token_logprobs"] for o in unit] == \
+        [o["meta_info"]["output_token_logprobs"] for o in plain]
+    scaled = engine.generate(texts, PARAMS, return_logprob=True, span_attention_temperature=0.3,
+                             span_attention_scale=3.0)
+    assert [o["meta_info"]["output_token_logprobs"] for o in scaled] != \
+        [o["meta_info"]["output_token_logprobs"] for o in plain]
+
+
+@pytest.mark.parametrize("value", [0, -1.0, 17.0, "1", True])
+def test_bad_factors_are_refused(setup, value):
+    engine, _ = setup
+    for name in ("span_attention_temperature", "span_attention_scale"):
+        with pytest.raises(ValueError, match=name):
+            engine.generate(prompts()[0], PARAMS, **{name: value})
+
+
+def test_factors_are_a_requests_not_a_spans(setup):
+    engine, _ = setup
+    args = ServerArgs(model_path="m")
+    own = args.span_settings_marker + '{"span_attention_temperature": 0.5}'
+    text = "Q:" + args.ssep_marker + own + "A document." + args.pdep_marker + "Why?"
+    with pytest.raises(ValueError, match="give it with the request"):
+        engine.generate(text, PARAMS)
+
+
+def test_backends_without_the_scaling_refuse_it():
+    with pytest.raises(ValueError, match="triton or torch_native"):
+        ServerArgs(model_path="m", attention_backend="flashinfer", span_attention_temperature=0.8)
+    with pytest.raises(ValueError, match="speculative"):
+        ServerArgs(model_path="m", speculative_algorithm="vericache", span_attention_scale=1.2)

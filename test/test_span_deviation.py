@@ -1,0 +1,111 @@
+"""Deviation-selected recompute (span_select deviation, managers/span_deviation.py) against a reference selection
+and the dense masked reference of test_span_policy.
+
+The reference runs the HF model twice per request: once on the whole prompt with full attention, once per span on
+what its job computes (the anchor, then the span). At the deviation layer it projects each run's hidden states to
+keys and values and scores every span position the request reads from the shared copy by the squared distance of
+its dense key and value from the job's, each relative to the job's squared norm, summed over kv heads. It takes
+the share in blocks as a query probe does (test_span_probe.chosen_blocks). The engine must choose exactly those
+tokens, and then answer as the dense reference of the prompt with them recomputed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probe_choices import recording
+from sglang_pic import Engine
+from sglang_pic.frontend_lang import span
+from sglang_pic.managers import span_probe
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.span_deviation import DEVIATION_LAYERS
+from test_span_policy import DOCS, PARAMS, prompts
+from test_span_probe import SHARE, assert_same_choice, check_cold_and_warm, chosen_blocks
+
+GIVEN = {"span_anchor": "auto", "span_head_tokens": 1, "span_query_share": SHARE, "span_select": "deviation"}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    with Engine(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096) as engine:
+        yield engine, AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def chosen(monkeypatch: pytest.MonkeyPatch) -> list:
+    made: list = []
+    monkeypatch.setattr(span_probe, "choose", recording(made))
+    return made
+
+
+def layer_kv(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [len, Hkv, D] of the deviation layer, unrotated, for `ids` at positions 0.. with full
+    causal attention."""
+    layer = model.model.layers[DEVIATION_LAYERS - 1]
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[DEVIATION_LAYERS - 1][0]
+        x = layer.input_layernorm(hidden)
+        shape = (len(ids), -1, layer.self_attn.head_dim)
+        return layer.self_attn.k_proj(x).view(shape), layer.self_attn.v_proj(x).view(shape)
+
+
+def reference_choice(model, req) -> set[int]:
+    """The prompt positions the reference selection recomputes (see the module doc)."""
+    dense_k, dense_v = layer_kv(model, req.prompt_ids())
+    by_position: dict[int, float] = {}
+    at = 0
+    for seg in req.probe:
+        n = len(seg.token_ids)
+        if seg.kind == "span":
+            lead = len(seg.anchor)
+            job_k, job_v = layer_kv(model, list(seg.anchor) + list(seg.token_ids))
+            for o in range(n):
+                k, v = job_k[lead + o], job_v[lead + o]
+                dev = ((dense_k[at + o] - k).square().sum(-1) / k.square().sum(-1)).sum()
+                dev += ((dense_v[at + o] - v).square().sum(-1) / v.square().sum(-1)).sum()
+                by_position[at + o] = float(dev)
+        at += n
+    return chosen_blocks(req, by_position)
+
+
+def selecting(engine: Engine, text: str):
+    """The request before it selects (its probe form)."""
+    return engine.make_reqs(GenerateReqInput(text=text, **GIVEN))[0]
+
+
+def test_deviation_chooses_what_the_reference_chooses_and_answers_as_dense(setup, chosen):
+    engine, model = setup
+    check_cold_and_warm(engine, model, lambda req: reference_choice(model, req), chosen, GIVEN)
+
+
+def test_the_same_request_chooses_the_same_tokens(setup, chosen):
+    assert_same_choice(setup[0], chosen, GIVEN)
+
+
+def test_counts(setup):
+    """recomputed_span_tokens: the heads and the chosen tokens; probe_tokens: the pass, in whole-model token
+    equivalents (the tiny model has as many layers as the pass)."""
+    engine, _ = setup
+    engine.flush_cache()
+    text = "Read this:" + span(DOCS[0]) + span(DOCS[1]) + "Which city?"
+    meta = engine.generate(text, PARAMS, **GIVEN)["meta_info"]
+    req = selecting(engine, text)
+    span_tokens = sum(len(s.token_ids) for s in req.probe if s.kind == "span")
+    assert meta["recomputed_span_tokens"] == 2 + round(SHARE * span_tokens)
+    layers = engine.scheduler.runner.model_config.num_hidden_layers
+    assert meta["probe_tokens"] == -(-req.prompt_len * min(DEVIATION_LAYERS, layers) // layers)
+
+
+@pytest.mark.parametrize("value", ["prompt", "", 1, None])
+def test_bad_selectors_are_refused(setup, value):
+    engine, _ = setup
+    if value is None:  # a span's own selector: a request's setting only
+        text = "Q:" + span(DOCS[0]).replace(DOCS[0], '<|span_settings|>{"span_select": "query"}' + DOCS[0]) + "?"
+        with pytest.raises(ValueError, match="give it with the request"):
+            engine.generate(text, PARAMS)
+        return
+    with pytest.raises(ValueError, match="span_select"):
+        engine.generate(prompts()[0], PARAMS, span_select=value)
