@@ -345,6 +345,8 @@ class Engine:
             self._stop_tensor_parallel()
         self._final_stats = self.get_stats()
         with self._lock:
+            if self.scheduler.trace is not None:
+                self.scheduler.trace.close()
             self.scheduler = self.runner = None
         gc.collect()  # the model and captured graphs hold reference cycles
         if torch.cuda.is_initialized():

@@ -308,6 +308,13 @@ class ServerArgs:
         None, "Require `Authorization: Bearer <key>` on every route but /health; default: no key, every route open."
     )
     log_level: str = _arg("info", "Logging level: debug, info, warning or error.")
+    step_trace: str | None = _arg(
+        None,
+        "Append one JSON line per forward step to this file: its kind, requests and tokens, whether a CUDA graph "
+        "replayed, host time, device time (CUDA events, read once the step has passed) and idle gaps "
+        "(managers/step_trace.py; benchmark/bench_serving_breakdown.py attributes a run's time from it); with "
+        "--dp-size N each replica writes PATH.dp<rank>; default: off.",
+    )
     random_seed: int = _arg(0, "Seed for dummy weights and for torch's global random state.")
     skip_tokenizer_init: bool = _arg(
         False,

@@ -24,6 +24,7 @@ from sglang_pic.managers.scheduler_state import RequestQueues, SchedulerStats
 from sglang_pic.managers.span_probe import rekey
 from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings
 from sglang_pic.managers.spec_worker import SchedulerForSpec, SpecWorker, SpecWorkerFactory
+from sglang_pic.managers.step_trace import StepTracer
 from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.model_executor.step_sampler import SampleRows, StepSampling
 from sglang_pic.radix_ext import RadixCache
@@ -67,6 +68,9 @@ class Scheduler:
         self.overlap = not server_args.disable_overlap_schedule and self.spec_worker is None
         self._grammars: GrammarBackend | None = None
         self._last = self._in_flight(None)  # the step in flight, handed to the next call
+        self.trace: StepTracer | None = None  # --step-trace: a line per forward step (managers/step_trace.py)
+        if server_args.step_trace is not None:
+            self.trace = StepTracer.open(server_args.step_trace, model_runner, self.overlap)
 
     def _host_pool(self) -> HostKVPool | None:
         args, runner = self.server_args, self.runner
@@ -171,7 +175,11 @@ class Scheduler:
 
         With overlap scheduling the step's sampled tokens are committed in the next call, after the next step has
         been launched, so the host's work on them runs while the GPU computes (managers/overlap.py)."""
+        if self.trace is not None:
+            self.trace.call_started()
         self._last = self._step(self._last)
+        if self.trace is not None:
+            self.trace.call_ended(self.is_idle())
         return self.queues.take_reports()
 
     def _step(self, last: LastStep) -> LastStep:
@@ -179,6 +187,8 @@ class Scheduler:
         leaves in flight, its tokens uncommitted (or an empty LastStep)."""
         plan = self.admission.plan_extend(last)
         if plan is None and self.spec_worker is not None and self.queues.running:
+            if self.trace is not None:
+                self.trace.spec_round(len(self.queues.running))
             self.queues.to_report += self.spec_worker.decode_round()
             self.profiler.step()
             return self._in_flight(None)
@@ -221,7 +231,11 @@ class Scheduler:
             self._hand_over(plan, batch)
             return self._describe_rows(rows.reqs, last)
 
+        if self.trace is not None:
+            self.trace.forward_called(plan, batch)
         out = self.runner.forward(batch, StepSampling(rows.asks, rows.sample_rows, describe))
+        if self.trace is not None:
+            self.trace.forward_queued()
         prompts = [
             PromptLogprobs(entry.req, ask.targets, first, *result)
             for entry, ask, first, result in zip(

@@ -61,6 +61,7 @@ class SchedulerLoop:
         self, server_args: ServerArgs, files: ModelFiles, names: IpcNames, placement: ReplicaPlacement, parent_pid: int
     ) -> None:
         from sglang_pic.managers.scheduler import Scheduler
+        from sglang_pic.managers.step_trace import for_replica
         from sglang_pic.model_config import ModelConfig
         from sglang_pic.model_executor.model_runner import ModelRunner
         from sglang_pic.speculative.algorithms import draft_memory, spec_worker_factory
@@ -73,7 +74,8 @@ class SchedulerLoop:
         # children, which stops this process when one of them dies, so the rendezvous only has to watch the parent.
         join_replica(args, placement, 0, partial(check_parent, parent_pid))
         self.runner = ModelRunner(args, model_config, draft_memory(args))
-        self.scheduler = Scheduler(args, self.runner, tokenizer, spec_worker_factory(args))
+        self.scheduler = Scheduler(for_replica(args, placement.dp_rank), self.runner, tokenizer,
+                                   spec_worker_factory(args))
         self.scheduler.profiler.name = f"DP-{placement.dp_rank}-TP-0"
         self.context_len = model_config.context_len
         ctx = zmq.Context()
