@@ -191,6 +191,17 @@ def test_converted_gguf_folder_names_the_model(tmp_path: Path) -> None:
     assert get_chat_template_by_model_path(str(folder)).name == "qwen"
 
 
+def test_converted_gguf_stops_on_every_end_of_generation_token() -> None:
+    """A GGUF names one EOS; Qwen's HF release also stops on <|endoftext|>, which the embedded model writes after its
+    <|im_end|> on tool calls (seen in benchmark/bench_agent_tools.py)."""
+    from sglang_pic.model_loader.gguf_convert import end_of_generation_ids
+
+    vocab = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "hello": 9}
+    assert end_of_generation_ids(vocab, 151645) == [151645, 151643]
+    assert end_of_generation_ids({"hello": 9}, [2, 3]) == [2, 3]
+    assert end_of_generation_ids(vocab, None) == [151645, 151643]
+
+
 def _default_model_installed() -> bool:
     import importlib.metadata
 
@@ -199,6 +210,15 @@ def _default_model_installed() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _default_model_installed(), reason="default-model packages not installed")
+def test_embedded_model_stops_on_endoftext() -> None:
+    from sglang_pic.model_loader import default_model_path
+
+    config = ModelConfig.from_path(default_model_path(), context_length=64, device="cpu")
+    assert config.eos_token_ids == [151645, 151643]
 
 
 @pytest.mark.slow

@@ -251,3 +251,17 @@ def test_unknown_tool_call_parser_is_refused(tiny_llama):
 
     with pytest.raises(ValueError, match="tool_call_parser must be one of qwen25, llama3, mistral"):
         ServerArgs(model_path=str(tiny_llama), tool_call_parser="hermes2")
+
+
+@pytest.mark.parametrize("fence", ["```json\n{call}\n```", "```\n{call}\n```\n", "```json\n{call}"])
+def test_a_reply_of_one_fenced_call_is_a_call(fence):
+    """Qwen2.5-Coder-0.5B-Instruct wraps its call in a Markdown code block on most turns of the agent benchmark;
+    the block is held back while streaming and goes out as the call."""
+    text = fence.format(call=WEATHER)
+    assert as_pairs(HermesParser().parse(text, NAMES)[1]) == [("get_weather", {"city": "Paris", "unit": "°C"})]
+    sent, rest, calls = stream(HermesParser(), [text[:5], text[5:]])
+    assert sent == ["", ""] and rest == "" and len(calls) == 1
+    code = "```python\nprint(1)\n```"  # a fenced reply that is no call stays text
+    assert HermesParser().parse(code, NAMES) == (code, [])
+    sent, rest, calls = stream(HermesParser(), [code[:4], code[4:]])
+    assert "".join(sent) + rest == code and calls == []

@@ -115,10 +115,27 @@ def _object_end(text: str, start: int) -> int | None:
     return None
 
 
+FENCE = "```"  # a Markdown code block, with or without a language tag on its opening line
+
+
+def _unfenced(body: str) -> str:
+    """`body` without a code fence around it: small models often wrap a call in ```json ... ``` (Qwen2.5-Coder-0.5B
+    does on most turns of benchmark/bench_agent_tools.py). A fence is its opening line (``` and at most a language
+    tag) and, unless the reply was cut off, a closing ```."""
+    line_end = body.find("\n")
+    if not body.startswith(FENCE) or line_end < 0:
+        return body
+    tag = body[len(FENCE) : line_end].strip()
+    if tag and not tag.isalnum():
+        return body
+    return body[line_end + 1 :].strip().removesuffix(FENCE).strip()
+
+
 def _reply_of_calls(text: str, names: set[str]) -> list[ToolCall]:
-    """The calls when `text` is nothing but JSON call objects (separated by whitespace or ";"), else []."""
+    """The calls when `text` is nothing but JSON call objects (separated by whitespace or ";"), also inside one code
+    fence, else []."""
     calls, pos = [], 0
-    body = text.strip()
+    body = _unfenced(text.strip())
     while pos < len(body):
         try:
             call, pos = _read_call(body, pos, names)
@@ -151,7 +168,9 @@ def _listed_objects(text: str, at: int, separators: str) -> list[int]:
 def _may_be_calls(text: str, prefix: str = "") -> bool:
     """Whether a reply so far may still turn out to be only calls (it opens with `prefix` or a JSON object)."""
     head = text.lstrip()
-    return not head or head.startswith("{") or (bool(prefix) and (head.startswith(prefix) or prefix.startswith(head)))
+    fenced = head.startswith(FENCE) or FENCE.startswith(head)
+    return not head or head.startswith("{") or fenced or (bool(prefix) and (head.startswith(prefix)
+                                                                          or prefix.startswith(head)))
 
 
 def _opener_at(text: str, opener: str) -> int:

@@ -2,7 +2,9 @@
 
 Transformers dequantizes the GGUF (weights, config and tokenizer); we save the result once under
 <cache>/gguf/<key>, where key hashes the file's absolute path and size. A lock file serializes concurrent
-converters and a marker file tells a finished folder from one a crash left half written.
+converters and a marker file tells a finished folder from one a crash left half written. A GGUF names one EOS token;
+the folder's generation config lists every end-of-generation token of the vocabulary, as llama.cpp stops on
+(Qwen's <|endoftext|> beside <|im_end|>, as its own HF release lists).
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ import torch
 
 _DONE_MARKER = ".converted"
 _STORE_DTYPE = torch.bfloat16  # GGUF blocks come from bf16 checkpoints; bf16 halves the cache against float32
+_LAYOUT = 2  # what a converted folder holds; folders of an older layout are converted again
+# Token texts that end a generation in the chat formats GGUF models use (llama.cpp's end-of-generation tokens).
+END_OF_GENERATION = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
+                     "<|end|>")
 
 
 def gguf_cache_dir(gguf_file: Path, cache_root: Path) -> Path:
     path = gguf_file.resolve()
-    key = hashlib.sha256(f"{path}:{path.stat().st_size}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{path}:{path.stat().st_size}:{_LAYOUT}".encode()).hexdigest()[:24]
     return cache_root / "gguf" / f"{path.stem}-{key}"
 
 
@@ -63,6 +69,14 @@ def _dequantize_to(gguf_file: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=_STORE_DTYPE, **_dequantize_kwargs())
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config  # the saved weights are plain dense tensors
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = end_of_generation_ids(tokenizer.get_vocab(), eos)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / _DONE_MARKER).write_text(json.dumps({"source": str(gguf_file), "size": gguf_file.stat().st_size}))
+
+
+def end_of_generation_ids(vocab: dict[str, int], eos: int | list[int] | None) -> list[int]:
+    """The GGUF's EOS id(s) first, then the ids of the vocabulary's END_OF_GENERATION tokens."""
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return list(dict.fromkeys(ids + [vocab[t] for t in END_OF_GENERATION if t in vocab]))
