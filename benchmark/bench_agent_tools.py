@@ -7,6 +7,15 @@ concurrently with the official `openai` client, streaming, each session waiting 
   isolated_spans  spans with no anchor and no head tokens: each description encoded on its own.
 Replies are greedy and go back into the history as the model wrote them (the agent acts on the first call), so a
 mode's later turns see its own earlier answers; prefix_cache is the exact reference the span modes agree with.
+Tool-call accuracy reads the model's first call: the server's tool_calls, else a reply that is nothing but one JSON
+call object, bare or in a ```json fence (how the embedded 0.5B model writes calls behind long tool lists; the server
+reads such a reply as a call too since agent_tools_cpu.json was measured); server_call_rate is the share of turns
+whose call the server itself returned.
+
+The tool-change study: a turn's history (the messages after the tools) is keyed on everything before it, so a turn
+whose tool set differs from its session's previous turn (membership or order) prefills its whole history again, in
+every mode. Per mode: the share of such turns, the history tokens they prefilled (counted by the server's
+/v1/tokenize after the run, capped at what each turn prefilled) and their share of all prefill tokens computed.
 
 Usage: python benchmark/bench_agent_tools.py --quick --model-path TINY_QWEN2 --chat-template tools.jinja
        python benchmark/bench_agent_tools.py --model-path Qwen/Qwen2.5-7B-Instruct --sessions 32
@@ -16,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
+import re
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -81,6 +92,9 @@ class TurnRecord:
     arguments: str | None
     correct: bool  # the expected tool, with arguments that fit its schema
     text: str
+    server_call: bool  # the server returned the call as tool_calls (else it was read from the text, or none)
+    tools_changed: bool = False  # the tool list differs from the session's previous turn (membership or order)
+    history_tokens: int | None = None  # on such turns: the history the previous turn had computed (count_history)
 
 
 @dataclass
@@ -99,8 +113,26 @@ class ModeResult:
     prefill_tokens_computed: int
     cache_hit_ratio: float
     tool_call_accuracy: float
+    server_call_rate: float  # turns whose call the server's parser returned as tool_calls
+    right_tool_rate: float  # the first call names the expected tool
+    schema_valid_rate: float | None  # of those right-tool calls, arguments valid against the schema
     agreement_with_reference: float | None  # share of turns whose action equals prefix_cache's
+    # Turns after each session's first whose tools changed, the history tokens they prefilled, and those tokens'
+    # share of prefill_tokens_computed; TTFT p50 of those turns and of the later turns whose tools stayed.
+    tool_change_turns: int
+    tool_change_share: float
+    tool_change_history_tokens: int
+    tool_change_history_share: float
+    tool_change_ttft_p50_s: float | None
+    same_tools_ttft_p50_s: float | None
     records: list[TurnRecord]
+
+
+def pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"want LO,HI with 0 < LO <= HI, got {text!r}")
+    return lo, hi
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,6 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-turns", type=int)
     p.add_argument("--change-prob", type=float, default=0.3, help="chance per turn that the session's tools change")
     p.add_argument("--stable", action="store_true", help="every session keeps its tools (the regression trace)")
+    p.add_argument("--session-tools", type=pair, help="LO,HI: tools per session")
+    p.add_argument("--description-tokens", type=pair, help="LO,HI: tokens per tool description")
+    p.add_argument("--result-tokens", type=pair, help="LO,HI: tokens per tool result")
     p.add_argument("--max-tokens", type=int, help="per assistant turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
@@ -186,10 +221,25 @@ async def stream_turn(client: openai.AsyncOpenAI, request: dict[str, Any]) -> Re
     return Reply(ttft, perf_counter() - start, "".join(text), [calls[i] for i in sorted(calls)], usage)
 
 
+FENCED = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+
+
+def call_in_text(text: str) -> dict[str, str] | None:
+    """The call a text reply makes when it is only one JSON object {"name", "arguments"}, bare or fenced."""
+    fenced = FENCED.fullmatch(text)
+    try:
+        value = json.loads(fenced.group(1) if fenced else text)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(value, dict) and isinstance(value.get("name"), str) and isinstance(value.get("arguments"), dict):
+        return {"name": value["name"], "arguments": json.dumps(value["arguments"])}
+    return None
+
+
 async def run_session(
     client: openai.AsyncOpenAI, workload: Workload, index: int, session: Session, mode: str, max_tokens: int,
     bar: tqdm,
-) -> list[TurnRecord]:
+) -> tuple[list[TurnRecord], list[dict[str, Any]]]:
     messages: list[dict[str, Any]] = []
     records = []
     for t, turn in enumerate(session.turns):
@@ -202,15 +252,17 @@ async def run_session(
         reply = await stream_turn(client, request)
         expected = workload.catalog[turn.target]
         first = reply.calls[0] if reply.calls else None
+        call = first or call_in_text(reply.text)
         details = reply.usage.prompt_tokens_details
         records.append(TurnRecord(
             session=index, turn=t, ttft_s=reply.ttft_s, latency_s=reply.latency_s,
             prompt_tokens=reply.usage.prompt_tokens, cached_tokens=(details.cached_tokens or 0) if details else 0,
             completion_tokens=reply.usage.completion_tokens, expected_tool=expected.name,
-            called_tool=first["name"] if first else None, arguments=first["arguments"] if first else None,
-            correct=first is not None and first["name"] == expected.name
-            and arguments_valid(expected.parameters, first["arguments"]),
-            text=reply.text,
+            called_tool=call["name"] if call else None, arguments=call["arguments"] if call else None,
+            correct=call is not None and call["name"] == expected.name
+            and arguments_valid(expected.parameters, call["arguments"]),
+            text=reply.text, server_call=first is not None,
+            tools_changed=t > 0 and turn.tools != session.turns[t - 1].tools,
         ))
         call_id = first["id"] if first else f"call_{index}_{t}"
         calls = [{"id": call_id, "type": "function", "function": {"name": first["name"],
@@ -218,11 +270,13 @@ async def run_session(
         messages.append({"role": "assistant", "content": reply.text or None, "tool_calls": calls})
         messages.append({"role": "tool", "tool_call_id": call_id, "content": turn.result})
         bar.update(1)
-    return records
+    return records, messages
 
 
-async def run_sessions(url: str, workload: Workload, mode: str, max_tokens: int) -> tuple[list[TurnRecord], float]:
-    """Every session at once; returns their turns and the wall time."""
+async def run_sessions(
+    url: str, workload: Workload, mode: str, max_tokens: int
+) -> tuple[list[tuple[list[TurnRecord], list[dict[str, Any]]]], float]:
+    """Every session at once; returns each one's turns and messages, and the wall time."""
     total = sum(len(s.turns) for s in workload.sessions)
     # No retries: a retried turn would count its failed attempt in its TTFT.
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
@@ -233,7 +287,35 @@ async def run_sessions(url: str, workload: Workload, mode: str, max_tokens: int)
                 run_session(client, workload, i, s, mode, max_tokens, bar) for i, s in enumerate(workload.sessions)
             ))
             wall = perf_counter() - start
-    return [r for records in per_session for r in records], wall
+    return per_session, wall
+
+
+def prompt_tokens(port: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]], mode: str) -> int:
+    """The prompt tokens of a chat request, as the server renders it for the mode (/v1/tokenize)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)  # direct: no proxy settings
+    try:
+        body = {"messages": messages, "tools": tools, **MODE_BODIES[mode]}
+        conn.request("POST", "/v1/tokenize", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        content = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"/v1/tokenize answered {response.status}: {content[:300]!r}")
+        return json.loads(content)["count"]
+    finally:
+        conn.close()
+
+
+def count_history(port: int, workload: Workload, mode: str, records: list[TurnRecord],
+                  messages: list[dict[str, Any]]) -> None:
+    """Each tool-change turn's history_tokens: the tokens between its tools and its user message, less the tool
+    result that came back since the previous turn (new on this turn whatever the tools). The session's messages
+    run user, assistant, tool per turn, so turn t's request held messages[:3t + 1]."""
+    for r in records:
+        if r.tools_changed:
+            tools = [workload.catalog[i].openai() for i in workload.sessions[r.session].turns[r.turn].tools]
+            user = messages[3 * r.turn]
+            earlier = prompt_tokens(port, messages[: 3 * r.turn - 1] + [user], tools, mode)
+            r.history_tokens = earlier - prompt_tokens(port, [user], tools, mode)
 
 
 def serve_mode(args: argparse.Namespace, workload: Workload, mode: str) -> tuple[list[TurnRecord], float]:
@@ -244,7 +326,10 @@ def serve_mode(args: argparse.Namespace, workload: Workload, mode: str) -> tuple
     server = OwnServer(args.model_path, server_flags(args), log, STARTUP_TIMEOUT_S)
     try:
         server.wait_healthy()
-        return asyncio.run(run_sessions(server.url, workload, mode, args.max_tokens))
+        per_session, wall = asyncio.run(run_sessions(server.url, workload, mode, args.max_tokens))
+        for records, messages in per_session:  # after the run, so no count delays a turn
+            count_history(server.port, workload, mode, records, messages)
+        return [r for records, _ in per_session for r in records], wall
     finally:
         server.stop()
 
@@ -260,6 +345,10 @@ def action(record: TurnRecord) -> tuple[str, str]:
         return record.called_tool, record.arguments or ""
 
 
+def median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
 def summarize(mode: str, records: list[TurnRecord], wall: float) -> ModeResult:
     ttft = np.array([r.ttft_s for r in records])
     by_turn = [float(np.median([r.ttft_s for r in records if r.turn == t]))
@@ -267,13 +356,27 @@ def summarize(mode: str, records: list[TurnRecord], wall: float) -> ModeResult:
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
     completion = sum(r.completion_tokens for r in records)
+    right = [r for r in records if r.called_tool == r.expected_tool]
+    later = [r for r in records if r.turn > 0]
+    changed = [r for r in later if r.tools_changed]
+    # The history follows the tools, so none of it can hit once they change: all of it is prefilled (the cap only
+    # guards the count against a turn that prefilled less).
+    history = sum(min(r.history_tokens or 0, r.prompt_tokens - r.cached_tokens) for r in changed)
     return ModeResult(
         mode=mode, turns=len(records), wall_s=wall, ttft_p50_s=float(np.percentile(ttft, 50)),
         ttft_p99_s=float(np.percentile(ttft, 99)), ttft_p50_by_turn_s=by_turn,
         output_tokens_per_s=completion / wall, total_tokens_per_s=(prompt + completion) / wall,
         prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
         prefill_tokens_computed=prompt - cached, cache_hit_ratio=cached / prompt,
-        tool_call_accuracy=sum(r.correct for r in records) / len(records), agreement_with_reference=None,
+        tool_call_accuracy=sum(r.correct for r in records) / len(records),
+        server_call_rate=sum(r.server_call for r in records) / len(records),
+        right_tool_rate=len(right) / len(records),
+        schema_valid_rate=sum(r.correct for r in right) / len(right) if right else None,
+        agreement_with_reference=None,
+        tool_change_turns=len(changed), tool_change_share=len(changed) / len(later) if later else 0.0,
+        tool_change_history_tokens=history, tool_change_history_share=history / max(prompt - cached, 1),
+        tool_change_ttft_p50_s=median([r.ttft_s for r in changed]),
+        same_tools_ttft_p50_s=median([r.ttft_s for r in later if not r.tools_changed]),
         records=sorted(records, key=lambda r: (r.session, r.turn)),
     )
 
@@ -306,13 +409,22 @@ def plot(results: list[ModeResult], path: Path) -> None:
 
 
 def print_table(results: list[ModeResult]) -> None:
+    def opt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     print(f"{'mode':<16}{'ttft p50':>10}{'ttft p99':>10}{'out tok/s':>11}{'tot tok/s':>11}{'prefilled':>11}"
-          f"{'hit':>7}{'acc':>7}{'agree':>7}")
+          f"{'hit':>7}{'acc':>7}{'server':>8}{'right':>7}{'valid':>7}{'agree':>7}{'changed':>9}{'hist pf':>9}"
+          f"{'of pf':>7}")
     for m in results:
-        agree = "-" if m.agreement_with_reference is None else f"{m.agreement_with_reference:.2f}"
         print(f"{m.mode:<16}{m.ttft_p50_s:>10.3f}{m.ttft_p99_s:>10.3f}{m.output_tokens_per_s:>11.1f}"
               f"{m.total_tokens_per_s:>11.1f}{m.prefill_tokens_computed:>11}{m.cache_hit_ratio:>7.2f}"
-              f"{m.tool_call_accuracy:>7.2f}{agree:>7}")
+              f"{m.tool_call_accuracy:>7.2f}{m.server_call_rate:>8.2f}{m.right_tool_rate:>7.2f}"
+              f"{opt(m.schema_valid_rate, '.2f'):>7}"
+              f"{opt(m.agreement_with_reference, '.2f'):>7}{m.tool_change_share:>9.2f}"
+              f"{m.tool_change_history_tokens:>9}{m.tool_change_history_share:>7.2f}")
+    print("acc: right tool, valid arguments; server: calls the server returned as tool_calls; right: right tool; "
+          "valid: of those, arguments valid\nchanged: share of later turns whose tools changed; hist pf: history "
+          "tokens those turns prefilled; of pf: their share of all prefill")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

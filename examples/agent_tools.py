@@ -1,9 +1,14 @@
-"""An agent loop through the OpenAI client: the model calls a tool, the tool's result goes back, the model answers.
-Tool descriptions are sent as spans (`tool_spans`), so each is prefilled once and reused whatever tools the next
-call lists, in any order.
+"""An agent loop through the plain OpenAI client whose tool list changes between turns, as agent frameworks do when
+they enable, disable or reorder tools. The requests carry nothing specific to this server; the reuse comes from its
+flag `--tool-spans on`, which makes every tool description a span: prefilled once, then read from the cache at
+whatever place the next turn lists it. Each turn prints `usage.prompt_tokens_details.cached_tokens`.
 
-    python -m sglang_pic.launch_server --port 30000 --context-length 2048
+    python -m sglang_pic.launch_server --port 30000 --tool-spans on
     python examples/agent_tools.py --url http://127.0.0.1:30000
+
+With the default span settings a request recomputes each description's first 128 tokens itself, so the
+descriptions below are longer than that. Without `--tool-spans on` (the default today), a reordered or shortened
+list is reused only up to its first change, and the conversation after the tools is never reused once they change.
 """
 
 from __future__ import annotations
@@ -14,23 +19,77 @@ import json
 import openai
 
 
-def function(name: str, description: str, **properties: str) -> dict:
-    schema = {k: {"type": v} for k, v in properties.items()}
-    params = {"type": "object", "properties": schema, "required": [*properties]}
+def function(name: str, description: str, required: list[str], **properties: tuple[str, str]) -> dict:
+    schema = {key: {"type": kind, "description": doc} for key, (kind, doc) in properties.items()}
+    params = {"type": "object", "properties": schema, "required": required}
     return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
 
 
-TOOLS = [
-    function("get_weather", "Get the current weather in a city.", city="string"),
-    function("search_docs", "Search the documentation for a query.", query="string"),
-]
+WEATHER = function(
+    "get_weather",
+    "Get the current weather and today's forecast for a city. Use it whenever the user asks about temperature, "
+    "rain, wind, sky or what to wear outside, now or later today; do not guess the weather from general knowledge. "
+    "The tool asks a public weather service for the station closest to the city centre and returns an object with "
+    "the temperature in degrees Celsius, the sky (sunny, cloudy, rain, snow, fog or storm), the wind speed in "
+    "kilometres per hour and the chance of rain over the next twelve hours as a percentage. Readings are at most "
+    "ten minutes old. City names may be given in English or in the local language; when several cities share a "
+    "name, add the country after a comma, as in 'Paris, France' or 'Paris, Texas'. If the city is unknown the tool "
+    "returns an error object with a message, which should be passed on to the user rather than retried. The "
+    "service allows sixty calls a minute per account, which is far more than one conversation needs, so there is "
+    "no reason to cache answers between turns.",
+    ["city"],
+    city=("string", "the city, optionally followed by a comma and its country"),
+    units=("string", "metric (the default) or imperial"),
+)
+CALENDAR = function(
+    "create_event",
+    "Create an event in the user's calendar. Use it when the user asks to book, schedule, plan or add a meeting, "
+    "an appointment, a reminder or any other event at a given date and time; to look at existing events use a "
+    "search tool instead. The event is created in the user's default calendar and the user's own time zone, and "
+    "the tool returns an object with the event's identifier, its title, its start and end as ISO 8601 date-times "
+    "and a link that opens it. The start must be an ISO 8601 date-time such as 2025-06-14T12:00; when the user gives "
+    "only a day, choose nine in the morning, and when no length is given the event lasts one hour. Attendees are "
+    "e-mail addresses; each receives an invitation right away, so only add the people the user named. If the new "
+    "event overlaps another one the tool still creates it and lists the overlapping events in its answer, which "
+    "should be mentioned to the user. Creating the same event twice makes two events.",
+    ["title", "start"],
+    title=("string", "a short title for the event"),
+    start=("string", "the start, as an ISO 8601 date-time"),
+    minutes=("integer", "the length of the event in minutes"),
+    attendees=("array", "e-mail addresses of the people to invite"),
+)
+DOCS = function(
+    "search_docs",
+    "Search the company's internal documentation: engineering handbooks, how-to guides, API references, runbooks "
+    "and the notes of past incidents. Use it when the user asks how something works in the company, where a "
+    "procedure is written down, or what a service, setting or error message means; do not use it for the weather, "
+    "for calendars or for questions about the outside world. The query is matched against titles, headings and text "
+    "with a full-text index that ignores case and word endings, so a few precise keywords work better than a whole "
+    "sentence. The tool returns up to ten hits, best first, each with the page title, its path, the date it was "
+    "last edited and a short passage around the words that matched. Pages that were archived are left out unless "
+    "the query says archived. Answer from the returned passages and name the pages they come from; if nothing "
+    "relevant comes back, say so instead of inventing an answer.",
+    ["query"],
+    query=("string", "a few keywords to search for"),
+    limit=("integer", "the largest number of hits to return, at most ten"),
+)
+
+# The tool list of each request: the agent's framework reorders and subsets it as the conversation moves on.
+TOOL_LISTS = [[WEATHER, CALENDAR, DOCS], [DOCS, WEATHER, CALENDAR], [CALENDAR, WEATHER], [WEATHER, DOCS, CALENDAR]]
+SYSTEM = ("You are a helpful assistant. To use a function, reply with only the call inside <tool_call></tool_call> "
+          "tags, without markdown; once a function's result answers the question, reply in one plain sentence.")
+QUESTIONS = ["What is the weather like in Paris right now?",
+             "Put a picnic with ana@example.com in my calendar for 2025-06-14 at noon, for two hours."]
 
 
 def run_tool(name: str, arguments: dict) -> dict:
-    """Stand-ins for real tools."""
+    """Stand-ins for the real tools."""
     if name == "get_weather":
-        return {"city": arguments["city"], "temp_c": 21, "sky": "sunny"}
-    return {"hits": [f"Page about {arguments['query']}"]}
+        return {"city": arguments.get("city"), "temp_c": 21, "sky": "sunny", "wind_kmh": 9, "rain_chance": 10}
+    if name == "create_event":
+        return {"id": "evt_0412", "title": arguments.get("title"), "start": arguments.get("start"),
+                "link": "https://calendar.example.com/evt_0412"}
+    return {"hits": [{"title": f"Notes on {arguments.get('query')}", "path": "/handbook/notes"}]}
 
 
 def main() -> None:
@@ -38,26 +97,32 @@ def main() -> None:
     p.add_argument("--url", default="http://127.0.0.1:30000")
     args = p.parse_args()
     client = openai.OpenAI(base_url=args.url + "/v1", api_key="unused")
-    messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
-    for turn in range(3):
-        # Reversed on every turn: as spans, the descriptions stay cached in any order.
-        tools = TOOLS if turn % 2 == 0 else TOOLS[::-1]
-        reply = client.chat.completions.create(
-            model="default", messages=messages, tools=tools, temperature=0, max_tokens=64,
-            extra_body={"tool_spans": True},
-        )
-        choice = reply.choices[0]
-        usage = reply.usage
-        print(f"turn {turn}: {choice.finish_reason}, prompt {usage.prompt_tokens} tokens, "
-              f"{usage.prompt_tokens_details.cached_tokens} cached")
-        messages.append(choice.message)  # sent back as it came
-        if choice.finish_reason != "tool_calls":
-            print("answer:", choice.message.content)
-            return
-        for call in choice.message.tool_calls:
-            result = run_tool(call.function.name, json.loads(call.function.arguments))
-            print(f"  {call.function.name}({call.function.arguments}) -> {result}")
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    turn = 0
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        for _ in range(3):  # a few steps per question: call tools until the model answers
+            tools = TOOL_LISTS[turn % len(TOOL_LISTS)]
+            reply = client.chat.completions.create(
+                model="default", messages=messages, tools=tools, temperature=0, max_tokens=96,
+            )
+            message, usage = reply.choices[0].message, reply.usage
+            names = ", ".join(t["function"]["name"] for t in tools)
+            print(f"turn {turn} [{names}]: prompt {usage.prompt_tokens} tokens, "
+                  f"{usage.prompt_tokens_details.cached_tokens} cached")
+            turn += 1
+            calls = message.tool_calls or []
+            messages.append({"role": "assistant", "content": message.content, "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                              "arguments": c.function.arguments}} for c in calls
+            ] or None})
+            if not calls:
+                print("  answer:", message.content)
+                break
+            for call in calls:
+                result = run_tool(call.function.name, json.loads(call.function.arguments))
+                print(f"  {call.function.name}({call.function.arguments}) -> {json.dumps(result)}")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ from agent_workload import WorkloadConfig, arguments_valid, build_workload  # no
 
 MODES = ("prefix_cache", "tool_spans")
 FIELDS = ("ttft_p50_s", "ttft_p99_s", "ttft_p50_by_turn_s", "output_tokens_per_s", "total_tokens_per_s",
-          "prefill_tokens_computed", "cached_tokens", "cache_hit_ratio", "tool_call_accuracy",
-          "agreement_with_reference")
+          "prefill_tokens_computed", "cached_tokens", "cache_hit_ratio", "tool_call_accuracy", "server_call_rate",
+          "right_tool_rate", "agreement_with_reference", "tool_change_turns", "tool_change_share",
+          "tool_change_history_tokens", "tool_change_history_share", "tool_change_ttft_p50_s", "same_tools_ttft_p50_s")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,28 @@ def test_every_mode_reports_every_turn(agent_run):
 
 
 @pytest.mark.slow  # two tiny servers, one after the other
+def test_tool_change_turns_prefill_their_history(agent_run):
+    result, _ = agent_run
+    workload = result["workload"]
+    changes = workload["tool_set_changes"]
+    for name, mode in result["modes"].items():
+        assert mode["tool_change_turns"] == changes, name
+        assert mode["tool_change_share"] == pytest.approx(changes / (workload["turns"] - workload["sessions"]))
+        changed = [r for r in mode["records"] if r["tools_changed"]]
+        assert len(changed) == changes and all(r["turn"] > 0 for r in changed), name
+        assert all(r["history_tokens"] is None for r in mode["records"] if not r["tools_changed"]), name
+        for r in changed:
+            # The history (earlier turns' messages, calls and results) sits between the tools and the new message,
+            # and is keyed on the tools before it: the turn prefilled all of it.
+            assert 0 < r["history_tokens"] < r["prompt_tokens"], (name, r)
+            assert r["prompt_tokens"] - r["cached_tokens"] >= r["history_tokens"], (name, r)
+        assert mode["tool_change_history_tokens"] == sum(r["history_tokens"] for r in changed), name
+        assert 0 < mode["tool_change_history_share"] <= 1, name
+        assert mode["tool_change_history_share"] == pytest.approx(
+            mode["tool_change_history_tokens"] / mode["prefill_tokens_computed"]), name
+
+
+@pytest.mark.slow  # two tiny servers, one after the other
 def test_spans_reuse_more_of_a_drifting_trace(agent_run):
     modes = agent_run[0]["modes"]
     assert modes["tool_spans"]["cached_tokens"] > modes["prefix_cache"]["cached_tokens"]
@@ -91,3 +114,11 @@ def test_validator_checks_required_keys_and_json_types():
     for bad in ('{"days": 3}', '{"city": 4}', '{"city": "Oslo", "days": true}', '{"city": "Oslo", "days": 2.5}',
                 '["Oslo"]', '{"city": "Oslo"', ""):
         assert not arguments_valid(schema, bad), bad
+
+
+def test_a_call_left_as_text_is_read_when_the_reply_is_only_that_call():
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    for text in (call, f"```json\n{call}\n```", f" ```\n{call}```\n"):
+        assert bench_agent_tools.call_in_text(text) == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    for text in (f"Call {call}", f"```json\n{call}\n``` and more", '{"name": "get_weather"}', "[]", "sunny"):
+        assert bench_agent_tools.call_in_text(text) is None, text
