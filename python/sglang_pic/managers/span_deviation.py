@@ -4,9 +4,9 @@ their KV with full attention is from the shared copy it would read.
 A request whose spans have a query share and whose span_select is `deviation` is matched like any other (its spans
 from their jobs, its seams its own). Before its prefill, at admission, a deviation pass runs its whole prompt with
 full attention through the first DEVIATION_LAYERS layers only, into throwaway slots of a scratch row, and scores
-every reused span position at the last of them (layers/deviation_probe.py). The request then chooses exactly as a
-query probe does (span_probe.choose: its share in aligned blocks, highest summed score first, ties to the earlier
-block), is re-keyed with those runs and matched again. The pass writes no slot that anything reads and frees its
+every reused span position at the last of them (layers/deviation_probe.py). The request then chooses and is
+re-keyed exactly as after a query probe (span_probe.take_choice: its share in aligned blocks, highest summed score
+first, ties to the earlier block), and is matched again. The pass writes no slot that anything reads and frees its
 own at once: it leaves only the scores. It costs DEVIATION_LAYERS / num_layers of a dense prefill of the prompt.
 """
 
@@ -16,10 +16,9 @@ import torch
 
 from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
 from sglang_pic.layers.deviation_probe import DeviationProbe
-from sglang_pic.managers import span_probe
-from sglang_pic.managers.io_struct import wire_segments
-from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.managers.req import Req
 from sglang_pic.managers.req_kv import ReqKVManager
+from sglang_pic.managers.span_probe import take_choice
 
 # CacheBlend reads the deviation after its first layer's attention; the second layer's KV is the first that depends
 # on the context, and so the first that can deviate.
@@ -73,9 +72,7 @@ def select_by_deviation(req: Req, runner, kv: ReqKVManager) -> bool:
     if scores is None:
         return False
     kv.release(req)
-    segments = span_probe.choose(req.probe, scores.cpu().numpy())
-    req.segments = [ReqSegment.from_wire(seg) for seg in wire_segments(segments)]
-    req.probe = None
+    take_choice(req, scores.cpu().numpy())
     layers = runner.model_config.num_hidden_layers
     req.probe_tokens = -(-req.prompt_len * min(DEVIATION_LAYERS, layers) // layers)
     return True

@@ -65,11 +65,16 @@ def choose(segments: tuple[Segment, ...], scores: np.ndarray) -> list[Segment]:
 def rekey(req: Req) -> None:
     """After the probe pass (its KV already handed to the tree and its row released): the request's segments as its
     chosen runs key them; its probe-pass counts are kept for what it reports."""
-    scores = req.probe_scores.cpu().numpy()
-    segments = choose(req.probe, scores)
     req.probe_counts = (req.cached_prefix_tokens, req.cached_span_tokens, req.recomputed_span_tokens)
-    req.segments = [ReqSegment.from_wire(seg) for seg in wire_segments(segments)]
-    req.probe = req.probe_scores = None
+    take_choice(req, req.probe_scores.cpu().numpy())
+    req.probe_scores = None
+
+
+def take_choice(req: Req, scores: np.ndarray) -> None:
+    """Re-key a request in its probe form (its KV released) with the runs `choose` takes for `scores`, one per
+    prompt position, whichever pass scored them; it is a plain request from then on."""
+    req.segments = [ReqSegment.from_wire(seg) for seg in wire_segments(choose(req.probe, scores))]
+    req.probe = None
 
 
 def add_probe_counts(req: Req) -> None:
