@@ -2,15 +2,18 @@
 semantics (not from the engine's kernels): with pages of one slot, row r's keys are the slots
 kv_indices[kv_indptr[r]:kv_indptr[r+1]], the key at index j is rotated by j, the row's query i (of qo_len) by
 kv_len - qo_len + i, rotation in the rotate-half (Llama) form with frequencies theta^(-2d/D) over positions divided
-by rope_scale, and causal attention in those positions. It runs on CPU in float32, so the backend's planning is
+by rope_scale, and causal attention in those positions, or a custom mask (row by row, each row's [qo_len, kv_len]
+flattened query-major) with the log-sum-exp of the logits in base 2 beside the output. It runs on CPU in float32, so the backend's planning is
 checked against the torch_native backend without a GPU."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sglang_pic.layers.flashinfer_backend import HeadShape, RopeParams
-from sglang_pic.layers.flashinfer_rows import RaggedRows
+from sglang_pic.layers.flashinfer_rows import RaggedRows, SpanGroups
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rope: RopeParams) -> torch.Tensor:
@@ -41,10 +44,23 @@ class FlashInferDouble:
         FlashInferDouble.plans.append((rows, graph_size))
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> torch.Tensor:
-        rows, shape = self.rows, self.shape
+        return self._attend(self.rows, q, k_buffer, v_buffer, None)[0]
+
+    def plan_split(self, rows: RaggedRows, groups: SpanGroups) -> None:
+        self.plan(rows)
+        self.masks = (groups.rest_mask, groups.span_mask)
+
+    def run_split(self, q, q_span, k_buffer, v_buffer):
+        rest, span = (self._attend(self.rows, x, k_buffer, v_buffer, m) for x, m in zip((q, q_span), self.masks))
+        return (*rest, *span)
+
+    def _attend(self, rows: RaggedRows, q, k_buffer, v_buffer, mask: torch.Tensor | None):
+        shape = self.shape
         assert q.shape[0] == rows.num_queries
         group = shape.num_qo_heads // shape.num_kv_heads
         out = q.new_zeros((q.shape[0], shape.num_qo_heads, shape.v_head_dim))
+        lse = torch.zeros((q.shape[0], shape.num_qo_heads), dtype=torch.float32)
+        offset = 0
         for r in range(rows.num_rows):
             q0, q1 = int(rows.qo_indptr[r]), int(rows.qo_indptr[r + 1])
             k0, k1 = int(rows.kv_indptr[r]), int(rows.kv_indptr[r + 1])
@@ -56,6 +72,14 @@ class FlashInferDouble:
             values = v_buffer[slots].float().repeat_interleave(group, dim=1)
             queries = rotate(q[q0:q1], query_pos, self.rope)
             scores = torch.einsum("qhd,khd->hqk", queries, keys) * shape.sm_scale
-            scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
-            out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
-        return out
+            if mask is None:
+                seen = key_pos[None, :] <= query_pos[:, None]
+            else:
+                seen = mask[offset : offset + qo_len * kv_len].view(qo_len, kv_len).cpu()
+                offset += qo_len * kv_len
+            scores = scores.masked_fill(~seen[None], float("-inf"))
+            row_lse = torch.logsumexp(scores, -1)  # [H, q]; -inf where a query sees no key
+            probs = torch.where(seen[None], (scores - row_lse[..., None]).exp(), 0.0)
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
+            lse[q0:q1] = (row_lse / math.log(2)).T
+        return out, lse

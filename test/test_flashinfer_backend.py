@@ -103,8 +103,12 @@ def run(model_path, backend: str, **kw) -> list[dict]:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("settings", [{}, {"chunked_prefill_size": 16, "enable_mixed_chunk": True}],
-                         ids=["whole", "chunked+mixed"])
+APE = {"span_attention_temperature": 0.6, "span_attention_scale": 1.4}
+
+
+@pytest.mark.parametrize("settings", [{}, {"chunked_prefill_size": 16, "enable_mixed_chunk": True}, APE,
+                                      {**APE, "chunked_prefill_size": 16, "enable_mixed_chunk": True}],
+                         ids=["whole", "chunked+mixed", "ape", "ape+chunked+mixed"])
 def test_the_engine_on_flashinfer_rows_matches_torch_native(tiny_qwen2, monkeypatch, settings):
     monkeypatch.setattr(flashinfer_backend, "FlashInferKernels", FlashInferDouble)
     FlashInferDouble.plans.clear()
@@ -120,6 +124,10 @@ def test_the_engine_on_flashinfer_rows_matches_torch_native(tiny_qwen2, monkeypa
     assert any(p.one_query_per_row for p in plans)
     span_rows = [p for p in plans if not p.one_query_per_row and p.num_rows > 1]
     assert span_rows, "no extend planned several rows for one batch"
+    if settings.get("span_attention_temperature"):  # the scaling changed what span prompts attend to
+        plain = run(tiny_qwen2, "torch_native", **{k: v for k, v in settings.items() if k not in APE})
+        assert any(a["meta_info"]["output_token_logprobs"] != b["meta_info"]["output_token_logprobs"]
+                   for a, b in zip(ours, plain))
 
 
 def test_the_engine_refuses_flashinfer_for_rope_it_cannot_express(tiny_llama, monkeypatch):

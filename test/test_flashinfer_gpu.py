@@ -1,7 +1,8 @@
 """GPU: the FlashInfer backend against the Triton backend on a tiny model, in bf16 (FlashInfer's kernels take no
 float32): prompt logprobs through isolated spans and PDEP, and the logprobs of the greedy tokens through anchored
 spans, recomputed heads and a probe pass (span query shares), agree within the difference between two of our own
-backends (torch_native and Triton); decode steps replay FlashInfer's graph-mode decode."""
+backends (torch_native and Triton), plain and under APE's span attention scaling (FlashInfer's two masked passes);
+plain decode steps replay FlashInfer's graph-mode decode."""
 
 from __future__ import annotations
 
@@ -40,11 +41,10 @@ def qwen2_d64(tiny_model_root):
     return build_tiny_model(tiny_model_root, "qwen2", name="qwen2-d64", head_dim=64)
 
 
-def run(model, backend: str, device: str = "cuda") -> tuple[list[list[float]], list[dict], dict]:
+def run(model, backend: str, **settings) -> tuple[list[list[float]], list[dict], dict]:
     """(prompt logprobs of the isolated prompts, outputs of the anchored ones, graph replays by mode)."""
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    with Engine(model_path=str(model), dtype=dtype, device=device, attention_backend=backend,
-                max_total_tokens=8192) as engine:
+    with Engine(model_path=str(model), dtype="bfloat16", device="cuda", attention_backend=backend,
+                max_total_tokens=8192, **settings) as engine:
         isolated = engine.generate(ISOLATED, PARAMS, return_logprob=True, logprob_start_len=0)
         anchored = engine.generate(ANCHORED, PARAMS, return_logprob=True)
         runner = engine.runner.graph_runner
@@ -69,10 +69,12 @@ def greedy_logprobs(a: list[dict], b: list[dict]) -> tuple[list[list[float]], li
     return out_a, out_b
 
 
-def test_flashinfer_matches_triton_within_bf16_tolerance(qwen2_d64):
-    fi_lp, fi_out, fi_replays = run(qwen2_d64, "flashinfer")
-    tr_lp, tr_out, _ = run(qwen2_d64, "triton")
-    tn_lp, tn_out, _ = run(qwen2_d64, "torch_native")
+@pytest.mark.parametrize("settings", [{}, {"span_attention_temperature": 0.6, "span_attention_scale": 1.4}],
+                         ids=["plain", "ape"])
+def test_flashinfer_matches_triton_within_bf16_tolerance(qwen2_d64, settings):
+    fi_lp, fi_out, fi_replays = run(qwen2_d64, "flashinfer", **settings)
+    tr_lp, tr_out, _ = run(qwen2_d64, "triton", **settings)
+    tn_lp, tn_out, _ = run(qwen2_d64, "torch_native", **settings)
     ours = max_diff(tn_lp, tr_lp)  # how far two of our own bf16 backends are apart
     theirs = max_diff(fi_lp, tr_lp)
     ours_out = max_diff(*greedy_logprobs(tn_out, tr_out))
@@ -82,8 +84,12 @@ def test_flashinfer_matches_triton_within_bf16_tolerance(qwen2_d64):
           f"logprobs: {theirs_out:.4f} vs {ours_out:.4f}; greedy outputs equal {equal}/{len(fi_out)}")
     assert theirs <= max(2 * ours, 0.05)
     assert theirs_out <= max(2 * ours_out, 0.05)
-    assert fi_replays.get(ForwardMode.DECODE, 0) > 0  # decode steps ran FlashInfer's decode in CUDA graphs
     assert fi_replays.get(ForwardMode.EXTEND, 0) == 0  # extends are planned per batch, never captured
+    if not settings:
+        assert fi_replays.get(ForwardMode.DECODE, 0) > 0  # decode steps ran FlashInfer's decode in CUDA graphs
+    else:  # the scaling moved the prompt logprobs beyond bf16 noise
+        plain_lp = run(qwen2_d64, "flashinfer")[0]
+        assert max_diff(fi_lp, plain_lp) > 2 * max(ours, theirs)
 
 
 def test_flashinfer_refuses_speculative_decoding(tiny_qwen2):

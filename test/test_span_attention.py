@@ -134,8 +134,6 @@ def test_factors_are_a_requests_not_a_spans(setup):
         engine.generate(text, PARAMS)
 
 
-def test_backends_without_the_scaling_refuse_it():
-    with pytest.raises(ValueError, match="triton or torch_native"):
-        ServerArgs(model_path="m", attention_backend="flashinfer", span_attention_temperature=0.8)
+def test_speculative_decoding_refuses_the_scaling():
     with pytest.raises(ValueError, match="speculative"):
         ServerArgs(model_path="m", speculative_algorithm="vericache", span_attention_scale=1.2)

@@ -263,7 +263,7 @@ class ServerArgs:
     span_attention_temperature: float = _arg(
         1.0,
         "APE's attention temperature T for span keys: a query after the spans sees the keys of spans encoded apart "
-        "from it with logits divided by T (1: plain attention). Runs on the triton and torch_native backends.",
+        "from it with logits divided by T (1: plain attention). Not with speculative decoding.",
     )
     span_attention_scale: float = _arg(
         1.0,
@@ -404,13 +404,7 @@ class ServerArgs:
         return not (self.disable_radix_cache or self.disable_pic) and self.page_size == 1
 
     def check_span_attention(self) -> None:
-        """Refuse APE's span attention scaling where it does not run: its two-pass kernel exists for the triton and
-        torch_native backends, and VeriCache's draft kernel does not scale."""
-        if self.resolved_attention_backend() not in ("triton", "torch_native"):
-            raise ValueError(
-                "span_attention_temperature and span_attention_scale need the triton or torch_native attention "
-                f"backend; this server runs {self.resolved_attention_backend()}"
-            )
+        """Refuse APE's span attention scaling where it does not run: VeriCache's draft kernel does not scale."""
         if self.speculative_algorithm is not None:
             raise ValueError("span_attention_temperature and span_attention_scale do not run with speculative decoding")
 

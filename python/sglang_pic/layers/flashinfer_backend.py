@@ -1,7 +1,9 @@
 """The FlashInfer attention backend: FlashInfer's FA2 paged kernels with their in-kernel RoPE over unrotated keys.
 
 FlashInfer's `ROPE_LLAMA` mode rotates a key by its index in the row's page list, which is the position-free
-layout of this engine once a batch is cut into rows (flashinfer_rows.py). What it cannot express is refused when
+layout of this engine once a batch is cut into rows (flashinfer_rows.py). APE's span attention scaling runs as two
+passes over the same rows with custom masks (the span group with tempered logits, then every other key), merged by
+their log-sum-exps with the group weighted as APE weighs it. What it cannot express is refused when
 the engine starts (`check_flashinfer_support`): RoPE other than plain or linearly scaled (llama3, YaRN), and
 VeriCache's drafts, whose compressed KV keeps explicit key positions. FlashInfer computes sin/cos with fast
 intrinsics rather than the model's table, so its outputs match the other backends to bf16 tolerance, not
@@ -20,9 +22,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from sglang_pic.kernels.paged_layout import SpanScaling
 from sglang_pic.kernels.torch_native import store_kv_torch
 from sglang_pic.layers.attention_backend import AttentionBackend
-from sglang_pic.layers.flashinfer_rows import RaggedRows, decode_rows, extend_rows
+from sglang_pic.layers.flashinfer_rows import RaggedRows, SpanGroups, decode_rows, extend_rows, span_groups
 from sglang_pic.model_config import rope_scaling_type
 
 if TYPE_CHECKING:
@@ -90,15 +93,43 @@ class RaggedAttention(Protocol):
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] unrotated, buffers [slots, Hkv, D] unrotated: the planned rows' outputs [T, Hq, Dv]."""
 
+    def plan_split(self, rows: RaggedRows, groups: SpanGroups) -> None:
+        """Prepare APE's two passes over `rows` (prefill kernels, a decode batch too): keys in groups.rest_mask,
+        then keys in groups.span_mask."""
+
+    def run_split(self, q: torch.Tensor, q_span: torch.Tensor, k_buffer: torch.Tensor,
+                  v_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The two planned passes, `q` over the rest and `q_span` over the span group: each pass's output [T, Hq, Dv]
+        and log-sum-exp [T, Hq] in base 2 (FlashInfer's), in the order rest, rest LSE, span, span LSE."""
+
+
+def merge_span_group(out_rest: torch.Tensor, lse_rest: torch.Tensor, out_span: torch.Tensor, lse_span: torch.Tensor,
+                     groups: SpanGroups) -> torch.Tensor:
+    """Attention over both passes' keys with the span group weighed by exp(scale * temperature * LSE), its LSE that
+    of the tempered logits (base 2 scales alike); a query with an empty span group keeps the rest pass."""
+    has = groups.has_span[:, None]
+    span_lse = torch.where(has, lse_span * groups.weight[:, None], float("-inf"))
+    top = torch.maximum(lse_rest, span_lse)
+    w_rest, w_span = torch.exp2(lse_rest - top)[..., None], torch.exp2(span_lse - top)[..., None]
+    span_out = torch.where(has[..., None], out_span.float(), 0.0)
+    return ((w_rest * out_rest.float() + w_span * span_out) / (w_rest + w_span)).to(out_rest.dtype)
+
 
 class FlashInferAttnBackend(AttentionBackend):
     captures_extends = False  # CUDA graphs for decode only: a prefill's plan is host work per batch anyway
 
     def __init__(self, kernels: RaggedAttention) -> None:
         self.kernels = kernels
+        self.groups: SpanGroups | None = None  # this forward's APE split, when a request scales its spans
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-        self.kernels.plan(self._rows(forward_batch))
+        rows = self._rows(forward_batch)
+        if forward_batch.span_scaling is None:
+            self.groups = None
+            self.kernels.plan(rows)
+        else:
+            self.groups = span_groups(rows, forward_batch.span_scaling)
+            self.kernels.plan_split(rows, self.groups)
 
     def init_cuda_graph_state(self, max_bs: int, max_request_keys: int) -> None:
         self.kernels.reserve_graphs(max_bs, max_request_keys)
@@ -124,7 +155,13 @@ class FlashInferAttnBackend(AttentionBackend):
         k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         store_kv_torch(k_buf, v_buf, fb.out_cache_loc, k.view(-1, layer.num_kv_heads, layer.head_dim),
                        v.view(-1, layer.num_kv_heads, layer.v_head_dim))
-        out = self.kernels.run(q.view(-1, layer.num_heads, layer.head_dim), k_buf, v_buf)
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        groups = self.groups
+        if groups is None:
+            out = self.kernels.run(q, k_buf, v_buf)
+        else:
+            q_span = q / groups.temperature[:, None, None].to(q.dtype)
+            out = merge_span_group(*self.kernels.run_split(q, q_span, k_buf, v_buf), groups)
         return out.reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
 
     @torch.inference_mode()
@@ -137,11 +174,18 @@ class FlashInferAttnBackend(AttentionBackend):
         for rows in (decode_rows(table, [pad], [8]), extend_rows(table, [pad], [6, 7], [0, 0], [2])):
             self.kernels.plan(rows)
             self.kernels.run(k_buf.new_zeros((rows.num_queries, layer.num_heads, layer.head_dim)), k_buf, v_buf)
+        # APE's masked passes, with keys 0-5 as the span group of both queries
+        ones = torch.ones(1, dtype=torch.float32, device=k_buf.device)
+        scaling = SpanScaling(torch.tensor([[0, 6]], device=k_buf.device), torch.tensor([0, 1], device=k_buf.device),
+                              ones, ones)
+        self.kernels.plan_split(rows, span_groups(rows, scaling))
+        q = k_buf.new_zeros((rows.num_queries, layer.num_heads, layer.head_dim))
+        self.kernels.run_split(q, q, k_buf, v_buf)
         if k_buf.is_cuda:
             torch.cuda.synchronize(k_buf.device)
         logger.info("FlashInfer kernels ready in %.1f s (JIT-compiled at first use, then loaded from its cache)",
                     time.perf_counter() - start)
-        return 2
+        return 4
 
 
 class FlashInferKernels:
@@ -167,6 +211,7 @@ class FlashInferKernels:
         self.graph_indices = torch.empty(0, dtype=torch.int32, device=device)  # shared by the decode graphs
         self.graph_decoders: dict[int, object] = {}
         self._active = self.prefill
+        self.split: tuple | None = None  # APE's two masked prefill wrappers, made at first use
         # A plan's host-to-device copy reads its wrapper's pinned buffer when the stream reaches it; under overlap
         # scheduling the next plan can come sooner, so each wrapper's next plan waits for its last copy.
         self._copied: dict[int, torch.cuda.Event] = {}
@@ -183,6 +228,14 @@ class FlashInferKernels:
     def reserve_graphs(self, max_bs: int, max_request_keys: int) -> None:
         self.graph_indices = torch.empty(max_bs * max_request_keys, dtype=torch.int32, device=self.device)
 
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        if id(wrapper) in self._copied:
+            self._copied[id(wrapper)].synchronize()
+        s = self.shape
+        wrapper.plan(*args, s.num_qo_heads, s.num_kv_heads, s.head_dim, 1, **kwargs, **self.common)
+        self._copied[id(wrapper)] = torch.cuda.Event()
+        self._copied[id(wrapper)].record()
+
     def plan(self, rows: RaggedRows, graph_size: int | None = None) -> None:
         s = self.shape
         if not rows.one_query_per_row:
@@ -196,15 +249,26 @@ class FlashInferKernels:
                     self.graph_decoders[graph_size] = self._decoder(graph_size)
                 wrapper = self.graph_decoders[graph_size]
             args, extra = (rows.kv_indptr, rows.kv_indices, rows.kv_last_page_len), {}
-        if id(wrapper) in self._copied:
-            self._copied[id(wrapper)].synchronize()
-        wrapper.plan(*args, s.num_qo_heads, s.num_kv_heads, s.head_dim, 1, **extra, **self.common)
-        self._copied[id(wrapper)] = torch.cuda.Event()
-        self._copied[id(wrapper)].record()
+        self._plan(wrapper, *args, **extra)
         self._active = wrapper
 
     def run(self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> torch.Tensor:
         return self._active.run(q, (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1)))
+
+    def plan_split(self, rows: RaggedRows, groups: SpanGroups) -> None:
+        if self.split is None:  # each with its own workspace: both plans are live in one forward
+            self.split = tuple(self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device), "NHD", backend="fa2")
+                for _ in range(2))
+        args = (rows.qo_indptr, rows.kv_indptr, rows.kv_indices, rows.kv_last_page_len)
+        for wrapper, mask in zip(self.split, (groups.rest_mask, groups.span_mask)):
+            self._plan(wrapper, *args, custom_mask=mask, head_dim_vo=self.shape.v_head_dim)
+
+    def run_split(self, q: torch.Tensor, q_span: torch.Tensor, k_buffer: torch.Tensor,
+                  v_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))
+        rest, span = self.split
+        return (*rest.run(q, kv, return_lse=True), *span.run(q_span, kv, return_lse=True))
 
 
 def create_flashinfer_backend(layer: "RadixAttention", model_config: "ModelConfig",

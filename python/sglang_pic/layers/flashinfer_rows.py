@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_pic.kernels.paged_layout import SpanScaling
+
 
 @dataclass(frozen=True)
 class RaggedRows:
@@ -30,6 +32,8 @@ class RaggedRows:
     kv_indices: torch.Tensor  # [nnz] int32, on the KV device: the slots, in each row's key order
     kv_last_page_len: torch.Tensor  # [R] int32, on the KV device: all ones
     one_query_per_row: bool  # a decode batch: FlashInfer's decode kernels apply
+    row_req: list[int]  # each row's request (its index in the batch)
+    row_lo: list[int]  # each row's first key index: key k of row r is the request's key lo + k
 
     @property
     def num_rows(self) -> int:
@@ -88,7 +92,7 @@ def ragged_rows(
     rows = torch.repeat_interleave(reqs, lens, output_size=nnz)
     indices = req_to_token[rows, cols].to(torch.int32)
     last_page = torch.ones(len(row_kv), dtype=torch.int32, device=device)
-    return RaggedRows(qo, kv, indices, last_page, one_query_per_row)
+    return RaggedRows(qo, kv, indices, last_page, one_query_per_row, list(row_req), list(row_lo))
 
 
 def extend_rows(
@@ -108,3 +112,49 @@ def decode_rows(req_to_token: torch.Tensor, req_pool_indices: list[int], seq_len
     """A decode batch: one row per request over all its keys, its query at seq_len - 1."""
     n = len(seq_lens)
     return ragged_rows(req_to_token, req_pool_indices, list(range(n)), [0] * n, [1] * n, seq_lens, True)
+
+
+@dataclass(frozen=True)
+class SpanGroups:
+    """APE's split of a forward's attention (SpanScaling) into two FlashInfer passes over the same rows, as custom
+    masks in FlashInfer's layout (row by row, each row's [qo_len, kv_len] flattened query-major): `span_mask` holds
+    the keys a query outside the spans sees as its span group, `rest_mask` every other key it sees; queries inside
+    a span see all their keys in `rest_mask`."""
+
+    span_mask: torch.Tensor  # [sum qo_len * kv_len] bool
+    rest_mask: torch.Tensor  # [sum qo_len * kv_len] bool
+    temperature: torch.Tensor  # [queries] float32: the span pass's logits are divided by it
+    weight: torch.Tensor  # [queries] float32: scale * temperature, the factor on the span group's log-sum-exp
+    has_span: torch.Tensor  # [queries] bool: the query's span group is not empty
+
+
+def span_groups(rows: RaggedRows, span: SpanScaling) -> SpanGroups:
+    """The two passes' masks for `rows`, on the KV device: a key is in a query's span group when it lies in one of
+    its request's span ranges, the query does not, and causality lets the query see it."""
+    device = rows.kv_indices.device
+    i64 = dict(dtype=torch.int64, device=device)
+    q_len, kv_len = rows.qo_indptr.diff().to(**i64), rows.kv_indptr.diff().to(**i64)
+    q_start, kv_start = rows.qo_indptr[:-1].to(**i64), rows.kv_indptr[:-1].to(**i64)
+    req, lo = torch.tensor(rows.row_req, **i64), torch.tensor(rows.row_lo, **i64)
+    n_rows, nq, nnz = rows.num_rows, rows.num_queries, int(rows.kv_indptr[-1])
+    row_ids = torch.arange(n_rows, **i64)
+
+    key_row = torch.repeat_interleave(row_ids, kv_len, output_size=nnz)
+    key_index = lo[key_row] + torch.arange(nnz, **i64) - kv_start[key_row]
+    key_in_span = span.in_spans(key_index, req[key_row])
+    q_row = torch.repeat_interleave(row_ids, q_len, output_size=nq)
+    q_offset = torch.arange(nq, **i64) - q_start[q_row]  # query i of its row sees keys 0 .. kv_len - q_len + i
+    q_index = lo[q_row] + kv_len[q_row] - q_len[q_row] + q_offset
+    q_scaled = ~span.in_spans(q_index, req[q_row])
+
+    sizes = q_len * kv_len
+    total = int(sizes.sum())
+    elem_row = torch.repeat_interleave(row_ids, sizes, output_size=total)
+    elem = torch.arange(total, **i64) - (torch.cumsum(sizes, 0) - sizes)[elem_row]
+    i, k = elem // kv_len[elem_row], elem % kv_len[elem_row]
+    visible = k <= kv_len[elem_row] - q_len[elem_row] + i
+    query = q_start[elem_row] + i
+    group = visible & key_in_span[kv_start[elem_row] + k] & q_scaled[query]
+    counts = torch.zeros(nq, dtype=torch.int32, device=device).index_add_(0, query, group.to(torch.int32))
+    temperature = span.temperature[req[q_row]].float()
+    return SpanGroups(group, visible & ~group, temperature, span.scale[req[q_row]].float() * temperature, counts > 0)
