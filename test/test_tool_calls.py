@@ -265,3 +265,19 @@ def test_a_reply_of_one_fenced_call_is_a_call(fence):
     assert HermesParser().parse(code, NAMES) == (code, [])
     sent, rest, calls = stream(HermesParser(), [code[:4], code[4:]])
     assert "".join(sent) + rest == code and calls == []
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_replies_keep_special_tokens_only_when_a_call_tag_is_one(tiny_qwen2, special):
+    """Qwen's <tool_call> is an ordinary added token, so a reply is decoded without special tokens (a stray
+    <|im_start|> from a small model stays out of the text and the call still parses); a tag that is a special token
+    (Llama 3's <|python_tag|>) needs them kept."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen2))
+    tags = ["<tool_call>", "</tool_call>"]
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": tags})
+    else:
+        tokenizer.add_tokens(tags)
+    assert tool_call_parser("qwen25", "Qwen2ForCausalLM").tags_are_special(tokenizer) is special

@@ -49,6 +49,7 @@ class ChatHandler(GenerationHandler):
         super().__init__(manager)
         self.chat_template = load_chat_template(manager.server_args.chat_template, self.tokenizer)
         self.tool_parser = tool_call_parser(manager.server_args.tool_call_parser, manager.model_config.architecture)
+        self.keep_special_tokens = self.tool_parser is not None and self.tool_parser.tags_are_special(self.tokenizer)
         self.reasoning = REASONING_PARSERS.get(manager.server_args.reasoning_parser)
 
     async def handle(self, request: Request) -> Response:
@@ -115,7 +116,8 @@ class ChatHandler(GenerationHandler):
                     f"no tool-call parser for {self.manager.model_config.architecture}; start the server with "
                     "--tool-call-parser"
                 )
-            sampling["skip_special_tokens"] = False  # call tags (Qwen's <tool_call>) may be special tokens
+            if self.keep_special_tokens:
+                sampling["skip_special_tokens"] = False
             forced = body.forced_tools()
             if forced is not None:
                 functions = [t.function.model_dump(exclude_none=True) for t in forced]

@@ -181,6 +181,17 @@ def _opener_at(text: str, opener: str) -> int:
 
 class ToolCallParser(ABC):
     arguments_key: str | None = None  # how a reply that is one bare JSON call names its arguments; None: no such reply
+    tags: tuple[str, ...] = ()  # the strings that mark calls in a reply
+
+    def tags_are_special(self, tokenizer) -> bool:
+        """Whether decoding without special tokens would drop a call tag (Llama 3's <|python_tag|> is a special
+        token, Qwen's <tool_call> is not): only then must a reply keep its special tokens to be parsed, at the
+        price of stray ones such as a small model's <|im_start|> landing in the text."""
+        for tag in self.tags:
+            ids = tokenizer.encode(tag, add_special_tokens=False)
+            if tag not in tokenizer.decode(ids, skip_special_tokens=True):
+                return True
+        return False
 
     @abstractmethod
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -219,6 +230,7 @@ class ToolCallParser(ABC):
 class HermesParser(ToolCallParser):
     start = "<tool_call>"
     arguments_key = "arguments"
+    tags = ("<tool_call>", "</tool_call>")
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
@@ -254,6 +266,7 @@ class HermesParser(ToolCallParser):
 class Llama3JsonParser(ToolCallParser):
     _tag = "<|python_tag|>"
     arguments_key = "parameters"
+    tags = (_tag,)
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         calls = _reply_of_calls(text.strip().removeprefix(self._tag), names)
@@ -272,6 +285,7 @@ class Llama3JsonParser(ToolCallParser):
 
 class MistralParser(ToolCallParser):
     start = "[TOOL_CALLS]"
+    tags = (start,)
 
     def parse(self, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         at = text.find(self.start)
