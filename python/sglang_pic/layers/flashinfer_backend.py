@@ -260,7 +260,8 @@ class FlashInferKernels:
             self.split = tuple(self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device), "NHD", backend="fa2")
                 for _ in range(2))
-        args = (rows.qo_indptr, rows.kv_indptr, rows.kv_indices, rows.kv_last_page_len)
+        # the last page lengths on the host, beside the indptrs: the plan sizes the masks from all three there
+        args = (rows.qo_indptr, rows.kv_indptr, rows.kv_indices, rows.kv_last_page_len.cpu())
         for wrapper, mask in zip(self.split, (groups.rest_mask, groups.span_mask)):
             self._plan(wrapper, *args, custom_mask=mask, head_dim_vo=self.shape.v_head_dim)
 
