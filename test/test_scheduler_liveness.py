@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -29,6 +30,9 @@ SPAN_POOL = [tuple(range(10 + 7 * k, 10 + 7 * k + n)) for k, n in enumerate((1, 
 PREFIX_POOL = [(), (5, 6, 7, 8), SPAN_POOL[4], tuple(range(200, 240))]
 FINISH_MESSAGES = {"aborted", "KV cache pool is full", "request needs more KV memory than the whole pool"}
 DRAIN_STEPS = 3000
+# Torch's global RNG, seeded at the start of each example: requests that sample (temperature 1) draw the same tokens
+# whatever ran before in the process, so an example's output lengths, and with them its schedule, are fixed.
+SEED = 0
 
 CONFIGS = {
     "fcfs-p1": dict(schedule_policy="fcfs", page_size=1, max_total_tokens=4096),
@@ -102,6 +106,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def start(self) -> None:
         """A fresh scheduler over the engine's model and emptied pools: examples are independent (and shrink)."""
         engine = self.engine
+        torch.manual_seed(SEED)
         engine.runner.allocator.clear()
         engine.runner.req_to_token_pool.clear()
         engine.scheduler = self.sched = Scheduler(engine.server_args, engine.runner, engine.tokenizer)
@@ -161,7 +166,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if sched.is_idle():
                 break
             sched.step()
-        assert sched.is_idle(), f"not drained in {DRAIN_STEPS} steps: {len(sched.waiting)} waiting"
+        assert sched.is_idle(), f"not drained in {DRAIN_STEPS} steps:\n{describe_stuck(sched)}"
         for req in self.submitted + self.jobs:
             reason = req.finished_reason
             assert reason is not None, f"request {req.rid} never finished"
@@ -261,6 +266,45 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert req.finished_reason is None and req.req_pool_idx is None
 
 
+def describe_stuck(sched: Scheduler, steps: int = 3) -> str:
+    """What a scheduler that does not drain holds, for the failure message: what admission makes of each queued
+    request (span jobs included) over a few more steps, each waiting request's segments, the running requests, the
+    planner's and the KV manager's tables and the KV accounting."""
+    offers: dict[str, list[str]] = {}
+    offer = type(sched.admission)._offer
+
+    def spy_offer(req, room):
+        result = offer(sched.admission, req, room)
+        offers.setdefault(f"{req.rid}{' (span job)' if req.warmup else ''}", []).append(result.name)
+        return result
+
+    kv, tree, q, planner = sched.kv, sched.tree, sched.queues, sched.planner
+    free = []
+    sched.admission._offer = spy_offer
+    try:
+        for _ in range(steps):
+            sched.step()
+            free.append((kv.allocator.available_size(), tree.evictable_size()))
+    finally:
+        del sched.admission._offer
+    lines = [f"{len(q.waiting)} waiting, {len(q.running)} running, chunked: {q.chunked and q.chunked.rid}",
+             f"offers over {steps} more steps: {offers}", f"(free, evictable) after each: {free}"]
+    for req in q.waiting:
+        owner = kv.inflight_owner(req)
+        lines.append(f"  waiting {req.rid}: pending {req.pending()}, max_new_tokens "
+                     f"{req.sampling_params.max_new_tokens}, {len(req.output_ids)} output, owner "
+                     f"{owner and owner.rid}, blocked on {[j.rid for j in planner.blocked_on.get(req.rid, ())]}")
+        lines += [f"    {seg.kind} {len(seg.tokens)} tokens, done {seg.done}, cached {seg.cached}, key_lead "
+                  f"{len(seg.key_lead)}, from_job {seg.from_job}" for seg in req.segments]
+    lines += [f"  running: {[(r.rid, r.seq_len(), len(r.output_ids)) for r in q.running]}",
+              f"  span jobs: {[j.rid for j in planner.jobs.values()]}",
+              f"  in flight: spans {[r.rid for r in kv.inflight_spans.values()]}, "
+              f"prefixes {list(kv.inflight_prefixes)}",
+              f"  KV: free {kv.allocator.available_size()}, evictable {tree.evictable_size()}, protected "
+              f"{tree.protected_size()} of {kv.allocator.size}; new_token_ratio {sched.admission.new_token_ratio:.3f}"]
+    return "\n".join(lines)
+
+
 def assert_idle(engine: Engine) -> None:
     sched = engine.scheduler
     alloc = engine.runner.allocator
@@ -325,4 +369,27 @@ def test_prompt_ending_in_a_span_finishes(tiny_llama, policy, warm_first):
             (req,) = run_bounded(engine, obj)
             assert req.finished_reason.type == "length" and len(req.output_ids) == 3
         assert engine.scheduler.stats.computed_prefill_tokens < 3 * (len(ids) + 4)  # the span is computed once
+        assert_idle(engine)
+
+
+def test_span_jobs_wait_for_room_the_running_requests_hold(tiny_llama):
+    """The fcfs-p1-chunk-small hang: a request whose spans from jobs fit the free and evictable KV one at a time but
+    not together, while a running request holds the rest of the pool. Its jobs were queued each step and evicted
+    each other's spans, so every step was a prefill step and the running request, which decodes only in steps
+    without prefill, never freed the room. It waits for that room instead, and both finish."""
+    with Engine(model_path=str(tiny_llama), dtype="float32", schedule_policy="fcfs", page_size=1,
+                max_total_tokens=256, schedule_conservativeness=0.2) as engine:
+        params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+        (running,) = engine.make_reqs(GenerateReqInput(input_ids=list(range(170, 320)), sampling_params=params))
+        engine.scheduler.add_request(running)
+        engine.scheduler.step()  # its whole prompt: it decodes from the next step on
+        assert engine.scheduler.running == [running]
+        free = engine.scheduler.kv.available_size()
+        spans = [list(range(20, 80)), list(range(90, 150))]  # each of their jobs fits the free KV, not both
+        assert len(spans[0]) < free < sum(map(len, spans))
+        obj = GenerateReqInput(input_ids=[5, 6, SSEP, *spans[0], PDEP, 7, SSEP, *spans[1], PDEP, 8],
+                               sampling_params=params, span_anchor="auto", span_head_tokens=2)
+        (req,) = run_bounded(engine, obj, max_steps=200)
+        assert req.finished_reason.type == "length" and running.finished_reason.type == "length"
+        assert any(s.from_job for s in req.segments)
         assert_idle(engine)

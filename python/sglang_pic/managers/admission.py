@@ -51,7 +51,7 @@ class Offer(Enum):
     SPAN_CACHED = (False, "a span job whose span is in the tree already: done without a step")
     WAITS_FOR_JOBS = (False, "waits for the jobs of its spans (queued now, offered after it)")
     WAITS_FOR_OWNER = (False, "waits for a request in prefill that computes the same span or prefix")
-    NO_KV_ROOM = (True, "its prefill and decode reserve exceed the free and evictable KV")
+    NO_KV_ROOM = (True, "its prefill (with its spans' jobs) and decode reserve exceed the free and evictable KV")
     OVER_BUDGET = (True, "its whole prefill (no chunking) exceeds what is left of the budget")
     NO_SLOTS = (True, "its slots could not be allocated")
     TOO_LARGE = (True, "needs more KV than the whole pool: refused")
@@ -193,13 +193,15 @@ class Admission:
         return self._wait(req, room) or self._select(req, room) or self._admit(req, room)
 
     def _wait(self, req: Req, room: Room) -> Offer | None:
-        """Why a matched request waits (it is not admitted now, the requests after it still are offered); None: it
-        does not."""
+        """Why a matched request waits (it is not admitted now; unless it waits for KV room, the requests after it
+        still are offered); None: it does not."""
         if req.warmup and req.pending() == 0:  # its span is cached already
             self.q.waiting.remove(req)
             self.finishing.finish_span_job(req)
             self.q.to_report.append(req)
             return Offer.SPAN_CACHED
+        if self._short_of_kv_for_jobs(req, room):
+            return Offer.NO_KV_ROOM
         missing = self.kv.missing_job_spans(req)
         if missing:  # queued and offered in this step; the request matches again next step
             room.queue += self.queue_span_jobs(missing)[1]
@@ -220,14 +222,32 @@ class Admission:
             return Offer.NO_KV_ROOM
         return self._offer(req, room)
 
+    def _short_of_kv_for_jobs(self, req: Req, room: Room) -> bool:
+        """Whether a request missing spans from a job waits for KV room before their jobs are queued: it would not
+        fit with them computed. Queued anyway, its jobs would run and evict the spans the ones before computed
+        (unlocked until the request runs), and be queued again at its next offer: every step a prefill step of its
+        jobs, so the policies that decode only in steps without prefill never decode the running requests that
+        hold the room it waits for (a hang)."""
+        jobs = self.kv.job_slots_needed(req)
+        if not jobs:
+            return False
+        own = self.kv.slots_needed(req, [0 if s.from_job else len(s.tokens) - s.done for s in req.segments])
+        return self._short_of_kv(req, room, own + jobs)
+
+    def _short_of_kv(self, req: Req, room: Room, need: int) -> bool:
+        """Whether `need` slots for a matched request, with its decode reserve and the running requests', exceed
+        the free and evictable KV while other requests hold KV; then `req` is released (and may preempt)."""
+        reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
+        if need + reserve + room.reserved <= self.kv.available_size() or not (room.entries or self.q.running):
+            return False
+        self.kv.release(req)
+        if not req.warmup and need + reserve <= self.pool_size:  # else it never fits
+            self._may_preempt_for(req)
+        return True
+
     def _admit(self, req: Req, room: Room) -> Offer:
         """Admit a matched request if its KV and tokens fit what is left of the step."""
-        reserve = min(req.sampling_params.max_new_tokens, RESERVE_CLIP) * self.new_token_ratio
-        need = self.kv.slots_needed(req, [len(s.tokens) - s.done for s in req.segments])
-        if need + reserve + room.reserved > self.kv.available_size() and (room.entries or self.q.running):
-            self.kv.release(req)
-            if not req.warmup and need + reserve <= self.pool_size:  # else it never fits
-                self._may_preempt_for(req)
+        if self._short_of_kv(req, room, self.kv.slots_needed(req, [len(s.tokens) - s.done for s in req.segments])):
             return Offer.NO_KV_ROOM
         if not self.chunking and req.pending() > room.budget and room.entries:
             self.kv.release(req)

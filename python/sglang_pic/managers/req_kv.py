@@ -18,7 +18,7 @@ import torch
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import ReqToTokenPool
-from sglang_pic.radix_ext import RadixCache
+from sglang_pic.radix_ext import RadixCache, RadixKey
 from sglang_pic.utils_tensor import to_device, upload
 
 # A waiting request waits for a request in prefill that computes at least this many of its next prompt tokens.
@@ -115,6 +115,16 @@ class ReqKVManager:
                 if missing >= self.page_size or seg.from_job and missing > 0:
                     out.append(seg)
         return out
+
+    def job_slots_needed(self, req: Req) -> int:
+        """Slots the span jobs of a matched request's missing spans from a job would take: each such span's whole
+        key (anchor, recomputed head and all, as its job computes it) less what the tree holds of it."""
+        missing = dict.fromkeys(s.span_id for s in req.segments if s.from_job and s.done < len(s.tokens))
+        total = 0
+        for extra_key, tokens in missing:  # in the request's order: lookups refresh the tree's LRU times
+            hit = int(self.tree.match_prefix(RadixKey(tokens, extra_key)).device_indices.numel())
+            total += (len(tokens) - hit + self.page_size - 1) // self.page_size * self.page_size
+        return total
 
     @staticmethod
     def missing_job_spans(req: Req) -> list[ReqSegment]:
