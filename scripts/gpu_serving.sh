@@ -6,9 +6,11 @@
 #   bash scripts/gpu_serving.sh OUT BACKEND PHASE...
 # Phases: cold (the issue's command, then the step breakdown), rates (4, 8, 16, 32 req/s, 400 prompts each, cache
 # flushed between), gsp (generated-shared-prefix 32 x 16, 2,048-token system prompt), long (input 256, output 2,048).
+# SERVER_ARGS adds server flags (e.g. "--max-running-requests 512"); TAG names the run's files (default: BACKEND).
 set -u
 cd "$(dirname "$0")/.."
 out=$1 backend=$2
+tag=${TAG:-$2}
 shift 2
 mkdir -p "$out"
 MODEL=${MODEL:-build/llama3-8b-dummy}
@@ -19,11 +21,11 @@ bench() {
 }
 
 serve() {  # a fresh server for phase $1; returns once it answers /health
-  python3 -m sglang_pic.launch_server "${M8B[@]}" --attention-backend "$backend" --port 30000 \
-    --step-trace "$out/steps_${backend}_$1.jsonl" > "$out/server_${backend}_$1.log" 2>&1 &
+  python3 -m sglang_pic.launch_server "${M8B[@]}" --attention-backend "$backend" --port 30000 ${SERVER_ARGS:-} \
+    --step-trace "$out/steps_${tag}_$1.jsonl" > "$out/server_${tag}_$1.log" 2>&1 &
   PID=$!
   until curl -sf $URL/health > /dev/null; do
-    kill -0 $PID 2> /dev/null || { echo "server for $1 died"; tail -20 "$out/server_${backend}_$1.log"; return 1; }
+    kill -0 $PID 2> /dev/null || { echo "server for $1 died"; tail -20 "$out/server_${tag}_$1.log"; return 1; }
     sleep 2
   done
 }
@@ -31,37 +33,37 @@ serve() {  # a fresh server for phase $1; returns once it answers /health
 stop() { kill $PID; wait $PID 2> /dev/null; }
 
 for phase in "$@"; do
-  res="$out/bench_${backend}_${phase}.jsonl"
+  res="$out/bench_${tag}_${phase}.jsonl"
   serve "$phase" || continue
   case $phase in
     cold)
       bench --dataset-name random-ids --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 \
-        --num-prompts 800 --seed 1 --output-file "$res" > "$out/bench_${backend}_cold.txt" 2>&1
+        --num-prompts 800 --seed 1 --output-file "$res" > "$out/bench_${tag}_cold.txt" 2>&1
       stop
-      python3 benchmark/bench_serving_breakdown.py "$out/steps_${backend}_cold.jsonl" --bench-result "$res" \
+      python3 benchmark/bench_serving_breakdown.py "$out/steps_${tag}_cold.jsonl" --bench-result "$res" \
         --model-config "$MODEL" --tflops 790 --hbm-tbps 4.25 \
-        --out "$out/serving_breakdown_${backend}.json" > "$out/breakdown_${backend}.txt" 2>&1
-      tail -40 "$out/breakdown_${backend}.txt"
+        --out "$out/serving_breakdown_${tag}.json" > "$out/breakdown_${tag}.txt" 2>&1
+      tail -40 "$out/breakdown_${tag}.txt"
       ;;
     rates)
       for rate in 4 8 16 32; do
         curl -sf -X POST $URL/flush_cache > /dev/null
         bench --dataset-name random-ids --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 \
-          --num-prompts 400 --seed $rate --request-rate $rate --output-file "$res" >> "$out/bench_${backend}_rates.txt" 2>&1
+          --num-prompts 400 --seed $rate --request-rate $rate --output-file "$res" >> "$out/bench_${tag}_rates.txt" 2>&1
       done
       stop
       ;;
     gsp)
       bench --dataset-name generated-shared-prefix --gsp-num-groups 32 --gsp-prompts-per-group 16 \
-        --gsp-system-prompt-len 2048 --seed 1 --output-file "$res" > "$out/bench_${backend}_gsp.txt" 2>&1
+        --gsp-system-prompt-len 2048 --seed 1 --output-file "$res" > "$out/bench_${tag}_gsp.txt" 2>&1
       stop
       ;;
     long)
       bench --dataset-name random-ids --random-input-len 256 --random-output-len 2048 --random-range-ratio 0.5 \
-        --num-prompts 400 --seed 1 --output-file "$res" > "$out/bench_${backend}_long.txt" 2>&1
+        --num-prompts 400 --seed 1 --output-file "$res" > "$out/bench_${tag}_long.txt" 2>&1
       stop
       ;;
   esac
   grep -E "Successful requests|Benchmark duration|Total token throughput|Output token throughput|Mean TTFT|P99 TTFT|Median TPOT|P99 TPOT" \
-    "$out/bench_${backend}_${phase}.txt" | sed "s/^/$backend $phase: /"
+    "$out/bench_${tag}_${phase}.txt" | sed "s/^/$tag $phase: /"
 done
