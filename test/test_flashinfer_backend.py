@@ -14,7 +14,8 @@ from sglang_pic import Engine
 from sglang_pic.frontend_lang import pdep, span
 from sglang_pic.layers import flashinfer_backend
 from sglang_pic.layers.flashinfer_backend import RopeParams, check_flashinfer_support
-from sglang_pic.layers.flashinfer_rows import decode_rows, extend_rows, split_runs
+from sglang_pic.kernels.paged_layout import SpanScaling
+from sglang_pic.layers.flashinfer_rows import decode_rows, extend_rows, span_groups, split_runs
 
 
 def table(rows: int = 3, width: int = 16) -> torch.Tensor:
@@ -55,6 +56,46 @@ def test_decode_rows_are_one_query_over_every_key():
 class Config:
     def __init__(self, rope_scaling=None, rope_theta=1e6) -> None:
         self.rope_scaling, self.rope_theta = rope_scaling, rope_theta
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_span_groups_split_each_querys_visible_keys(seed):
+    """APE's two masks against a query-by-query reading of their definition, for extend rows (several runs per
+    request, one-query rows among them) and a decode batch."""
+    gen = torch.Generator().manual_seed(seed)
+    ranges = [[(2, 6), (9, 12)], [(0, 5)], []]  # span key ranges of requests 0, 1, 2
+    flat = [r for rs in ranges for r in rs]
+    scaling = SpanScaling(torch.tensor(flat).view(-1, 2), torch.tensor([0, 2, 3, 3]), torch.tensor([0.5, 2.0, 1.0]),
+                          torch.tensor([1.5, 0.7, 1.0]))
+    # request 0: queries 5-7 from 0 and 12 alone; request 1: 3-4 from lo 0 (inside its span), 8 alone; request 2: 0-4
+    extend = extend_rows(table(), [0, 1, 2], [5, 6, 7, 12, 3, 4, 8, 0, 1, 2, 3, 4], [0, 0, 0, 0, 0, 0, 0] + [0] * 5,
+                         [4, 3, 5])
+    decode = decode_rows(table(), [0, 1, 2], [int(n) for n in torch.randint(1, 16, (3,), generator=gen)])
+    for rows in (extend, decode):
+        groups = span_groups(rows, scaling)
+        group, rest = [], []
+        for r in range(rows.num_rows):
+            b, lo = rows.row_req[r], rows.row_lo[r]
+            n_q = int(rows.qo_indptr[r + 1] - rows.qo_indptr[r])
+            n_kv = int(rows.kv_indptr[r + 1] - rows.kv_indptr[r])
+            def in_span(index: int, b: int = b) -> bool:
+                return any(a <= index < e for a, e in ranges[b])
+
+            for i in range(n_q):
+                query = lo + n_kv - n_q + i
+                for k in range(n_kv):
+                    seen = k <= n_kv - n_q + i
+                    in_group = seen and in_span(lo + k) and not in_span(query)
+                    group.append(in_group)
+                    rest.append(seen and not in_group)
+        assert groups.span_mask.tolist() == group and groups.rest_mask.tolist() == rest
+        per_query = torch.tensor(group).split([int(q) * int(kv) for q, kv in zip(rows.qo_indptr.diff(),
+                                                                                   rows.kv_indptr.diff())])
+        has = [bool(m.view(int(q), -1)[i].any()) for m, q in zip(per_query, rows.qo_indptr.diff()) for i in range(q)]
+        assert groups.has_span.tolist() == has
+        reqs = [rows.row_req[r] for r in range(rows.num_rows) for _ in range(int(rows.qo_indptr.diff()[r]))]
+        assert groups.temperature.tolist() == [[0.5, 2.0, 1.0][b] for b in reqs]
+        assert groups.weight.tolist() == pytest.approx([[0.75, 1.4, 1.0][b] for b in reqs])
 
 
 def test_plain_and_linear_rope_are_supported():

@@ -130,31 +130,47 @@ class SpanGroups:
 
 def span_groups(rows: RaggedRows, span: SpanScaling) -> SpanGroups:
     """The two passes' masks for `rows`, on the KV device: a key is in a query's span group when it lies in one of
-    its request's span ranges, the query does not, and causality lets the query see it."""
+    its request's span ranges, the query does not, and causality lets the query see it. Beside the masks only
+    per-key and per-query tensors are made: a one-query row's mask is its keys' flags, a longer row's an outer
+    product (index tensors the size of the masks would take gigabytes for an 8K-token chunk over 16K keys)."""
     device = rows.kv_indices.device
     i64 = dict(dtype=torch.int64, device=device)
-    q_len, kv_len = rows.qo_indptr.diff().to(**i64), rows.kv_indptr.diff().to(**i64)
-    q_start, kv_start = rows.qo_indptr[:-1].to(**i64), rows.kv_indptr[:-1].to(**i64)
-    req, lo = torch.tensor(rows.row_req, **i64), torch.tensor(rows.row_lo, **i64)
+    q_len, kv_len = rows.qo_indptr.diff().tolist(), rows.kv_indptr.diff().tolist()
+    q_start, kv_start = rows.qo_indptr[:-1].tolist(), rows.kv_indptr[:-1].tolist()
     n_rows, nq, nnz = rows.num_rows, rows.num_queries, int(rows.kv_indptr[-1])
+    req, lo = torch.tensor(rows.row_req, **i64), torch.tensor(rows.row_lo, **i64)
     row_ids = torch.arange(n_rows, **i64)
 
-    key_row = torch.repeat_interleave(row_ids, kv_len, output_size=nnz)
-    key_index = lo[key_row] + torch.arange(nnz, **i64) - kv_start[key_row]
+    key_row = torch.repeat_interleave(row_ids, torch.tensor(kv_len, **i64), output_size=nnz)
+    key_start = torch.tensor(kv_start, **i64)
+    key_index = lo[key_row] + torch.arange(nnz, **i64) - key_start[key_row]
     key_in_span = span.in_spans(key_index, req[key_row])
-    q_row = torch.repeat_interleave(row_ids, q_len, output_size=nq)
-    q_offset = torch.arange(nq, **i64) - q_start[q_row]  # query i of its row sees keys 0 .. kv_len - q_len + i
-    q_index = lo[q_row] + kv_len[q_row] - q_len[q_row] + q_offset
-    q_scaled = ~span.in_spans(q_index, req[q_row])
+    q_row = torch.repeat_interleave(row_ids, torch.tensor(q_len, **i64), output_size=nq)
+    q_offset = torch.arange(nq, **i64) - torch.tensor(q_start, **i64)[q_row]
+    q_index = lo[q_row] + torch.tensor(kv_len, **i64)[q_row] - torch.tensor(q_len, **i64)[q_row] + q_offset
+    q_scaled = ~span.in_spans(q_index, req[q_row])  # query i of a row sees its keys 0 .. kv_len - q_len + i
 
-    sizes = q_len * kv_len
-    total = int(sizes.sum())
-    elem_row = torch.repeat_interleave(row_ids, sizes, output_size=total)
-    elem = torch.arange(total, **i64) - (torch.cumsum(sizes, 0) - sizes)[elem_row]
-    i, k = elem // kv_len[elem_row], elem % kv_len[elem_row]
-    visible = k <= kv_len[elem_row] - q_len[elem_row] + i
-    query = q_start[elem_row] + i
-    group = visible & key_in_span[kv_start[elem_row] + k] & q_scaled[query]
-    counts = torch.zeros(nq, dtype=torch.int32, device=device).index_add_(0, query, group.to(torch.int32))
+    sizes = [q * kv for q, kv in zip(q_len, kv_len)]
+    elem_start = [0]
+    for size in sizes[:-1]:
+        elem_start.append(elem_start[-1] + size)
+    group = torch.zeros(sum(sizes), dtype=torch.bool, device=device)
+    visible = torch.ones_like(group)
+    has_span = torch.zeros(nq, dtype=torch.bool, device=device)
+    single = torch.tensor([q == 1 for q in q_len], dtype=torch.bool, device=device)
+    keys = single[key_row]  # the keys of one-query rows: their elements follow the keys' order
+    if bool(keys.any()):
+        at = (torch.tensor(elem_start, **i64) - key_start)[key_row[keys]] + torch.arange(nnz, **i64)[keys]
+        query = torch.tensor(q_start, **i64)[key_row[keys]]
+        flags = key_in_span[keys] & q_scaled[query]
+        group[at] = flags
+        has_span[query[flags]] = True
+    for r in (r for r, q in enumerate(q_len) if q > 1):
+        q0, k0, n_q, n_kv = q_start[r], kv_start[r], q_len[r], kv_len[r]
+        seen = torch.arange(n_kv, device=device)[None, :] <= n_kv - n_q + torch.arange(n_q, device=device)[:, None]
+        flags = seen & key_in_span[k0 : k0 + n_kv][None, :] & q_scaled[q0 : q0 + n_q][:, None]
+        group[elem_start[r] : elem_start[r] + sizes[r]] = flags.flatten()
+        visible[elem_start[r] : elem_start[r] + sizes[r]] = seen.flatten()
+        has_span[q0 : q0 + n_q] = flags.any(1)
     temperature = span.temperature[req[q_row]].float()
-    return SpanGroups(group, visible & ~group, temperature, span.scale[req[q_row]].float() * temperature, counts > 0)
+    return SpanGroups(group, visible & ~group, temperature, span.scale[req[q_row]].float() * temperature, has_span)
