@@ -15,7 +15,7 @@ import torch
 from sglang_pic import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.server_args import ServerArgs
-from test_span_policy import PARAMS, prompts, reference, segments_layout
+from test_span_policy import PARAMS, assert_answers_as, cold_then_warm, prompts, reference, segments_layout
 
 TEMPERATURE, SCALE = 0.6, 1.4
 POLICIES = {  # name -> (span_anchor, span_head_tokens)
@@ -78,11 +78,7 @@ def check(engine: Engine, model, texts: list[str], outs: list[dict], given: dict
     factors = (given["span_attention_temperature"], given["span_attention_scale"])
     for text, out in zip(texts, outs):
         segments = engine.make_reqs(GenerateReqInput(text=text, **given))[0].segments
-        ref_tokens, ref_logps = grouped_reference(model, segments, factors)
-        assert out["output_ids"] == ref_tokens
-        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-        want = torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)])
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        assert_answers_as(out, *grouped_reference(model, segments, factors))
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -92,12 +88,8 @@ def test_scaled_span_attention_equals_grouped_reference(setup, policy):
     anchor, head = POLICIES[policy]
     given = {"span_anchor": anchor, "span_head_tokens": head,
              "span_attention_temperature": TEMPERATURE, "span_attention_scale": SCALE}
-    engine.flush_cache()
     texts = prompts()
-    cold = [engine.generate(t, PARAMS, return_logprob=True, **given) for t in texts]
-    check(engine, model, texts, cold, given)
-    warm = engine.generate(texts, PARAMS, return_logprob=True, **given)
-    check(engine, model, texts, warm, given)
+    cold_then_warm(engine, texts, given, lambda outs: check(engine, model, texts, outs, given))
 
 
 def test_unit_factors_are_plain_attention(setup):

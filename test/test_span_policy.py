@@ -109,13 +109,28 @@ def reference(model, flat, n: int) -> tuple[list[int], list[torch.Tensor]]:
     return out, logps
 
 
+def assert_answers_as(out: dict, ref_tokens: list[int], ref_logps: list[torch.Tensor]) -> None:
+    """An engine output has the reference's greedy tokens and, within float32 noise, their log-probabilities."""
+    assert out["output_ids"] == ref_tokens
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+    want = torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)])
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def cold_then_warm(engine: Engine, texts: list[str], given: dict, check) -> tuple[list[dict], list[dict]]:
+    """The prompts cold one by one from an empty cache, then warm in one batch (spans reused at new offsets behind
+    new prefixes, prefills beside decodes); `check(outs)` checks each run's outputs."""
+    engine.flush_cache()
+    cold = [engine.generate(t, PARAMS, return_logprob=True, **given) for t in texts]
+    check(cold)
+    warm = engine.generate(texts, PARAMS, return_logprob=True, **given)
+    check(warm)
+    return cold, warm
+
+
 def check(engine: Engine, model, texts: list[str], outs: list[dict], given: dict) -> None:
     for text, out in zip(texts, outs):
-        ref_tokens, ref_logps = reference(model, layout(engine, text, given), NEW)
-        assert out["output_ids"] == ref_tokens
-        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-        want = torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)])
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        assert_answers_as(out, *reference(model, layout(engine, text, given), NEW))
 
 
 def prompts() -> list[str]:
@@ -132,14 +147,8 @@ def prompts() -> list[str]:
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_cold_then_cached_equal_dense_reference(setup, policy):
     engine, model = setup
-    given = settings(*POLICIES[policy])
-    engine.flush_cache()
-    texts = prompts()
-    cold = [engine.generate(t, PARAMS, return_logprob=True, **given) for t in texts]
-    check(engine, model, texts, cold, given)
-    # Every span (and recomputed run) is cached now: one batch reuses them at new offsets behind new prefixes.
-    warm = engine.generate(texts, PARAMS, return_logprob=True, **given)
-    check(engine, model, texts, warm, given)
+    given, texts = settings(*POLICIES[policy]), prompts()
+    cold, warm = cold_then_warm(engine, texts, given, lambda outs: check(engine, model, texts, outs, given))
     assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in warm)
     if given["span_head_tokens"] or given["span_tail_tokens"]:
         assert all(o["meta_info"]["recomputed_span_tokens"] > 0 for o in cold[:3])
@@ -167,12 +176,8 @@ def selection(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 def test_recomputed_selections_equal_dense_reference(setup, selection):
     """A request's row mixes its own and shared slots inside a span: cold, then warm in one batch at new offsets."""
     engine, model = setup
-    engine.flush_cache()
-    texts = prompts()
-    cold = [engine.generate(t, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=1) for t in texts]
-    check(engine, model, texts, cold, settings("auto", 1))
-    warm = engine.generate(texts, PARAMS, return_logprob=True, span_anchor="auto", span_head_tokens=1)
-    check(engine, model, texts, warm, settings("auto", 1))
+    given, texts = settings("auto", 1), prompts()
+    _, warm = cold_then_warm(engine, texts, given, lambda outs: check(engine, model, texts, outs, given))
     if selection != "all":
         assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in warm)
 

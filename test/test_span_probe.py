@@ -25,8 +25,8 @@ from sglang_pic.managers.io_struct import GenerateReqInput, wire_segments
 from sglang_pic.managers.req import ReqSegment
 from sglang_pic.server_args import ServerArgs
 from test_span_policy import (
-    DOCS, NEW, PARAMS, _assert_accounting, assert_span_kv_unchanged, layout_mask, prompts, reference,
-    segments_layout, span_kv,
+    DOCS, NEW, PARAMS, _assert_accounting, assert_answers_as, assert_span_kv_unchanged, cold_then_warm, layout_mask,
+    prompts, reference, segments_layout, span_kv,
 )
 
 SHARE = 0.3
@@ -113,11 +113,7 @@ def check_against_reference(engine, model, choice, texts, outs, chosen, given=GI
         (segments,) = choices_of(chosen, req)
         final = [ReqSegment.from_wire(s) for s in wire_segments(segments)]
         assert span_positions(final) - span_positions(req.segments) == choice(req)
-        ref_tokens, ref_logps = reference(model, segments_layout(final), NEW)
-        assert out["output_ids"] == ref_tokens
-        logps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
-        torch.testing.assert_close(logps, torch.stack([lp[t] for lp, t in zip(ref_logps, ref_tokens)]),
-                                   atol=2e-4, rtol=1e-4)
+        assert_answers_as(out, *reference(model, segments_layout(final), NEW))
 
 
 def test_probe_chooses_what_the_reference_probe_chooses_and_answers_as_dense(setup, chosen):
@@ -128,13 +124,13 @@ def test_probe_chooses_what_the_reference_probe_chooses_and_answers_as_dense(set
 
 def check_cold_and_warm(engine, model, choice, chosen, given) -> None:
     """check_against_reference cold one by one, then warm in one batch with the spans at different offsets."""
-    engine.flush_cache()
     texts = prompts()
-    cold = [engine.generate(t, PARAMS, return_logprob=True, **given) for t in texts]
-    check_against_reference(engine, model, choice, texts, cold, chosen, given)
-    chosen.clear()
-    warm = engine.generate(texts, PARAMS, return_logprob=True, **given)
-    check_against_reference(engine, model, choice, texts, warm, chosen, given)
+
+    def check(outs: list[dict]) -> None:
+        check_against_reference(engine, model, choice, texts, outs, chosen, given)
+        chosen.clear()  # the next run's requests choose again
+
+    _, warm = cold_then_warm(engine, texts, given, check)
     assert all(o["meta_info"]["cached_span_tokens"] > 0 for o in warm)
 
 
