@@ -40,25 +40,24 @@ class LoadWeights:
 
 
 PLAN_SIZES = 4  # SharedDecodePlan.sizes()
-# op, the BatchHeader, req_to_token entries R, the integers of the probe, the span scaling and the deviation probe,
-# then the shared decode plan's sizes (zeros without a plan)
+# op, the BatchHeader, req_to_token entries R, the integers of the probe, of the span scaling (in the device
+# payload) and of the deviation probe, then the shared decode plan's sizes (zeros without a plan)
 HEADER_LEN = 1 + BatchHeader.size() + 4 + PLAN_SIZES
 
 
-def scaling_to_list(scaling: SpanScaling | None) -> list[int]:
-    """A batch's span scaling as integers: range starts, ranges, then temperatures and scales as float32 bits."""
-    if scaling is None:
-        return []
-    factors = torch.cat([scaling.temperature, scaling.scale]).float().cpu().view(torch.int32).long()
-    return [*scaling.range_start.tolist(), *scaling.ranges.flatten().tolist(), *factors.tolist()]
+def scaling_to_tensor(scaling: SpanScaling) -> torch.Tensor:
+    """A batch's span scaling as one int64 tensor on its device: range starts, ranges, then temperatures and scales
+    as float32 bits. It travels in the device payload: read back to the host it would make rank 0 wait on the device
+    every step."""
+    factors = torch.cat([scaling.temperature, scaling.scale]).float().view(torch.int32).long()
+    return torch.cat([scaling.range_start, scaling.ranges.flatten(), factors])
 
 
-def scaling_from_list(values: list[int], batch_size: int, device: torch.device) -> SpanScaling:
-    starts = torch.tensor(values[: batch_size + 1], dtype=I64)
-    ranges = torch.tensor(values[batch_size + 1 : -2 * batch_size], dtype=I64).view(-1, 2)
-    factors = torch.tensor(values[-2 * batch_size :], dtype=torch.int32).view(torch.float32)
-    return SpanScaling(ranges.to(device), starts.to(device), factors[:batch_size].to(device),
-                       factors[batch_size:].to(device))
+def scaling_from_tensor(values: torch.Tensor, batch_size: int) -> SpanScaling:
+    starts = values[: batch_size + 1]
+    ranges = values[batch_size + 1 : -2 * batch_size].view(-1, 2)
+    factors = values[-2 * batch_size :].int().view(torch.float32)
+    return SpanScaling(ranges, starts, factors[:batch_size], factors[batch_size:])
 
 
 def table_index(
@@ -83,16 +82,16 @@ class BatchBroadcaster:
         shared = batch.shared_decode
         plan_sizes = shared.sizes() if shared is not None else (0,) * PLAN_SIZES
         probe = batch.probe.to_list() if batch.probe is not None else []
-        scaling = scaling_to_list(batch.span_scaling)
+        scaling = [scaling_to_tensor(batch.span_scaling)] if batch.span_scaling is not None else []
         deviation = batch.deviation.to_list() if batch.deviation is not None else []
-        header = [Op.FORWARD, *batch.header().to_list(), entries, len(probe), len(scaling), len(deviation),
-                  *plan_sizes]
+        header = [Op.FORWARD, *batch.header().to_list(), entries, len(probe), sum(t.numel() for t in scaling),
+                  len(deviation), *plan_sizes]
         dist.broadcast(torch.tensor(header, dtype=I64), 0, group=self.cpu_group)
         tensors, host = batch.pack()
-        dist.broadcast(torch.tensor(host + probe + scaling + deviation, dtype=I64), 0, group=self.cpu_group)
+        dist.broadcast(torch.tensor(host + probe + deviation, dtype=I64), 0, group=self.cpu_group)
         rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
         table = batch.req_to_token_pool.req_to_token[rows, cols]
-        payload = torch.cat([tensors, table, *([shared.flat()] if shared is not None else [])])
+        payload = torch.cat([tensors, table, *([shared.flat()] if shared is not None else []), *scaling])
         dist.broadcast(payload, 0, group=self.device_group)
 
     def load_weights(self, folder: str) -> None:
@@ -129,16 +128,16 @@ class BatchReceiver:
             return LoadWeights(folder[0])
         shape = BatchHeader.from_list(values[: BatchHeader.size()])
         entries, probe_len, scaling_len, deviation_len, *plan_sizes = values[BatchHeader.size() :]
-        host = torch.empty(shape.host_size() + probe_len + scaling_len + deviation_len, dtype=I64)
+        host = torch.empty(shape.host_size() + probe_len + deviation_len, dtype=I64)
         dist.broadcast(host, 0, group=self.cpu_group)
         host = host.tolist()
         num_items, num_members = plan_sizes[:2]
         decodes = shape.batch_size if shape.mode.is_decode() else shape.num_decode_tail
         plan_len = (num_items * ITEM_FIELDS + num_members * MEMBER_FIELDS + decodes + 1) if num_items else 0
-        sizes = [sum(shape.device_sizes()), entries, plan_len]
+        sizes = [sum(shape.device_sizes()), entries, plan_len, scaling_len]
         payload = torch.empty(sum(sizes), dtype=I64, device=self.runner.device)
         dist.broadcast(payload, 0, group=self.device_group)
-        tensors, slots, plan = payload.split(sizes)
+        tensors, slots, plan, scaling = payload.split(sizes)
         runner = self.runner
         batch = ForwardBatch.unpack(
             shape, tensors, host[: shape.host_size()], req_to_token_pool=runner.req_to_token_pool,
@@ -148,11 +147,10 @@ class BatchReceiver:
         probe_end = shape.host_size() + probe_len
         if probe_len:
             batch.probe = AttentionProbe.from_list(host[shape.host_size() : probe_end], runner.device)
-        scaling_end = probe_end + scaling_len
         if scaling_len:
-            batch.span_scaling = scaling_from_list(host[probe_end:scaling_end], shape.batch_size, runner.device)
+            batch.span_scaling = scaling_from_tensor(scaling, shape.batch_size)
         if deviation_len:
-            batch.deviation = DeviationProbe.from_list(host[scaling_end:], runner.device)
+            batch.deviation = DeviationProbe.from_list(host[probe_end:], runner.device)
         rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
         runner.req_to_token_pool.req_to_token[rows, cols] = slots
         return batch
