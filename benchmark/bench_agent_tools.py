@@ -8,9 +8,9 @@ concurrently with the official `openai` client, streaming, each session waiting 
 Replies are greedy and go back into the history as the model wrote them (the agent acts on the first call), so a
 mode's later turns see its own earlier answers; prefix_cache is the exact reference the span modes agree with.
 Tool-call accuracy reads the model's first call: the server's tool_calls, else a reply that is nothing but one JSON
-call object, bare or in a ```json fence (how the embedded 0.5B model writes calls behind long tool lists; the server
-reads such a reply as a call too since agent_tools_cpu.json was measured); server_call_rate is the share of turns
-whose call the server itself returned.
+call object, bare or in a ```json fence (how the embedded 0.5B model writes many calls; the server's parser reads
+such a reply as a call too, so this counts the calls a server with another parser left as text); server_call_rate
+is the share of turns whose call the server itself returned.
 
 The tool-change study: a turn's history (the messages after the tools) is keyed on everything before it, so a turn
 whose tool set differs from its session's previous turn (membership or order) prefills its whole history again, in
