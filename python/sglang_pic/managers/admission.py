@@ -200,9 +200,9 @@ class Admission:
             self.finishing.finish_span_job(req)
             self.q.to_report.append(req)
             return Offer.SPAN_CACHED
-        if self._short_of_kv_for_jobs(req, room):
-            return Offer.NO_KV_ROOM
         missing = self.kv.missing_job_spans(req)
+        if missing and self._short_of_kv_for_jobs(req, room, missing):
+            return Offer.NO_KV_ROOM
         if missing:  # queued and offered in this step; the request matches again next step
             room.queue += self.queue_span_jobs(missing)[1]
             self.kv.release(req)
@@ -222,13 +222,13 @@ class Admission:
             return Offer.NO_KV_ROOM
         return self._offer(req, room)
 
-    def _short_of_kv_for_jobs(self, req: Req, room: Room) -> bool:
+    def _short_of_kv_for_jobs(self, req: Req, room: Room, missing: list[ReqSegment]) -> bool:
         """Whether a request missing spans from a job waits for KV room before their jobs are queued: it would not
         fit with them computed. Queued anyway, its jobs would run and evict the spans the ones before computed
         (unlocked until the request runs), and be queued again at its next offer: every step a prefill step of its
         jobs, so the policies that decode only in steps without prefill never decode the running requests that
         hold the room it waits for (a hang)."""
-        jobs = self.kv.job_slots_needed(req)
+        jobs = self.kv.job_slots_needed(missing)
         if not jobs:
             return False
         own = self.kv.slots_needed(req, [0 if s.from_job else len(s.tokens) - s.done for s in req.segments])

@@ -116,12 +116,11 @@ class ReqKVManager:
                     out.append(seg)
         return out
 
-    def job_slots_needed(self, req: Req) -> int:
-        """Slots the span jobs of a matched request's missing spans from a job would take: each such span's whole
-        key (anchor, recomputed head and all, as its job computes it) less what the tree holds of it."""
-        missing = dict.fromkeys(s.span_id for s in req.segments if s.from_job and s.done < len(s.tokens))
+    def job_slots_needed(self, missing: list[ReqSegment]) -> int:
+        """Slots the span jobs of a request's `missing` spans (missing_job_spans) would take: each span's whole key
+        (anchor, recomputed head and all, as its job computes it) less what the tree holds of it."""
         total = 0
-        for extra_key, tokens in missing:  # in the request's order: lookups refresh the tree's LRU times
+        for extra_key, tokens in dict.fromkeys(s.span_id for s in missing):  # lookups refresh the tree's LRU times
             hit = int(self.tree.match_prefix(RadixKey(tokens, extra_key)).device_indices.numel())
             total += (len(tokens) - hit + self.page_size - 1) // self.page_size * self.page_size
         return total
