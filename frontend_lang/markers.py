@@ -38,16 +38,17 @@ def span(
     head_tokens: int | None = None,
     tail_tokens: int | None = None,
     query_share: float | None = None,
+    select: str | None = None,
     recompute: Sequence[tuple[int, int]] | None = None,
 ) -> str:
     """A reusable span: its KV depends only on `text` (and its anchor), so it is computed once and reused at any
-    offset. `anchor` (auto, none or prefix), `head_tokens`, `tail_tokens` and `query_share` override the request's
-    span settings for this span; `recompute`, (offset, length) runs of the span's tokens, names exactly which ones
-    this request recomputes."""
+    offset. `anchor` (auto, none or prefix), `head_tokens`, `tail_tokens`, `query_share` and `select` (query or
+    deviation) override the request's span settings for this span; `recompute`, (offset, length) runs of the span's
+    tokens, names exactly which ones this request recomputes."""
     if not _check_text(text, "span text"):
         raise ValueError("span text is empty")
     settings = {"span_anchor": anchor, "span_head_tokens": head_tokens, "span_tail_tokens": tail_tokens,
-                "span_query_share": query_share,
+                "span_query_share": query_share, "span_select": select,
                 "span_recompute": None if recompute is None else [list(run) for run in recompute]}
     check_settings(settings)
     given = any(v is not None for v in settings.values())
@@ -67,6 +68,7 @@ class Span:
     head_tokens: int | None = None
     tail_tokens: int | None = None
     query_share: float | None = None
+    select: str | None = None
 
 
 def marked_prompt(*parts: str | Span) -> str:
@@ -75,7 +77,7 @@ def marked_prompt(*parts: str | Span) -> str:
     for part in parts:
         if isinstance(part, Span):
             out.append(span(part.text, anchor=part.anchor, head_tokens=part.head_tokens, tail_tokens=part.tail_tokens,
-                            query_share=part.query_share))
+                            query_share=part.query_share, select=part.select))
         else:
             out.append(_check_text(part, "prompt text"))
     return "".join(out)

@@ -23,7 +23,7 @@ import hashlib
 import struct
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from sglang_pic.radix_ext.radix_tree import RadixKey
@@ -60,9 +60,10 @@ class Segment:
     # this text (a span recomputed whole, a span's last token). They attend and are keyed as this text; the runs
     # only let a request count the span tokens it computes itself. Not part of any key.
     span_runs: Runs = ()
-    # Spans only: the share of its tokens the request's probe adds to `recompute` (span_policy's query_share). Not
-    # part of any key: the runs it chooses are.
+    # Spans only: the share of its tokens the request's selection adds to `recompute` (span_policy's query_share),
+    # and the pass that scores them (span_policy's select). Not part of any key: the runs it chooses are.
     query_share: float = 0.0
+    select: str = "query"
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -137,8 +138,7 @@ def _last_token_own(segments: Sequence[Segment]) -> list[Segment]:
     last = max((i for i, s in enumerate(out) if s.token_ids), default=None)
     if last is not None and out[last].kind == "span" and out[last].from_job:
         seg = out[last]
-        rest = [Segment("span", seg.token_ids[:-1], seg.anchor, seg.recompute, query_share=seg.query_share)] \
-            if len(seg.token_ids) > 1 else []
+        rest = [replace(seg, token_ids=seg.token_ids[:-1])] if len(seg.token_ids) > 1 else []
         out[last : last + 1] = [*rest, Segment("pdep", seg.token_ids[-1:], span_runs=((0, 1),))]
     return out
 

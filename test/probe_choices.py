@@ -12,8 +12,8 @@ CHOOSE = span_probe.choose  # the engine's own, whatever a test has patched in s
 def recording(made: list) -> Callable:
     """span_probe.choose that also appends each re-keyed prompt it returns to `made`."""
 
-    def choose(segments, scores):
-        made.append(CHOOSE(segments, scores))
+    def choose(segments, scores, select):
+        made.append(CHOOSE(segments, scores, select))
         return made[-1]
 
     return choose

@@ -11,6 +11,8 @@ tokens, and then answer as the dense reference of the prompt with them recompute
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -18,9 +20,10 @@ from probe_choices import recording
 from sglang_pic import Engine
 from sglang_pic.frontend_lang import span
 from sglang_pic.managers import span_probe
-from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.io_struct import GenerateReqInput, wire_segments
+from sglang_pic.managers.req import ReqSegment
 from sglang_pic.managers.span_deviation import DEVIATION_LAYERS
-from test_span_policy import DOCS, PARAMS, prompts
+from test_span_policy import DOCS, NEW, PARAMS, assert_answers_as, prompts, reference, segments_layout
 from test_span_probe import SHARE, assert_same_choice, check_cold_and_warm, chosen_blocks
 
 GIVEN = {"span_anchor": "auto", "span_head_tokens": 1, "span_query_share": SHARE, "span_select": "deviation"}
@@ -68,7 +71,7 @@ def reference_choice(model, req) -> set[int]:
                 dev += ((dense_v[at + o] - v).square().sum(-1) / v.square().sum(-1)).sum()
                 by_position[at + o] = float(dev)
         at += n
-    return chosen_blocks(req, by_position)
+    return chosen_blocks(req, by_position, "deviation")
 
 
 def selecting(engine: Engine, text: str):
@@ -99,13 +102,49 @@ def test_counts(setup):
     assert meta["probe_tokens"] == -(-req.prompt_len * min(DEVIATION_LAYERS, layers) // layers)
 
 
+def test_spans_that_select_both_ways(setup, chosen):
+    """A span's own selector over the request's: the deviation pass chooses in its spans first, then the probe pass
+    in the others. Each choice is the one a request with only that pass makes, and the answer is the dense
+    reference's with all chosen tokens recomputed."""
+    engine, model = setup
+    engine.flush_cache()
+    given = {**GIVEN, "span_select": "query"}
+    mixed = "Read:" + span(DOCS[0], select="deviation") + span(DOCS[1]) + "Which one?"
+    out = engine.generate(mixed, PARAMS, return_logprob=True, **given)
+    by_deviation, by_query = chosen
+    first = next(s for s in by_deviation if s.kind == "span")
+    assert [s.query_share for s in by_deviation if s.kind == "span"] == [0.0, SHARE]  # the query span waits
+
+    chosen.clear()
+    engine.generate("Read:" + span(DOCS[0], select="deviation") + span(DOCS[1], query_share=0.0) + "Which one?",
+                    PARAMS, **given)
+    assert next(s for s in chosen[0] if s.kind == "span").recompute == first.recompute
+
+    chosen.clear()
+    runs = [list(run) for run in first.recompute]
+    explicit = engine.generate("Read:" + span(DOCS[0], recompute=runs, query_share=0.0) + span(DOCS[1]) + "Which one?",
+                               PARAMS, return_logprob=True, **given)
+    assert chosen == [by_query]
+    assert explicit["output_ids"] == out["output_ids"]
+    final = [ReqSegment.from_wire(s) for s in wire_segments(by_query)]
+    assert_answers_as(out, *reference(model, segments_layout(final), NEW))
+    spans = [s for s in by_query if s.kind == "span"]
+    assert out["meta_info"]["recomputed_span_tokens"] == sum(n for s in spans for _, n in s.recompute)
+    req = selecting(engine, mixed)
+    layers = engine.scheduler.runner.model_config.num_hidden_layers
+    assert out["meta_info"]["probe_tokens"] > -(-req.prompt_len * min(DEVIATION_LAYERS, layers) // layers)
+
+
 @pytest.mark.parametrize("value", ["prompt", "", 1, None])
 def test_bad_selectors_are_refused(setup, value):
     engine, _ = setup
-    if value is None:  # a span's own selector: a request's setting only
-        text = "Q:" + span(DOCS[0]).replace(DOCS[0], '<|span_settings|>{"span_select": "query"}' + DOCS[0]) + "?"
+    if value is None:  # a span's own APE factors: the spans are one group, so a request's setting only
+        text = "Q:" + span(DOCS[0]).replace(DOCS[0], '<|span_settings|>{"span_attention_scale": 1.1}' + DOCS[0]) + "?"
         with pytest.raises(ValueError, match="give it with the request"):
             engine.generate(text, PARAMS)
         return
     with pytest.raises(ValueError, match="span_select"):
         engine.generate(prompts()[0], PARAMS, span_select=value)
+    text = "Q:" + span(DOCS[0]).replace(DOCS[0], '<|span_settings|>{"span_select": %s}' % json.dumps(value) + DOCS[0])
+    with pytest.raises(ValueError, match="span 0: span_select must be one of"):
+        engine.generate(text + "?", PARAMS)

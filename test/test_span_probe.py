@@ -74,24 +74,24 @@ def reference_choice(model, req) -> set[int]:
     return chosen_blocks(req, {p: float(mass[i]) for i, p in enumerate(pos) if visible[i]})
 
 
-def chosen_blocks(req, by_position: dict[int, float]) -> set[int]:
-    """The positions a request with these scores recomputes: the share of its span tokens that no seam covers, in
-    aligned blocks, the highest summed blocks first (the earlier on ties)."""
+def chosen_blocks(req, by_position: dict[int, float], select: str = "query") -> set[int]:
+    """The positions a request with these scores recomputes: of its spans that `select` scores, the share of their
+    tokens that no seam covers, in aligned blocks, the highest summed blocks first (the earlier on ties)."""
     blocks = []  # (minus the block's summed score, its first position, its positions)
-    at = 0
+    at, budget = 0, 0.0
     for seg in req.probe:
-        if seg.kind == "span":
+        if seg.kind == "span" and seg.query_share > 0 and seg.select == select:
             covered = {o + i for o, n in seg.recompute for i in range(n)}
             for lo in range(0, len(seg.token_ids), span_probe.SELECT_BLOCK):
                 free = [at + o for o in range(lo, min(lo + span_probe.SELECT_BLOCK, len(seg.token_ids)))
                         if o not in covered]
                 if free:
                     blocks.append((-sum(by_position[p] for p in free), free[0], free))
+            budget += seg.query_share * len(seg.token_ids)
         at += len(seg.token_ids)
-    budget = round(sum(SHARE * len(s.token_ids) for s in req.probe if s.kind == "span"))
     chosen: list[int] = []
     for _, _, free in sorted(blocks, key=lambda b: b[:2]):
-        chosen += free[: budget - len(chosen)]
+        chosen += free[: round(budget) - len(chosen)]
     return set(chosen)
 
 
@@ -253,9 +253,10 @@ def test_choose_takes_the_best_blocks_of_uncovered_span_tokens(monkeypatch):
     scores = np.zeros(28)
     # span 1 sits at 2..13 in blocks 2-5 (2 and 3 covered: 2 left), 6-9 (summing 6), 10-13 (3); span 2 has no share
     scores[[2, 3, 4, 5, 6, 9, 10, 11, 18]] = [50, 50, 1, 1, 3, 3, 2, 1, 99]
-    out = span_probe.choose(segments, scores)
+    out = span_probe.choose(segments, scores, "query")
     assert out[1].recompute == ((0, 2), (4, 5))  # round(0.4 x 12) = 5 tokens: offsets 4-7, then 8 of the next block
     assert out[3].recompute == ()
+    assert span_probe.choose(segments, scores, "deviation") == list(segments)  # no span selects by deviation
 
 
 def test_per_span_shares_choose_in_their_spans_only(setup, chosen):

@@ -262,7 +262,8 @@ class ServerArgs:
         "query",
         "How each request chooses the --span-query-share of span tokens it recomputes: query (a probe pass scores "
         "them by the attention the text after the spans pays them) or deviation (a pass through the first layers "
-        "scores them by how far their KV with full attention is from the shared copy).",
+        "scores them by how far their KV with full attention is from the shared copy). A request or a span may "
+        "override it.",
     )
     span_attention_temperature: float = _arg(
         1.0,

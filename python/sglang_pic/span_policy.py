@@ -12,7 +12,8 @@ full attention answers, and both keep the shared KV one unmodified copy:
   recompute    one span only: the exact (offset, length) runs of its tokens to recompute, chosen by the client
                (a selector that scored the span's tokens for this request), over head and tail.
   query_share  the engine chooses such runs itself, per request: the request also recomputes this share of its
-               span tokens, those its selection pass scores highest (`select`):
+               span tokens, those its selection pass scores highest (`select`, per span; each pass fills the
+               budget of the spans it scores):
                  query      a probe pass runs the text after the last span over the reused span KV and scores the
                             span tokens its queries attend to most (ProphetKV; managers/span_probe.py);
                  deviation  a pass through the first layers computes every prompt token with full attention and
@@ -20,7 +21,7 @@ full attention answers, and both keep the shared KV one unmodified copy:
                             managers/span_deviation.py).
   attention temperature and scale: APE's reweighting, with no recompute, of the attention a request's own
                tokens pay to the span KV it reads (kernels/paged_layout.py, SpanScaling). One pair per request:
-               the spans form one group.
+               APE weighs the spans as one group, so a span cannot scale apart from the others.
 The anchor may also be the prompt's own prefix (`prefix`: the span is keyed on it, so it is shared only behind
 that prefix, which is SGLang's parallel encoding). A span can carry its own settings in the prompt text
 (`split_settings`), over the request's, which are over the server's.
@@ -41,10 +42,10 @@ from typing import Any
 # of dense attention on every task family (docs/results.md, span quality frontier).
 DEFAULT_HEAD_TOKENS = 128
 ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
-REQUEST_ONLY_FIELDS = ("span_select", "span_attention_temperature", "span_attention_scale")  # never one span's
-ATTENTION_FIELDS = ("span_attention_temperature", "span_attention_scale")
+ATTENTION_FIELDS = ("span_attention_temperature", "span_attention_scale")  # a request's, never one span's
 SELECT_CHOICES = ("query", "deviation")
-SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens", "span_query_share", *REQUEST_ONLY_FIELDS)
+SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens", "span_query_share", "span_select",
+                  *ATTENTION_FIELDS)
 SPAN_FIELDS = (*SETTING_FIELDS, "span_recompute")  # a span's own settings: the request's, and its exact runs
 _SENTINEL = "\u2063sglang-pic-span\u2063"
 MAX_ATTENTION_FACTOR = 16.0  # past this a temperature or scale only flattens or saturates the softmax
@@ -59,7 +60,7 @@ class SpanPolicy:
     runs: tuple[tuple[int, int], ...] | None = None  # a span's own `span_recompute`, over head and tail
     query_share: float = 0.0  # of the span's tokens, recomputed where the request's question attends most
     attention: tuple[float, float] = (1.0, 1.0)  # the request's APE temperature and scale
-    select: str = "query"  # how the request chooses its query_share of span tokens (SELECT_CHOICES)
+    select: str = "query"  # how the request chooses the span's query_share of tokens (SELECT_CHOICES)
 
     @property
     def from_job(self) -> bool:
@@ -123,7 +124,7 @@ def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
     if not isinstance(settings, dict):
         raise ValueError(f"a span's settings after {marker!r} must be a JSON object, got {settings!r}")
     check_settings({name: None for name in settings})
-    shared = [name for name in REQUEST_ONLY_FIELDS if name in settings]
+    shared = [name for name in ATTENTION_FIELDS if name in settings]
     if shared:
         raise ValueError(f"{shared[0]} applies to all of a request's spans at once: give it with the request")
     return settings, body[end:]

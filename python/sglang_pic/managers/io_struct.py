@@ -174,7 +174,6 @@ class TokenizedGenerateReq:
     probe: tuple[Segment, ...] | None = None
     # APE's (temperature, scale) for the attention to its spans (kernels/paged_layout.py SpanScaling); None: plain.
     span_attention: tuple[float, float] | None = None
-    span_select: str = "query"  # how its probe chooses (span_policy.py): query or deviation
 
     def prompt_ids(self) -> list[int]:
         return [t for seg in self.segments for t in seg.tokens]

@@ -150,8 +150,8 @@ class Req:
     probe_scores: Any = field(default=None, repr=False)
     probe_counts: tuple[int, int, int] | None = None
     probe_tokens: int = 0  # prompt tokens the prefill after the probe computes (all of them computed twice)
+    deviation_tokens: int = 0  # its deviation pass (span_deviation.py), in whole-model token equivalents
     span_attention: tuple[float, float] | None = None  # APE's (temperature, scale) for its spans; None: plain
-    span_select: str = "query"  # how its probe scores span tokens: query (span_probe.py), deviation (span_deviation.py)
 
     @classmethod
     def from_wire(cls, msg: TokenizedGenerateReq) -> "Req":
@@ -175,7 +175,6 @@ class Req:
             probe=msg.probe,
             question_start=_question_start(msg.probe) if msg.probe is not None else 0,
             span_attention=msg.span_attention,
-            span_select=msg.span_select,
         )
 
     def span_ranges(self) -> list[tuple[int, int]]:

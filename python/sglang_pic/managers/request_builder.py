@@ -159,7 +159,6 @@ class RequestBuilder:
                 segments=wire,
                 probe=probe,
                 span_attention=span_attention,
-                span_select=policy.select,
                 sampling_params=params,
                 prompt_len=prompt_len,
                 eos_token_ids=self.eos_token_ids,
@@ -278,7 +277,7 @@ class RequestBuilder:
                 except ValueError as e:
                     raise ValueError(f"span {sum(s.kind == 'span' for s in segments[:i])}: {e}") from None
                 seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.recompute_runs(len(seg.token_ids)),
-                              query_share=p.query_share)
+                              query_share=p.query_share, select=p.select)
             out.append(seg)
         return out
 

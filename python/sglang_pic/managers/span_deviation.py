@@ -1,7 +1,7 @@
 """Deviation-selected recompute (CacheBlend's selection): a request chooses the span tokens it recomputes by how far
 their KV with full attention is from the shared copy it would read.
 
-A request whose spans have a query share and whose span_select is `deviation` is matched like any other (its spans
+A request with spans that have a query share and select by `deviation` is matched like any other (its spans
 from their jobs, its seams its own). Before its prefill, at admission, a deviation pass runs its whole prompt with
 full attention through the first DEVIATION_LAYERS layers only, into throwaway slots of a scratch row, and scores
 every reused span position at the last of them (layers/deviation_probe.py). The request then chooses and is
@@ -26,7 +26,7 @@ DEVIATION_LAYERS = 2
 
 
 def wants_deviation_pass(req: Req) -> bool:
-    return req.probe is not None and req.span_select == "deviation"
+    return req.probe is not None and any(s.query_share > 0 and s.select == "deviation" for s in req.probe)
 
 
 def compared_positions(req: Req) -> list[int]:
@@ -72,7 +72,8 @@ def select_by_deviation(req: Req, runner, kv: ReqKVManager) -> bool:
     if scores is None:
         return False
     kv.release(req)
-    take_choice(req, scores.cpu().numpy())
+    take_choice(req, scores.cpu().numpy(), "deviation")
     layers = runner.model_config.num_hidden_layers
-    req.probe_tokens = -(-req.prompt_len * min(DEVIATION_LAYERS, layers) // layers)
+    req.deviation_tokens = -(-req.prompt_len * min(DEVIATION_LAYERS, layers) // layers)
+    req.probe_tokens = req.deviation_tokens
     return True
