@@ -18,7 +18,7 @@ from sglang_pic.span_policy import check_settings, format_settings
 SSEP_MARKER = "<|ssep|>"
 PDEP_MARKER = "<|pdep|>"
 SPAN_SETTINGS_MARKER = "<|span_settings|>"
-# A settings object is flat JSON of a string and an integer, so it holds no "}" of its own.
+# A settings object is JSON of strings, numbers and lists of numbers, so it holds no "}" of its own.
 _MARKUP = "|".join([re.escape(SPAN_SETTINGS_MARKER) + r"\{[^}]*\}", re.escape(SSEP_MARKER), re.escape(PDEP_MARKER)])
 
 
@@ -39,16 +39,20 @@ def span(
     tail_tokens: int | None = None,
     query_share: float | None = None,
     select: str | None = None,
+    attention_temperature: float | None = None,
+    attention_scale: float | None = None,
     recompute: Sequence[tuple[int, int]] | None = None,
 ) -> str:
     """A reusable span: its KV depends only on `text` (and its anchor), so it is computed once and reused at any
-    offset. `anchor` (auto, none or prefix), `head_tokens`, `tail_tokens`, `query_share` and `select` (query or
-    deviation) override the request's span settings for this span; `recompute`, (offset, length) runs of the span's
-    tokens, names exactly which ones this request recomputes."""
+    offset. `anchor` (auto, none or prefix), `head_tokens`, `tail_tokens`, `query_share`, `select` (query or
+    deviation) and APE's `attention_temperature` and `attention_scale` override the request's span settings for this
+    span; `recompute`, (offset, length) runs of the span's tokens, names exactly which ones this request
+    recomputes."""
     if not _check_text(text, "span text"):
         raise ValueError("span text is empty")
     settings = {"span_anchor": anchor, "span_head_tokens": head_tokens, "span_tail_tokens": tail_tokens,
                 "span_query_share": query_share, "span_select": select,
+                "span_attention_temperature": attention_temperature, "span_attention_scale": attention_scale,
                 "span_recompute": None if recompute is None else [list(run) for run in recompute]}
     check_settings(settings)
     given = any(v is not None for v in settings.values())
@@ -69,6 +73,8 @@ class Span:
     tail_tokens: int | None = None
     query_share: float | None = None
     select: str | None = None
+    attention_temperature: float | None = None
+    attention_scale: float | None = None
 
 
 def marked_prompt(*parts: str | Span) -> str:
@@ -77,7 +83,8 @@ def marked_prompt(*parts: str | Span) -> str:
     for part in parts:
         if isinstance(part, Span):
             out.append(span(part.text, anchor=part.anchor, head_tokens=part.head_tokens, tail_tokens=part.tail_tokens,
-                            query_share=part.query_share, select=part.select))
+                            query_share=part.query_share, select=part.select,
+                            attention_temperature=part.attention_temperature, attention_scale=part.attention_scale))
         else:
             out.append(_check_text(part, "prompt text"))
     return "".join(out)

@@ -10,6 +10,7 @@ query head. Key blocks wholly outside [min attn_lo, max position] of the query b
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -102,11 +103,11 @@ def extend_variants(
 # Row strides that are multiples of head_dim stay specialized (the H200 prefill lost up to a third without): they
 # are divisible by 16 in traffic and warm-up alike for every head_dim that is.
 @triton.jit(
-    do_not_specialize=["num_splits", "stride_mlt"],
+    do_not_specialize=["num_splits", "stride_mlt", "span_group", "group_stride"],
     do_not_specialize_on_alignment=[
         "req_pool_indices_ptr", "extend_start_loc_ptr", "extend_seq_lens_ptr", "positions_ptr", "attn_lo_ptr",
-        "key_row_start_ptr", "span_ranges_ptr", "span_range_start_ptr", "span_temp_ptr", "span_scale_ptr",
-        "span_lse_ptr",
+        "key_row_start_ptr", "span_ranges_ptr", "span_range_start_ptr", "span_group_ptr", "span_temp_ptr",
+        "span_scale_ptr", "span_lse_ptr",
     ],
 )
 def _extend_attention_kernel(
@@ -126,9 +127,12 @@ def _extend_attention_kernel(
     key_row_start_ptr,
     span_ranges_ptr,
     span_range_start_ptr,
+    span_group_ptr,
     span_temp_ptr,
     span_scale_ptr,
     span_lse_ptr,
+    span_group,
+    group_stride,
     qk_scale,
     num_positions,
     num_splits,
@@ -158,8 +162,9 @@ def _extend_attention_kernel(
     SPAN_PASS: tl.constexpr,
 ):
     """SPAN_PASS (APE's scaling of span keys, see SpanScaling) 0: plain attention; 1: only the log-sum-exp of each
-    scaled row's tempered span logits, per key chunk, into span_lse; 2: attention with span logits tempered and
-    shifted by (S * T - 1) times that log-sum-exp."""
+    scaled row's tempered logits of its span group `span_group`, per key chunk, into span_lse [T, Hq, splits];
+    2: attention with each group's logits tempered and shifted by (S * T - 1) times the group's log-sum-exp, read
+    from span_lse [groups, T, Hq] (group_stride apart)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     # The last query blocks of a causal request see the most keys: they take the lowest ids of the slowest grid
@@ -188,25 +193,13 @@ def _extend_attention_kernel(
     if SPAN_PASS > 0:
         r_first = tl.load(span_range_start_ptr + b)
         r_last = tl.load(span_range_start_ptr + b + 1)
-        inv_temp = 1.0 / tl.load(span_temp_ptr + b)
         row_in_span = tl.zeros([BLOCK_M], tl.int32)
         for r in range(r_first, r_last):
             s_lo = tl.load(span_ranges_ptr + 2 * r)
             s_hi = tl.load(span_ranges_ptr + 2 * r + 1)
             row_in_span |= ((pos >= s_lo) & (pos < s_hi)).to(tl.int32)
         row_scaled = row_mask & (row_in_span == 0)
-        shift = tl.zeros([BLOCK_M], tl.float32)
-        if SPAN_PASS == 2:
-            lse_row = span_lse_ptr + row * stride_mlt + head * num_splits
-            m_s = tl.full([BLOCK_M], -1.0e30, tl.float32)
-            l_s = tl.zeros([BLOCK_M], tl.float32)
-            for c in range(0, num_splits):
-                x = tl.load(lse_row + c, mask=row_scaled, other=float("-inf"))
-                m_new = tl.maximum(m_s, x)
-                l_s = l_s * tl.math.exp2(m_s - m_new) + tl.math.exp2(x - m_new)
-                m_s = m_new
-            group_lse = tl.where(l_s > 0.0, m_s + tl.math.log2(l_s), 0.0)
-            shift = (tl.load(span_scale_ptr + b) * tl.load(span_temp_ptr + b) - 1.0) * group_lse
+        lse_rows = span_lse_ptr + row * (stride_mlt // num_splits) + head  # pass 2: the groups' [T, Hq] planes
 
     # Queries: rotate by their own positions and fold in the softmax scale (base-2 exponent).
     offs_r = tl.arange(0, BLOCK_HALF)
@@ -272,14 +265,26 @@ def _extend_attention_kernel(
         visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] <= pos[:, None])
         if SPAN_PASS > 0:
             key_in_span = tl.zeros([BLOCK_N], tl.int32)
+            key_inv_temp = tl.full([BLOCK_N], 1.0, tl.float32)
+            shift = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for r in range(r_first, r_last):
                 s_lo = tl.load(span_ranges_ptr + 2 * r)
                 s_hi = tl.load(span_ranges_ptr + 2 * r + 1)
-                key_in_span |= ((offs_n >= s_lo) & (offs_n < s_hi)).to(tl.int32)
+                g = tl.load(span_group_ptr + r)
+                in_r = (offs_n >= s_lo) & (offs_n < s_hi)
+                if SPAN_PASS == 1:
+                    in_r = in_r & (g == span_group)
+                temp = tl.load(span_temp_ptr + r)
+                key_in_span |= in_r.to(tl.int32)
+                key_inv_temp = tl.where(in_r, 1.0 / temp, key_inv_temp)
+                if SPAN_PASS == 2:
+                    group_lse = tl.load(lse_rows + g * group_stride, mask=row_scaled, other=0.0)
+                    shift_r = (tl.load(span_scale_ptr + r) * temp - 1.0) * group_lse
+                    shift = tl.where(in_r[None, :], shift_r[:, None], shift)
             span_key = row_scaled[:, None] & (key_in_span != 0)[None, :]
             if SPAN_PASS == 1:
                 visible = visible & span_key
-            qk = tl.where(span_key, qk * inv_temp + shift[:, None], qk)
+            qk = tl.where(span_key, qk * key_inv_temp[None, :] + shift, qk)
         qk = tl.where(visible, qk, float("-inf"))
         if SPAN_PASS == 1:
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -419,16 +424,20 @@ def extend_attention_fwd(
     mid_o = q.new_empty((num_tokens, num_heads, num_splits, v_dim) if num_splits > 1 else (0,), dtype=torch.float32)
     mid_lse = q.new_empty((num_tokens, num_heads, num_splits) if num_splits > 1 else (0,), dtype=torch.float32)
     grid = (kv.req_pool_indices.shape[0], num_kv_heads, q_blocks * num_splits)
+    launch = functools.partial(_launch_extend, grid, q, k_buffer, v_buffer, out, mid_o, mid_lse, cos_sin_cache, kv,
+                               ext, staged_keys, sm_scale=sm_scale, num_splits=num_splits, num_heads=num_heads,
+                               v_dim=v_dim)
     if span is None:
-        span_args = [kv.req_pool_indices] * 4 + [mid_lse]  # any pointers: unused
-        passes = (0,)
+        launch([kv.req_pool_indices] * 5 + [mid_lse, 0, 0], params={**params, "SPAN_PASS": 0})  # unused pointers
     else:
-        span_lse = q.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
-        span_args = [span.ranges, span.range_start, span.temperature, span.scale, span_lse]
-        passes = (1, 2)
-    for span_pass in passes:
-        _launch_extend(grid, q, k_buffer, v_buffer, out, mid_o, mid_lse, cos_sin_cache, kv, ext, staged_keys,
-                       span_args, sm_scale, num_splits, num_heads, v_dim, {**params, "SPAN_PASS": span_pass})
+        pointers = [span.ranges, span.range_start, span.group, span.temperature, span.scale]
+        span_lse = q.new_empty((span.num_groups, num_tokens, num_heads, num_splits), dtype=torch.float32)
+        for g in range(span.num_groups):
+            launch([*pointers, span_lse[g], g, 0], params={**params, "SPAN_PASS": 1})
+        # Each group's log-sum-exp over the key chunks (base 2); 0 for a row that sees none of its keys.
+        group_lse = torch.logsumexp(span_lse * math.log(2), -1) / math.log(2)
+        group_lse = torch.where(torch.isfinite(group_lse), group_lse, 0.0)
+        launch([*pointers, group_lse, 0, num_tokens * num_heads], params={**params, "SPAN_PASS": 2})
     if num_splits > 1:
         _extend_merge_kernel[(num_tokens, num_heads)](
             mid_o,
@@ -446,7 +455,8 @@ def extend_attention_fwd(
 
 def _launch_extend(grid, q, k_buffer, v_buffer, out, mid_o, mid_lse, cos_sin_cache, kv, ext, staged_keys, span_args,
                    sm_scale, num_splits, num_heads, v_dim, params) -> None:
-    """One launch of the extend kernel (extend_attention_fwd's arguments; `span_args`: its five span pointers)."""
+    """One launch of the extend kernel (extend_attention_fwd's arguments; `span_args`: its six span pointers, the
+    span group of a first pass and the groups' stride of a second)."""
     staged = staged_keys is not None
     _extend_attention_kernel[grid](
         q,

@@ -42,21 +42,38 @@ class ExtendRows:
 class SpanScaling:
     """APE's query-time scaling of attention to span keys, per request b of a batch. Its span keys are the key index
     ranges [lo, hi) in ranges[range_start[b] : range_start[b + 1]]: spans whose KV was encoded apart from the request
-    (a span job's, or its own isolated prefill). A query outside those ranges sees the span keys as one group with
-    logits divided by temperature[b], weighted against the other keys by exp(scale[b] * temperature[b] * LSE), the
+    (a span job's, or its own isolated prefill). Its ranges form groups (group[r], 0 .. num_groups - 1 within the
+    request; a group's ranges share their factors). A query outside those ranges sees each group's keys with logits
+    divided by the group's temperature, weighted against the other keys by exp(scale * temperature * LSE), LSE the
     group's log-sum-exp of its tempered logits; queries inside a span (the span encoding itself) are not scaled.
-    temperature = scale = 1 is plain attention."""
+    temperature = scale = 1 is plain attention: such spans are left out of the ranges."""
 
     ranges: torch.Tensor  # [R, 2] int64
     range_start: torch.Tensor  # [B + 1] int64
-    temperature: torch.Tensor  # [B] float32
-    scale: torch.Tensor  # [B] float32
+    group: torch.Tensor  # [R] int64: the range's group among its request's
+    temperature: torch.Tensor  # [R] float32: its group's
+    scale: torch.Tensor  # [R] float32: its group's
+    num_groups: int  # host bound on any request's groups
 
-    def in_spans(self, index: torch.Tensor, requests: torch.Tensor | None = None) -> torch.Tensor:
-        """Whether key index index[i, ...] of request requests[i] (default: request i) lies in one of its spans."""
+    def in_spans(self, index: torch.Tensor, requests: torch.Tensor | None = None,
+                 group: int | None = None) -> torch.Tensor:
+        """Whether key index index[i, ...] of request requests[i] (default: request i) lies in one of its spans (of
+        its group `group`; None: any)."""
         b = torch.arange(self.range_start.shape[0] - 1, device=index.device) if requests is None else requests
         owner = torch.repeat_interleave(self.range_start.diff())  # [R] request of each range
         mine = owner[None, :] == b[:, None]  # [n, R]
+        if group is not None:
+            mine = mine & (self.group == group)[None, :]
         idx = index.reshape(index.shape[0], -1, 1)
         inside = (idx >= self.ranges[:, 0]) & (idx < self.ranges[:, 1]) & mine[:, None, :]
         return inside.any(-1).view(index.shape)
+
+    def group_factors(self, group: int, requests: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(temperature, scale) [n] of group `group` of request requests[i]; 1 where it has no such group."""
+        owner = torch.repeat_interleave(self.range_start.diff())
+        mine = (owner[None, :] == requests[:, None]) & (self.group == group)[None, :]  # [n, R]
+        has = mine.any(1)
+        first = mine.int().argmax(1)
+        one = torch.ones((), device=requests.device)
+        return (torch.where(has, self.temperature[first], one).float(),
+                torch.where(has, self.scale[first], one).float())

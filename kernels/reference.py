@@ -35,8 +35,8 @@ def attention_reference(
     span: SpanScaling | None = None,
 ) -> torch.Tensor:
     """[T, Hq, Dv] float64. Query t sees keys j of its request with attn_lo[t] <= j <= positions[t]. With `span`,
-    a query outside its request's spans attends to two groups, its span keys with tempered logits and the rest,
-    each normalized on its own and weighted by APE's scaled log-sum-exps (SpanScaling)."""
+    a query outside its request's spans attends to its span groups, each with tempered logits, and the rest, each
+    normalized on its own and weighted by APE's scaled log-sum-exps (SpanScaling)."""
     num_heads = q.shape[1]
     group = num_heads // kv.k_buffer.shape[1]
     out = torch.zeros((q.shape[0], num_heads, kv.v_buffer.shape[-1]), dtype=torch.float64, device=q.device)
@@ -65,19 +65,29 @@ def attention_reference(
 
 
 def _span_groups(out, rows, pos, scores, values, key_idx, span: SpanScaling, b: int) -> None:
-    """Overwrite the rows of queries outside request b's spans with APE's merge of their two key groups."""
-    lo_hi = span.ranges[int(span.range_start[b]) : int(span.range_start[b + 1])].tolist()
+    """Overwrite the rows of queries outside request b's spans with APE's merge of their key groups (each span
+    group, then the rest)."""
+    first, last = int(span.range_start[b]), int(span.range_start[b + 1])
+    lo_hi = span.ranges[first:last].tolist()
     in_span = torch.zeros_like(key_idx, dtype=torch.bool)
-    for lo, hi in lo_hi:
-        in_span |= (key_idx >= lo) & (key_idx < hi)
-    temp, scale = float(span.temperature[b]), float(span.scale[b])
-    tempered = scores.masked_fill(~in_span[None, None, :], float("-inf")) / temp
+    lses, outs = [], []
+    for g in range(span.num_groups):
+        mine = [r for r in range(first, last) if int(span.group[r]) == g]
+        if not mine:
+            continue
+        in_group = torch.zeros_like(key_idx, dtype=torch.bool)
+        for r in mine:
+            in_group |= (key_idx >= int(span.ranges[r, 0])) & (key_idx < int(span.ranges[r, 1]))
+        in_span |= in_group
+        temp, scale = float(span.temperature[mine[0]]), float(span.scale[mine[0]])
+        tempered = scores.masked_fill(~in_group[None, None, :], float("-inf")) / temp
+        lses.append(scale * temp * torch.logsumexp(tempered, -1))  # [H, n]
+        outs.append(torch.einsum("hnl,lhd->nhd", torch.softmax(tempered, -1).nan_to_num(0.0), values))
     plain = scores.masked_fill(in_span[None, None, :], float("-inf"))
-    lse_span, lse_plain = torch.logsumexp(tempered, -1), torch.logsumexp(plain, -1)  # [H, n]
-    o_span = torch.einsum("hnl,lhd->nhd", torch.softmax(tempered, -1).nan_to_num(0.0), values)
-    o_plain = torch.einsum("hnl,lhd->nhd", torch.softmax(plain, -1).nan_to_num(0.0), values)
-    w = torch.softmax(torch.stack([scale * temp * lse_span, lse_plain]), dim=0).nan_to_num(0.0)  # [2, H, n]
-    merged = w[0].T[..., None] * o_span + w[1].T[..., None] * o_plain
+    lses.append(torch.logsumexp(plain, -1))
+    outs.append(torch.einsum("hnl,lhd->nhd", torch.softmax(plain, -1).nan_to_num(0.0), values))
+    w = torch.softmax(torch.stack(lses), dim=0).nan_to_num(0.0)  # [groups + 1, H, n]
+    merged = sum(w[i].T[..., None] * o for i, o in enumerate(outs))
     scaled = torch.tensor([not any(lo <= p < hi for lo, hi in lo_hi) for p in pos.tolist()], device=out.device)
     out[rows[scaled]] = merged[scaled]
 

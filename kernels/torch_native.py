@@ -112,19 +112,21 @@ def _span_scaled_logits(
     kv_idx: torch.Tensor,  # [K]
     group: int,
 ) -> torch.Tensor:
-    """Masked logits with APE's scaling of span keys (SpanScaling): a span key's logit x becomes
-    x / T + (S * T - 1) * LSE, LSE the log-sum-exp of the row's visible tempered span logits, so that the group
-    weighs exp(S * T * LSE) against the other keys; rows of queries inside a span keep plain logits."""
+    """Masked logits with APE's scaling of span keys (SpanScaling): a key's logit x in a span group becomes
+    x / T + (S * T - 1) * LSE, LSE the log-sum-exp of the row's visible tempered logits of that group, so that the
+    group weighs exp(S * T * LSE) against the other keys; rows of queries inside a span keep plain logits."""
     bsz = qh.shape[0]
     b = torch.arange(bsz, device=qh.device) if requests is None else requests
-    temp, scale = span.temperature[b].float(), span.scale[b].float()
-    key_span = span.in_spans(kv_idx[None, :].expand(bsz, -1), b)  # [B, K]
+    keys = kv_idx[None, :].expand(bsz, -1)
     row_scaled = ~span.in_spans(q_pos, b)  # [B, Q]
     row_scaled = row_scaled[:, None, None, :].expand(-1, 1, group, -1).reshape(bsz, 1, -1, 1)
     logits = torch.matmul(qh, kh.transpose(-1, -2)) * sm_scale
-    tempered = logits / temp[:, None, None, None]
-    in_group = mask & key_span[:, None, None, :]
-    lse = torch.logsumexp(tempered.masked_fill(~in_group, float("-inf")), dim=-1, keepdim=True)
-    bias = torch.where(torch.isfinite(lse), (scale * temp - 1)[:, None, None, None] * lse, torch.zeros_like(lse))
-    scaled = torch.where(key_span[:, None, None, :] & row_scaled, tempered + bias, logits)
+    scaled = logits
+    for g in range(span.num_groups):
+        temp, scale = (f[:, None, None, None] for f in span.group_factors(g, b))
+        key_group = span.in_spans(keys, b, g)[:, None, None, :]  # [B, 1, 1, K]
+        tempered = logits / temp
+        lse = torch.logsumexp(tempered.masked_fill(~(mask & key_group), float("-inf")), dim=-1, keepdim=True)
+        bias = torch.where(torch.isfinite(lse), (scale * temp - 1) * lse, torch.zeros_like(lse))
+        scaled = torch.where(key_group & row_scaled, tempered + bias, scaled)
     return scaled.masked_fill(~mask, float("-inf"))

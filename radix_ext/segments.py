@@ -64,17 +64,24 @@ class Segment:
     # and the pass that scores them (span_policy's select). Not part of any key: the runs it chooses are.
     query_share: float = 0.0
     select: str = "query"
+    # Spans only: APE's (temperature, scale) for the attention the request's later tokens pay to the span (span_policy's
+    # attention; (1, 1): plain). Not part of any key: the KV is the same, only how it is read differs.
+    attention: tuple[float, float] = (1.0, 1.0)
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"unknown segment kind {self.kind!r}; expected one of {_KINDS}")
-        if self.kind != "span" and (self.anchor or self.recompute or self.query_share):
-            raise ValueError(f"a {self.kind} segment has no anchor, recomputed runs or query share; only spans do")
+        if self.kind != "span" and (self.anchor or self.recompute or self.query_share or self.attention != (1, 1)):
+            raise ValueError(
+                f"a {self.kind} segment has no anchor, recomputed runs, query share or attention scaling; only spans do"
+            )
         if self.kind == "span" and self.span_runs:
             raise ValueError("a span has no span runs; only the text that spans turn into does")
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
         object.__setattr__(self, "anchor", tuple(self.anchor))
         object.__setattr__(self, "recompute", normalize_runs(self.recompute, len(self.token_ids)))
+        if not self.query_share:  # a selector with nothing to select: one canonical form
+            object.__setattr__(self, "select", "query")
 
     @property
     def from_job(self) -> bool:

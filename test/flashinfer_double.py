@@ -48,11 +48,10 @@ class FlashInferDouble:
 
     def plan_split(self, rows: RaggedRows, groups: SpanGroups) -> None:
         self.plan(rows)
-        self.masks = (groups.rest_mask, groups.span_mask)
+        self.masks = [groups.rest_mask, *groups.span_masks]
 
-    def run_split(self, q, q_span, k_buffer, v_buffer):
-        rest, span = (self._attend(self.rows, x, k_buffer, v_buffer, m) for x, m in zip((q, q_span), self.masks))
-        return (*rest, *span)
+    def run_split(self, queries, k_buffer, v_buffer):
+        return [self._attend(self.rows, q, k_buffer, v_buffer, m) for q, m in zip(queries, self.masks)]
 
     def _attend(self, rows: RaggedRows, q, k_buffer, v_buffer, mask: torch.Tensor | None):
         shape = self.shape

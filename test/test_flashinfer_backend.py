@@ -60,42 +60,47 @@ class Config:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_span_groups_split_each_querys_visible_keys(seed):
-    """APE's two masks against a query-by-query reading of their definition, for extend rows (several runs per
-    request, one-query rows among them) and a decode batch."""
+    """APE's masks against a query-by-query reading of their definition, for extend rows (several runs per request,
+    one-query rows among them) and a decode batch; request 0's spans form two groups."""
     gen = torch.Generator().manual_seed(seed)
-    ranges = [[(2, 6), (9, 12)], [(0, 5)], []]  # span key ranges of requests 0, 1, 2
+    ranges = [[(2, 6), (9, 12), (13, 14)], [(0, 5)], []]  # span key ranges of requests 0, 1, 2
+    groups_of = [[0, 1, 0], [0], []]
+    factors = {(0, 0): (0.5, 1.5), (0, 1): (2.0, 0.7), (1, 0): (0.8, 1.25)}  # (request, group): (T, S)
     flat = [r for rs in ranges for r in rs]
-    scaling = SpanScaling(torch.tensor(flat).view(-1, 2), torch.tensor([0, 2, 3, 3]), torch.tensor([0.5, 2.0, 1.0]),
-                          torch.tensor([1.5, 0.7, 1.0]))
-    # request 0: queries 5-7 from 0 and 12 alone; request 1: 3-4 from lo 0 (inside its span), 8 alone; request 2: 0-4
-    extend = extend_rows(table(), [0, 1, 2], [5, 6, 7, 12, 3, 4, 8, 0, 1, 2, 3, 4], [0, 0, 0, 0, 0, 0, 0] + [0] * 5,
-                         [4, 3, 5])
-    decode = decode_rows(table(), [0, 1, 2], [int(n) for n in torch.randint(1, 16, (3,), generator=gen)])
+    pairs = [(b, g) for b, gs in enumerate(groups_of) for g in gs]
+    scaling = SpanScaling(torch.tensor(flat).view(-1, 2), torch.tensor([0, 3, 4, 4]),
+                          torch.tensor([g for _, g in pairs]), torch.tensor([factors[p][0] for p in pairs]),
+                          torch.tensor([factors[p][1] for p in pairs]), 2)
+    # request 0: queries 5-7 from 0 and 15 alone; request 1: 3-4 from lo 0 (inside its span), 8 alone; request 2: 0-4
+    extend = extend_rows(table(), [0, 1, 2], [5, 6, 7, 15, 3, 4, 8, 0, 1, 2, 3, 4], [0] * 12, [4, 3, 5])
+    decode = decode_rows(table(), [0, 1, 2], [int(n) for n in torch.randint(1, 17, (3,), generator=gen)])
     for rows in (extend, decode):
         groups = span_groups(rows, scaling)
-        group, rest = [], []
+        masks, rest, has = [[], []], [], [[], []]
         for r in range(rows.num_rows):
             b, lo = rows.row_req[r], rows.row_lo[r]
             n_q = int(rows.qo_indptr[r + 1] - rows.qo_indptr[r])
             n_kv = int(rows.kv_indptr[r + 1] - rows.kv_indptr[r])
-            def in_span(index: int, b: int = b) -> bool:
-                return any(a <= index < e for a, e in ranges[b])
+
+            def group_of(index: int, b: int = b) -> int | None:
+                return next((g for (a, e), g in zip(ranges[b], groups_of[b]) if a <= index < e), None)
 
             for i in range(n_q):
                 query = lo + n_kv - n_q + i
-                for k in range(n_kv):
-                    seen = k <= n_kv - n_q + i
-                    in_group = seen and in_span(lo + k) and not in_span(query)
-                    group.append(in_group)
-                    rest.append(seen and not in_group)
-        assert groups.span_mask.tolist() == group and groups.rest_mask.tolist() == rest
-        per_query = torch.tensor(group).split([int(q) * int(kv) for q, kv in zip(rows.qo_indptr.diff(),
-                                                                                   rows.kv_indptr.diff())])
-        has = [bool(m.view(int(q), -1)[i].any()) for m, q in zip(per_query, rows.qo_indptr.diff()) for i in range(q)]
+                seen = [k <= n_kv - n_q + i for k in range(n_kv)]
+                outside = group_of(query) is None
+                for g in range(2):
+                    row = [seen[k] and outside and group_of(lo + k) == g for k in range(n_kv)]
+                    masks[g] += row
+                    has[g].append(any(row))
+                rest += [seen[k] and not (outside and group_of(lo + k) is not None) for k in range(n_kv)]
+        assert groups.span_masks.tolist() == masks and groups.rest_mask.tolist() == rest
         assert groups.has_span.tolist() == has
         reqs = [rows.row_req[r] for r in range(rows.num_rows) for _ in range(int(rows.qo_indptr.diff()[r]))]
-        assert groups.temperature.tolist() == [[0.5, 2.0, 1.0][b] for b in reqs]
-        assert groups.weight.tolist() == pytest.approx([[0.75, 1.4, 1.0][b] for b in reqs])
+        for g in range(2):
+            t_s = [factors.get((b, g), (1.0, 1.0)) for b in reqs]
+            assert groups.temperature[g].tolist() == pytest.approx([t for t, _ in t_s])
+            assert groups.weight[g].tolist() == pytest.approx([t * s for t, s in t_s])
 
 
 def test_plain_and_linear_rope_are_supported():
@@ -123,7 +128,7 @@ DOCS = [
 
 def prompts() -> list[str]:
     """Plain text, isolated and anchored spans, recomputed heads, PDEP, spans at different offsets behind
-    different prefixes, and a prompt sharing a prefix with another."""
+    different prefixes, a prompt sharing a prefix with another, and spans with APE factors of their own."""
     q = pdep(" Question: what is said above? Answer:")
     return [
         "Once upon a time there was a small engine that",
@@ -131,6 +136,8 @@ def prompts() -> list[str]:
         "User two." + span(DOCS[1], anchor="none", head_tokens=0) + span(DOCS[0], head_tokens=3) + q,
         span(DOCS[2], anchor="prefix") + span(DOCS[0], anchor="none", head_tokens=0) + q,
         "Once upon a time there was a small engine that could",
+        "Own factors." + span(DOCS[2], attention_temperature=0.5, attention_scale=1.8) + span(DOCS[1])
+        + span(DOCS[0], attention_temperature=0.8) + q,
     ]
 
 

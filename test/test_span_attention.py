@@ -2,9 +2,10 @@
 reference, and its settings.
 
 The reference is test_span_policy's flat sequence run through the HF model with an attention function of its own:
-a query outside every span (prefix, PDEP text, recomputed tokens, output) sees the visible span tokens as one group,
-normalized on its own with logits divided by T and weighted by exp(S * T * LSE) against the other visible keys,
-each group normalized on its own; a span's own tokens attend plainly. It shares nothing with the engine's kernels.
+a query outside every span (prefix, PDEP text, recomputed tokens, output) sees the visible tokens of the spans with
+equal factors (T, S) as one group, normalized on its own with logits divided by T and weighted by exp(S * T * LSE)
+against the other groups and the other visible keys, each normalized on its own; a span's own tokens attend plainly.
+It shares nothing with the engine's kernels.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 from sglang_pic import Engine
+from sglang_pic.frontend_lang import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.server_args import ServerArgs
-from test_span_policy import PARAMS, assert_answers_as, cold_then_warm, prompts, reference, segments_layout
+from test_span_policy import DOCS, PARAMS, assert_answers_as, cold_then_warm, prompts, reference, segments_layout
 
 TEMPERATURE, SCALE = 0.6, 1.4
 POLICIES = {  # name -> (span_anchor, span_head_tokens)
@@ -26,11 +28,10 @@ REFERENCE_ATTENTION = "sglang_pic_span_groups_reference"
 
 
 class SpanGroups:
-    """What the reference attention needs about the flat sequence it runs: which prompt tokens are span tokens (the
-    tokens it appends are the request's own)."""
+    """What the reference attention needs about the flat sequence it runs: each prompt token's span factors (T, S),
+    None for a token of no span (the tokens it appends are the request's own)."""
 
-    in_span: torch.Tensor | None = None
-    factors: tuple[float, float] = (1.0, 1.0)
+    factors: list[tuple[float, float] | None] = []
 
 
 def _grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -39,18 +40,20 @@ def _grouped_attention(module, query, key, value, attention_mask, scaling, dropo
     key, value = key.repeat_interleave(group, dim=1).double(), value.repeat_interleave(group, dim=1).double()
     scores = torch.matmul(query.double(), key.transpose(2, 3)) * scaling  # [1, H, L, L]
     visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1.0
-    (temp, scale), n = SpanGroups.factors, key.shape[2]
-    in_span = torch.cat([SpanGroups.in_span, torch.zeros(n - len(SpanGroups.in_span), dtype=torch.bool)])
-    plain_scores = scores.masked_fill(~visible, float("-inf"))
-    out = torch.matmul(torch.softmax(plain_scores, -1), value)
-    span_keys = visible & in_span[None, None, None, :]
-    other_keys = visible & ~in_span[None, None, None, :]
-    tempered = (scores / temp).masked_fill(~span_keys, float("-inf"))
-    other = scores.masked_fill(~other_keys, float("-inf"))
-    weights = torch.softmax(torch.stack([scale * temp * torch.logsumexp(tempered, -1),
-                                         torch.logsumexp(other, -1)]), 0).nan_to_num(0.0)
-    merged = (weights[0, ..., None] * torch.matmul(torch.softmax(tempered, -1).nan_to_num(0.0), value)
-              + weights[1, ..., None] * torch.matmul(torch.softmax(other, -1).nan_to_num(0.0), value))
+    factors = SpanGroups.factors + [None] * (key.shape[2] - len(SpanGroups.factors))
+    in_span = torch.tensor([f is not None for f in factors])
+    out = torch.matmul(torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), value)
+    lses, outs = [], []
+    for temp, scale in sorted({f for f in factors if f is not None}):
+        keys = visible & torch.tensor([f == (temp, scale) for f in factors])[None, None, None, :]
+        tempered = (scores / temp).masked_fill(~keys, float("-inf"))
+        lses.append(scale * temp * torch.logsumexp(tempered, -1))
+        outs.append(torch.matmul(torch.softmax(tempered, -1).nan_to_num(0.0), value))
+    other = scores.masked_fill(~(visible & ~in_span[None, None, None, :]), float("-inf"))
+    lses.append(torch.logsumexp(other, -1))
+    outs.append(torch.matmul(torch.softmax(other, -1).nan_to_num(0.0), value))
+    weights = torch.softmax(torch.stack(lses), 0).nan_to_num(0.0)
+    merged = sum(w[..., None] * o for w, o in zip(weights, outs))
     rows = ~in_span[None, None, :, None]
     out = torch.where(rows, merged, out)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
@@ -67,18 +70,18 @@ def setup(tiny_llama):
     engine.shutdown()
 
 
-def grouped_reference(model, segments, factors: tuple[float, float]) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and log-probabilities of the reference for a request's segments."""
+def grouped_reference(model, segments) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and log-probabilities of the reference for a request's segments (each span piece carries its
+    factors)."""
     flat = segments_layout(segments)
-    SpanGroups.in_span, SpanGroups.factors = torch.tensor([s is not None for s in flat[2]]), factors
+    SpanGroups.factors = [None if s is None else segments[s].attention for s in flat[2]]
     return reference(model, flat, PARAMS["max_new_tokens"])
 
 
 def check(engine: Engine, model, texts: list[str], outs: list[dict], given: dict) -> None:
-    factors = (given["span_attention_temperature"], given["span_attention_scale"])
     for text, out in zip(texts, outs):
         segments = engine.make_reqs(GenerateReqInput(text=text, **given))[0].segments
-        assert_answers_as(out, *grouped_reference(model, segments, factors))
+        assert_answers_as(out, *grouped_reference(model, segments))
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -117,13 +120,22 @@ def test_bad_factors_are_refused(setup, value):
             engine.generate(prompts()[0], PARAMS, **{name: value})
 
 
-def test_factors_are_a_requests_not_a_spans(setup):
-    engine, _ = setup
-    args = ServerArgs(model_path="m")
-    own = args.span_settings_marker + '{"span_attention_temperature": 0.5}'
-    text = "Q:" + args.ssep_marker + own + "A document." + args.pdep_marker + "Why?"
-    with pytest.raises(ValueError, match="give it with the request"):
-        engine.generate(text, PARAMS)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_spans_with_their_own_factors_form_groups(setup, policy):
+    """A span's own factors over the request's: three groups (two spans' own, the request's for the third) and a span
+    read plainly, cold one by one, then warm in one batch."""
+    engine, model = setup
+    anchor, head = POLICIES[policy]
+    given = {"span_anchor": anchor, "span_head_tokens": head,
+             "span_attention_temperature": TEMPERATURE, "span_attention_scale": SCALE}
+    texts = [f"Case {i}: " + span(DOCS[i % 3], attention_temperature=0.5, attention_scale=1.8)
+             + span(DOCS[(i + 1) % 3]) + span(DOCS[(i + 2) % 3], attention_temperature=0.8)
+             + span(DOCS[i % 3][::-1], attention_temperature=1.0, attention_scale=1.0) + "Which one?"
+             for i in range(3)]
+    groups = {p for seg in engine.make_reqs(GenerateReqInput(text=texts[0], **given))[0].segments
+              if seg.kind == "span" for p in [seg.attention]}
+    assert groups == {(0.5, 1.8), (TEMPERATURE, SCALE), (0.8, SCALE), (1.0, 1.0)}
+    cold_then_warm(engine, texts, given, lambda outs: check(engine, model, texts, outs, given))
 
 
 def test_speculative_decoding_refuses_the_scaling():

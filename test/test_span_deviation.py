@@ -135,14 +135,10 @@ def test_spans_that_select_both_ways(setup, chosen):
     assert out["meta_info"]["probe_tokens"] > -(-req.prompt_len * min(DEVIATION_LAYERS, layers) // layers)
 
 
-@pytest.mark.parametrize("value", ["prompt", "", 1, None])
+@pytest.mark.parametrize("value", ["prompt", "", 1])
 def test_bad_selectors_are_refused(setup, value):
+    """A request's selector and a span's own."""
     engine, _ = setup
-    if value is None:  # a span's own APE factors: the spans are one group, so a request's setting only
-        text = "Q:" + span(DOCS[0]).replace(DOCS[0], '<|span_settings|>{"span_attention_scale": 1.1}' + DOCS[0]) + "?"
-        with pytest.raises(ValueError, match="give it with the request"):
-            engine.generate(text, PARAMS)
-        return
     with pytest.raises(ValueError, match="span_select"):
         engine.generate(prompts()[0], PARAMS, span_select=value)
     text = "Q:" + span(DOCS[0]).replace(DOCS[0], '<|span_settings|>{"span_select": %s}' % json.dumps(value) + DOCS[0])

@@ -40,10 +40,11 @@ def attention_case(
     shares: list | None = None,
     members: int = 2,
     span_ranges: list[list[tuple[int, int]]] | None = None,
+    span_groups: list[list[int]] | None = None,
     **kw,
 ) -> dict:
     batch = pb.make_paged_batch(specs, hq, hkv, dim, DTYPES[dtype], "cpu", page_size=page, **kw)
-    span = None if span_ranges is None else span_scaling(span_ranges)
+    span = None if span_ranges is None else span_scaling(span_ranges, span_groups)
     if keys_rotated:
         batch.k_buffer = batch.rotated_pool()
     if shares is not None:  # decodes holding the same slots at different offsets, through the shared kernel
@@ -64,15 +65,22 @@ def attention_case(
     }
 
 
-def span_scaling(ranges: list[list[tuple[int, int]]]) -> SpanScaling:
-    """APE's scaling over each request's span `ranges`, with a temperature and scale of its own per request."""
+def span_scaling(ranges: list[list[tuple[int, int]]], groups: list[list[int]] | None = None) -> SpanScaling:
+    """APE's scaling over each request's span `ranges`, in its `groups` (default: one per request), with a
+    temperature and scale of their own per group."""
     flat = [r for request in ranges for r in request]
-    starts = [0]
-    for request in ranges:
+    groups = [[0] * len(request) for request in ranges] if groups is None else groups
+    starts, group_ids, pairs = [0], [], []
+    for b, request in enumerate(groups):
         starts.append(starts[-1] + len(request))
-    n = len(ranges)
+        group_ids += request
+        pairs += [(b, g) for g in request]
+    distinct = sorted(set(pairs))
+    temperature, scale = torch.linspace(0.5, 1.0, len(distinct)), torch.linspace(1.5, 0.8, len(distinct))
+    which = torch.tensor([distinct.index(p) for p in pairs], dtype=torch.int64)
     return SpanScaling(torch.tensor(flat, dtype=torch.int64).view(-1, 2), torch.tensor(starts),
-                       torch.linspace(0.5, 1.0, n), torch.linspace(1.5, 0.8, n))
+                       torch.tensor(group_ids, dtype=torch.int64), temperature[which], scale[which],
+                       max(group_ids, default=-1) + 1)
 
 
 def store_case(dtype: str, rotate: bool, page: int) -> dict:
@@ -368,10 +376,12 @@ CASES: dict[str, Callable[[], dict]] = {
         [E(90, 4), E(33, 1), P(20)], 4, 2, 32, "bfloat16", extend_splits=5
     ),
     "spans_staged_keys_page16_fp32": lambda: attention_case(span_specs, 4, 2, 32, "float32", page=16, stage=True),
-    # APE's span scaling: spans computed here and cached ones, a request with none, decodes as one-token extends
+    # APE's span scaling: spans computed here and cached ones, a request with none, decodes as one-token extends,
+    # requests whose spans form two groups
     "span_scaling_key_splits3_fp32": lambda: attention_case(
         [*span_specs, D(90)], 4, 2, 32, "float32", page=16, extend_splits=3,
         span_ranges=[[(5, 15), (30, 36), (40, 50)], [(0, 20)], [], [(10, 40)], [(0, 30), (60, 80)]],
+        span_groups=[[0, 1, 0], [0], [], [0], [1, 0]],
     ),
     "span_scaling_staged_keys_bf16": lambda: attention_case(
         span_specs, 4, 2, 32, "bfloat16", stage=True, span_ranges=[[(5, 15), (30, 36)], [(0, 20)], [(2, 5)], []],

@@ -148,13 +148,18 @@ def span_probe_engine_case() -> dict:
 
 
 def span_attention_engine_case() -> dict:
-    """APE's span scaling (server flags) through the Triton backend, alone and with tensor parallelism 2: greedy
-    tokens equal torch_native's, and differ from plain attention's."""
+    """APE's span scaling (server flags, and spans with factors of their own: several groups in a request) through
+    the Triton backend, alone and with tensor parallelism 2: greedy tokens equal torch_native's, and differ from
+    plain attention's."""
+    from sglang_pic.frontend_lang import pdep, span
+
     ape = dict(span_attention_temperature=0.6, span_attention_scale=1.4)
+    own = [span("Tokyo is large. " * 4, attention_temperature=0.5, attention_scale=1.8) + span("Lima is far. " * 4)
+           + span("Oslo is cold. " * 4, attention_temperature=0.8) + pdep("Which city?")]
     outs, _ = _engine_outputs(
         {"torch_native": ape, "triton": dict(attention_backend="triton", **ape),
          "tp2": dict(attention_backend="triton", tp_size=2, **ape), "plain": {}},
-        _span_prompts(),
+        _span_prompts() + own,
     )
     return {
         "dtype": "float32",

@@ -20,8 +20,8 @@ full attention answers, and both keep the shared KV one unmodified copy:
                             scores each span token by how far its KV there is from the shared copy (CacheBlend;
                             managers/span_deviation.py).
   attention temperature and scale: APE's reweighting, with no recompute, of the attention a request's own
-               tokens pay to the span KV it reads (kernels/paged_layout.py, SpanScaling). One pair per request:
-               APE weighs the spans as one group, so a span cannot scale apart from the others.
+               tokens pay to the span KV it reads (kernels/paged_layout.py, SpanScaling). APE weighs the spans
+               as one group; with per-span factors, the spans with equal factors form one group each.
 The anchor may also be the prompt's own prefix (`prefix`: the span is keyed on it, so it is shared only behind
 that prefix, which is SGLang's parallel encoding). A span can carry its own settings in the prompt text
 (`split_settings`), over the request's, which are over the server's.
@@ -42,7 +42,7 @@ from typing import Any
 # of dense attention on every task family (docs/results.md, span quality frontier).
 DEFAULT_HEAD_TOKENS = 128
 ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
-ATTENTION_FIELDS = ("span_attention_temperature", "span_attention_scale")  # a request's, never one span's
+ATTENTION_FIELDS = ("span_attention_temperature", "span_attention_scale")
 SELECT_CHOICES = ("query", "deviation")
 SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens", "span_query_share", "span_select",
                   *ATTENTION_FIELDS)
@@ -59,7 +59,7 @@ class SpanPolicy:
     tail_tokens: int = 0
     runs: tuple[tuple[int, int], ...] | None = None  # a span's own `span_recompute`, over head and tail
     query_share: float = 0.0  # of the span's tokens, recomputed where the request's question attends most
-    attention: tuple[float, float] = (1.0, 1.0)  # the request's APE temperature and scale
+    attention: tuple[float, float] = (1.0, 1.0)  # APE temperature and scale for reading the span
     select: str = "query"  # how the request chooses the span's query_share of tokens (SELECT_CHOICES)
 
     @property
@@ -124,9 +124,6 @@ def split_settings(body: str, marker: str) -> tuple[dict[str, Any] | None, str]:
     if not isinstance(settings, dict):
         raise ValueError(f"a span's settings after {marker!r} must be a JSON object, got {settings!r}")
     check_settings({name: None for name in settings})
-    shared = [name for name in ATTENTION_FIELDS if name in settings]
-    if shared:
-        raise ValueError(f"{shared[0]} applies to all of a request's spans at once: give it with the request")
     return settings, body[end:]
 
 

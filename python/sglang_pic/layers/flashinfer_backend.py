@@ -1,9 +1,9 @@
 """The FlashInfer attention backend: FlashInfer's FA2 paged kernels with their in-kernel RoPE over unrotated keys.
 
 FlashInfer's `ROPE_LLAMA` mode rotates a key by its index in the row's page list, which is the position-free
-layout of this engine once a batch is cut into rows (flashinfer_rows.py). APE's span attention scaling runs as two
-passes over the same rows with custom masks (the span group with tempered logits, then every other key), merged by
-their log-sum-exps with the group weighted as APE weighs it. What it cannot express is refused when
+layout of this engine once a batch is cut into rows (flashinfer_rows.py). APE's span attention scaling runs as
+passes over the same rows with custom masks (every key outside the span groups, then each group with tempered
+logits), merged by their log-sum-exps with each group weighted as APE weighs it. What it cannot express is refused when
 the engine starts (`check_flashinfer_support`): RoPE other than plain or linearly scaled (llama3, YaRN), and
 VeriCache's drafts, whose compressed KV keeps explicit key positions. FlashInfer computes sin/cos with fast
 intrinsics rather than the model's table, so its outputs match the other backends to bf16 tolerance, not
@@ -94,25 +94,26 @@ class RaggedAttention(Protocol):
         """q [T, Hq, D] unrotated, buffers [slots, Hkv, D] unrotated: the planned rows' outputs [T, Hq, Dv]."""
 
     def plan_split(self, rows: RaggedRows, groups: SpanGroups) -> None:
-        """Prepare APE's two passes over `rows` (prefill kernels, a decode batch too): keys in groups.rest_mask,
-        then keys in groups.span_mask."""
+        """Prepare APE's passes over `rows` (prefill kernels, a decode batch too): keys in groups.rest_mask, then
+        keys in each of groups.span_masks."""
 
-    def run_split(self, q: torch.Tensor, q_span: torch.Tensor, k_buffer: torch.Tensor,
-                  v_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The two planned passes, `q` over the rest and `q_span` over the span group: each pass's output [T, Hq, Dv]
-        and log-sum-exp [T, Hq] in base 2 (FlashInfer's), in the order rest, rest LSE, span, span LSE."""
+    def run_split(self, queries: list[torch.Tensor], k_buffer: torch.Tensor,
+                  v_buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The planned passes, queries[0] over the rest and queries[1 + g] over span group g: each pass's output
+        [T, Hq, Dv] and log-sum-exp [T, Hq] in base 2 (FlashInfer's)."""
 
 
-def merge_span_group(out_rest: torch.Tensor, lse_rest: torch.Tensor, out_span: torch.Tensor, lse_span: torch.Tensor,
-                     groups: SpanGroups) -> torch.Tensor:
-    """Attention over both passes' keys with the span group weighed by exp(scale * temperature * LSE), its LSE that
-    of the tempered logits (base 2 scales alike); a query with an empty span group keeps the rest pass."""
-    has = groups.has_span[:, None]
-    span_lse = torch.where(has, lse_span * groups.weight[:, None], float("-inf"))
-    top = torch.maximum(lse_rest, span_lse)
-    w_rest, w_span = torch.exp2(lse_rest - top)[..., None], torch.exp2(span_lse - top)[..., None]
-    span_out = torch.where(has[..., None], out_span.float(), 0.0)
-    return ((w_rest * out_rest.float() + w_span * span_out) / (w_rest + w_span)).to(out_rest.dtype)
+def merge_span_groups(passes: list[tuple[torch.Tensor, torch.Tensor]], groups: SpanGroups) -> torch.Tensor:
+    """Attention over all passes' keys (run_split's) with span group g weighed by exp(scale * temperature * LSE), its
+    LSE that of the tempered logits (base 2 scales alike); a query's empty span group adds nothing."""
+    (out_rest, lse_rest), spans = passes[0], passes[1:]
+    has = groups.has_span[..., None]  # [G, T, 1]
+    lses = torch.stack([lse_rest, *(lse for _, lse in spans)])  # [1 + G, T, Hq]
+    lses[1:] = torch.where(has, lses[1:] * groups.weight[..., None], float("-inf"))
+    weights = torch.exp2(lses - lses.max(0).values)[..., None]
+    outs = torch.stack([out_rest.float(), *(out.float() for out, _ in spans)])
+    outs[1:] = torch.where(has[..., None], outs[1:], 0.0)
+    return ((weights * outs).sum(0) / weights.sum(0)).to(out_rest.dtype)
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -160,8 +161,8 @@ class FlashInferAttnBackend(AttentionBackend):
         if groups is None:
             out = self.kernels.run(q, k_buf, v_buf)
         else:
-            q_span = q / groups.temperature[:, None, None].to(q.dtype)
-            out = merge_span_group(*self.kernels.run_split(q, q_span, k_buf, v_buf), groups)
+            tempered = [q / t[:, None, None].to(q.dtype) for t in groups.temperature]
+            out = merge_span_groups(self.kernels.run_split([q, *tempered], k_buf, v_buf), groups)
         return out.reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
 
     @torch.inference_mode()
@@ -175,12 +176,13 @@ class FlashInferAttnBackend(AttentionBackend):
             self.kernels.plan(rows)
             self.kernels.run(k_buf.new_zeros((rows.num_queries, layer.num_heads, layer.head_dim)), k_buf, v_buf)
         # APE's masked passes, with keys 0-5 as the span group of both queries
-        ones = torch.ones(1, dtype=torch.float32, device=k_buf.device)
-        scaling = SpanScaling(torch.tensor([[0, 6]], device=k_buf.device), torch.tensor([0, 1], device=k_buf.device),
-                              ones, ones)
+        device = k_buf.device
+        ones = torch.ones(1, dtype=torch.float32, device=device)
+        scaling = SpanScaling(torch.tensor([[0, 6]], device=device), torch.tensor([0, 1], device=device),
+                              torch.zeros(1, dtype=torch.int64, device=device), ones, ones, 1)
         self.kernels.plan_split(rows, span_groups(rows, scaling))
         q = k_buf.new_zeros((rows.num_queries, layer.num_heads, layer.head_dim))
-        self.kernels.run_split(q, q, k_buf, v_buf)
+        self.kernels.run_split([q, q], k_buf, v_buf)
         if k_buf.is_cuda:
             torch.cuda.synchronize(k_buf.device)
         logger.info("FlashInfer kernels ready in %.1f s (JIT-compiled at first use, then loaded from its cache)",
@@ -211,7 +213,7 @@ class FlashInferKernels:
         self.graph_indices = torch.empty(0, dtype=torch.int32, device=device)  # shared by the decode graphs
         self.graph_decoders: dict[int, object] = {}
         self._active = self.prefill
-        self.split: tuple | None = None  # APE's two masked prefill wrappers, made at first use
+        self.split: list = []  # APE's masked prefill wrappers, one per pass, made as batches first need them
         # A plan's host-to-device copy reads its wrapper's pinned buffer when the stream reaches it; under overlap
         # scheduling the next plan can come sooner, so each wrapper's next plan waits for its last copy.
         self._copied: dict[int, torch.cuda.Event] = {}
@@ -256,20 +258,19 @@ class FlashInferKernels:
         return self._active.run(q, (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1)))
 
     def plan_split(self, rows: RaggedRows, groups: SpanGroups) -> None:
-        if self.split is None:  # each with its own workspace: both plans are live in one forward
-            self.split = tuple(self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device), "NHD", backend="fa2")
-                for _ in range(2))
+        masks = [groups.rest_mask, *groups.span_masks]
+        while len(self.split) < len(masks):  # each with its own workspace: all plans are live in one forward
+            self.split.append(self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device), "NHD", backend="fa2"))
         # the last page lengths on the host, beside the indptrs: the plan sizes the masks from all three there
         args = (rows.qo_indptr, rows.kv_indptr, rows.kv_indices, rows.kv_last_page_len.cpu())
-        for wrapper, mask in zip(self.split, (groups.rest_mask, groups.span_mask)):
+        for wrapper, mask in zip(self.split, masks):
             self._plan(wrapper, *args, custom_mask=mask, head_dim_vo=self.shape.v_head_dim)
 
-    def run_split(self, q: torch.Tensor, q_span: torch.Tensor, k_buffer: torch.Tensor,
-                  v_buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run_split(self, queries: list[torch.Tensor], k_buffer: torch.Tensor,
+                  v_buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         kv = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))
-        rest, span = self.split
-        return (*rest.run(q, kv, return_lse=True), *span.run(q_span, kv, return_lse=True))
+        return [tuple(wrapper.run(q, kv, return_lse=True)) for wrapper, q in zip(self.split, queries)]
 
 
 def create_flashinfer_backend(layer: "RadixAttention", model_config: "ModelConfig",

@@ -116,35 +116,35 @@ def decode_rows(req_to_token: torch.Tensor, req_pool_indices: list[int], seq_len
 
 @dataclass(frozen=True)
 class SpanGroups:
-    """APE's split of a forward's attention (SpanScaling) into two FlashInfer passes over the same rows, as custom
-    masks in FlashInfer's layout (row by row, each row's [qo_len, kv_len] flattened query-major): `span_mask` holds
-    the keys a query outside the spans sees as its span group, `rest_mask` every other key it sees; queries inside
-    a span see all their keys in `rest_mask`."""
+    """APE's split of a forward's attention (SpanScaling) into FlashInfer passes over the same rows, one per span
+    group and one for the rest, as custom masks in FlashInfer's layout (row by row, each row's [qo_len, kv_len]
+    flattened query-major): `span_masks[g]` holds the keys a query outside the spans sees as its span group g,
+    `rest_mask` every other key it sees; queries inside a span see all their keys in `rest_mask`."""
 
-    span_mask: torch.Tensor  # [sum qo_len * kv_len] bool
+    span_masks: torch.Tensor  # [groups, sum qo_len * kv_len] bool
     rest_mask: torch.Tensor  # [sum qo_len * kv_len] bool
-    temperature: torch.Tensor  # [queries] float32: the span pass's logits are divided by it
-    weight: torch.Tensor  # [queries] float32: scale * temperature, the factor on the span group's log-sum-exp
-    has_span: torch.Tensor  # [queries] bool: the query's span group is not empty
+    temperature: torch.Tensor  # [groups, queries] float32: a group pass's logits are divided by it
+    weight: torch.Tensor  # [groups, queries] float32: scale * temperature, the factor on the group's log-sum-exp
+    has_span: torch.Tensor  # [groups, queries] bool: the query's span group is not empty
 
 
 def span_groups(rows: RaggedRows, span: SpanScaling) -> SpanGroups:
-    """The two passes' masks for `rows`, on the KV device: a key is in a query's span group when it lies in one of
-    its request's span ranges, the query does not, and causality lets the query see it. Beside the masks only
-    per-key and per-query tensors are made: a one-query row's mask is its keys' flags, a longer row's an outer
-    product (index tensors the size of the masks would take gigabytes for an 8K-token chunk over 16K keys)."""
+    """The passes' masks for `rows`, on the KV device: a key is in a query's span group g when it lies in one of its
+    request's span ranges of group g, the query lies in none, and causality lets the query see it. Beside the
+    masks only per-key and per-query tensors are made: a one-query row's mask is its keys' flags, a longer row's an
+    outer product (index tensors the size of the masks would take gigabytes for an 8K-token chunk over 16K keys)."""
     device = rows.kv_indices.device
     i64 = dict(dtype=torch.int64, device=device)
     q_len, kv_len = rows.qo_indptr.diff().tolist(), rows.kv_indptr.diff().tolist()
     q_start, kv_start = rows.qo_indptr[:-1].tolist(), rows.kv_indptr[:-1].tolist()
-    n_rows, nq, nnz = rows.num_rows, rows.num_queries, int(rows.kv_indptr[-1])
+    n_rows, nq, nnz, n_groups = rows.num_rows, rows.num_queries, int(rows.kv_indptr[-1]), span.num_groups
     req, lo = torch.tensor(rows.row_req, **i64), torch.tensor(rows.row_lo, **i64)
     row_ids = torch.arange(n_rows, **i64)
 
     key_row = torch.repeat_interleave(row_ids, torch.tensor(kv_len, **i64), output_size=nnz)
     key_start = torch.tensor(kv_start, **i64)
     key_index = lo[key_row] + torch.arange(nnz, **i64) - key_start[key_row]
-    key_in_span = span.in_spans(key_index, req[key_row])
+    key_in_group = torch.stack([span.in_spans(key_index, req[key_row], g) for g in range(n_groups)])  # [G, nnz]
     q_row = torch.repeat_interleave(row_ids, torch.tensor(q_len, **i64), output_size=nq)
     q_offset = torch.arange(nq, **i64) - torch.tensor(q_start, **i64)[q_row]
     q_index = lo[q_row] + torch.tensor(kv_len, **i64)[q_row] - torch.tensor(q_len, **i64)[q_row] + q_offset
@@ -154,23 +154,24 @@ def span_groups(rows: RaggedRows, span: SpanScaling) -> SpanGroups:
     elem_start = [0]
     for size in sizes[:-1]:
         elem_start.append(elem_start[-1] + size)
-    group = torch.zeros(sum(sizes), dtype=torch.bool, device=device)
-    visible = torch.ones_like(group)
-    has_span = torch.zeros(nq, dtype=torch.bool, device=device)
+    masks = torch.zeros((n_groups, sum(sizes)), dtype=torch.bool, device=device)
+    visible = torch.ones(sum(sizes), dtype=torch.bool, device=device)
+    has_span = torch.zeros((n_groups, nq), dtype=torch.bool, device=device)
     single = torch.tensor([q == 1 for q in q_len], dtype=torch.bool, device=device)
     keys = single[key_row]  # the keys of one-query rows: their elements follow the keys' order
     if bool(keys.any()):
         at = (torch.tensor(elem_start, **i64) - key_start)[key_row[keys]] + torch.arange(nnz, **i64)[keys]
         query = torch.tensor(q_start, **i64)[key_row[keys]]
-        flags = key_in_span[keys] & q_scaled[query]
-        group[at] = flags
-        has_span[query[flags]] = True
+        flags = key_in_group[:, keys] & q_scaled[query][None, :]
+        masks[:, at] = flags
+        for g in range(n_groups):
+            has_span[g, query[flags[g]]] = True
     for r in (r for r, q in enumerate(q_len) if q > 1):
         q0, k0, n_q, n_kv = q_start[r], kv_start[r], q_len[r], kv_len[r]
         seen = torch.arange(n_kv, device=device)[None, :] <= n_kv - n_q + torch.arange(n_q, device=device)[:, None]
-        flags = seen & key_in_span[k0 : k0 + n_kv][None, :] & q_scaled[q0 : q0 + n_q][:, None]
-        group[elem_start[r] : elem_start[r] + sizes[r]] = flags.flatten()
+        flags = seen & key_in_group[:, None, k0 : k0 + n_kv] & q_scaled[q0 : q0 + n_q][None, :, None]  # [G, q, kv]
+        masks[:, elem_start[r] : elem_start[r] + sizes[r]] = flags.flatten(1)
         visible[elem_start[r] : elem_start[r] + sizes[r]] = seen.flatten()
-        has_span[q0 : q0 + n_q] = flags.any(1)
-    temperature = span.temperature[req[q_row]].float()
-    return SpanGroups(group, visible & ~group, temperature, span.scale[req[q_row]].float() * temperature, has_span)
+        has_span[:, q0 : q0 + n_q] = flags.any(2)
+    temperature, scale = (torch.stack(f) for f in zip(*(span.group_factors(g, req[q_row]) for g in range(n_groups))))
+    return SpanGroups(masks, visible & ~masks.any(0), temperature, scale * temperature, has_span)

@@ -109,7 +109,8 @@ class TokenizedSegment:
     (radix_ext.segments); start: the logical index of its first token; key_lead: a span tail's key's leading
     tokens (its anchor and the span's tokens before it; managers/req.py); span_rest: the span's tokens after
     such a piece of it, so that the piece names its whole span; span_runs: (offset, length) runs of its tokens
-    that are span text the request computes with full attention (a head: all of it), for meta_info's counts.
+    that are span text the request computes with full attention (a head: all of it), for meta_info's counts;
+    attention: a span piece's APE (temperature, scale) (radix_ext.segments.Segment.attention).
     """
 
     kind: str
@@ -119,6 +120,7 @@ class TokenizedSegment:
     key_lead: tuple[int, ...] = ()
     span_rest: tuple[int, ...] = ()
     span_runs: tuple[tuple[int, int], ...] = ()
+    attention: tuple[float, float] = (1.0, 1.0)
 
 
 def wire_segments(segments: Sequence[Segment]) -> list[TokenizedSegment]:
@@ -138,7 +140,8 @@ def wire_segments(segments: Sequence[Segment]) -> list[TokenizedSegment]:
                 else:
                     lead = key.token_ids[: anchor_len + a]
                     piece = TokenizedSegment(
-                        "span", tokens[a:b], key.extra_key, start + a, key_lead=lead, span_rest=tokens[b:]
+                        "span", tokens[a:b], key.extra_key, start + a, key_lead=lead, span_rest=tokens[b:],
+                        attention=seg.attention,
                     )
                 out.append(piece)
         start += len(tokens)
@@ -172,8 +175,6 @@ class TokenizedGenerateReq:
     # The canonical prompt, when one of its spans has a query share: the scheduler probes the request, then
     # re-keys it with the runs the probe chose (managers/span_probe.py). None: `segments` are final.
     probe: tuple[Segment, ...] | None = None
-    # APE's (temperature, scale) for the attention to its spans (kernels/paged_layout.py SpanScaling); None: plain.
-    span_attention: tuple[float, float] | None = None
 
     def prompt_ids(self) -> list[int]:
         return [t for seg in self.segments for t in seg.tokens]

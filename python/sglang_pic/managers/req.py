@@ -48,6 +48,7 @@ class ReqSegment:
     key_lead: tuple[int, ...] = ()  # a span piece: its key's leading tokens (the anchor, the span's tokens before)
     span_rest: tuple[int, ...] = ()  # a span piece: the span's tokens after it (span_id names the whole span)
     span_runs: tuple[tuple[int, int], ...] = ()  # (offset, length) runs of span text the request computes itself
+    attention: tuple[float, float] = (1.0, 1.0)  # a span piece: APE's (temperature, scale) for reading it
     done: int = 0  # leading tokens whose KV is in the request's row
     cached: int = 0  # leading tokens owned by the radix tree (locked via lock_node)
     lock_node: Any = None
@@ -62,7 +63,8 @@ class ReqSegment:
     def from_wire(cls, seg: TokenizedSegment) -> "ReqSegment":
         """A segment with no KV yet; its own copy of the tokens (a tail segment grows by the output)."""
         return cls(
-            seg.kind, list(seg.tokens), seg.extra_key, seg.start, seg.key_lead, seg.span_rest, seg.span_runs
+            seg.kind, list(seg.tokens), seg.extra_key, seg.start, seg.key_lead, seg.span_rest, seg.span_runs,
+            seg.attention,
         )
 
     def span_tokens_from(self, offset: int) -> int:
@@ -151,7 +153,6 @@ class Req:
     probe_counts: tuple[int, int, int] | None = None
     probe_tokens: int = 0  # prompt tokens the prefill after the probe computes (all of them computed twice)
     deviation_tokens: int = 0  # its deviation pass (span_deviation.py), in whole-model token equivalents
-    span_attention: tuple[float, float] | None = None  # APE's (temperature, scale) for its spans; None: plain
 
     @classmethod
     def from_wire(cls, msg: TokenizedGenerateReq) -> "Req":
@@ -174,13 +175,13 @@ class Req:
             generator=generator,
             probe=msg.probe,
             question_start=_question_start(msg.probe) if msg.probe is not None else 0,
-            span_attention=msg.span_attention,
         )
 
-    def span_ranges(self) -> list[tuple[int, int]]:
-        """The [start, end) positions of its span pieces read as they were encoded apart from it (its recomputed
-        tokens are its own text): the keys APE's span_attention scales."""
-        return [(seg.start, seg.start + len(seg.tokens)) for seg in self.segments if seg.kind == "span"]
+    def span_ranges(self) -> list[tuple[int, int, tuple[float, float]]]:
+        """The [start, end) positions and APE factors of its scaled span pieces, read as they were encoded apart
+        from it (its recomputed tokens are its own text): the keys APE scales."""
+        return [(seg.start, seg.start + len(seg.tokens), seg.attention) for seg in self.segments
+                if seg.kind == "span" and seg.attention != (1.0, 1.0)]
 
     # ---- derived views -------------------------------------------------------------------------------------
     @property

@@ -151,14 +151,11 @@ class RequestBuilder:
         base_rid = item["rid"] or uuid.uuid4().hex
         wire = wire_segments(segments)  # shared by the n copies: the scheduler copies what it grows
         probe = tuple(segments) if any(seg.query_share for seg in segments) else None
-        has_spans = any(seg.kind == "span" for seg in segments)
-        span_attention = policy.attention if has_spans and policy.attention != (1.0, 1.0) else None
         return [
             TokenizedGenerateReq(
                 rid=base_rid if params.n == 1 else f"{base_rid}-{k}",
                 segments=wire,
                 probe=probe,
-                span_attention=span_attention,
                 sampling_params=params,
                 prompt_len=prompt_len,
                 eos_token_ids=self.eos_token_ids,
@@ -277,7 +274,7 @@ class RequestBuilder:
                 except ValueError as e:
                     raise ValueError(f"span {sum(s.kind == 'span' for s in segments[:i])}: {e}") from None
                 seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.recompute_runs(len(seg.token_ids)),
-                              query_share=p.query_share, select=p.select)
+                              query_share=p.query_share, select=p.select, attention=p.attention)
             out.append(seg)
         return out
 

@@ -202,19 +202,23 @@ def _probe(entries: list[BatchEntry], device: torch.device) -> AttentionProbe | 
 
 
 def span_scaling(reqs: list[Req], device: torch.device) -> SpanScaling | None:
-    """APE's scaling for the batch's requests `reqs` (in batch order), or None when none asks for it."""
-    if all(r.span_attention is None for r in reqs):
-        return None
-    ranges, starts, factors = [], [0], []
+    """APE's scaling for the batch's requests `reqs` (in batch order), or None when none asks for it: a request's
+    span pieces with equal factors are one group, numbered in order of first appearance."""
+    ranges, starts, groups, factors = [], [0], [], []
     for r in reqs:
-        if r.span_attention is not None:
-            ranges += r.span_ranges()
+        mine: list[tuple[float, float]] = []
+        for lo, hi, pair in r.span_ranges():
+            if pair not in mine:
+                mine.append(pair)
+            ranges.append((lo, hi))
+            groups.append(mine.index(pair))
+            factors.append(pair)
         starts.append(len(ranges))
-        factors.append(r.span_attention or (1.0, 1.0))
+    if not ranges:
+        return None
     temperature, scale = torch.tensor(factors, dtype=torch.float32).T
-    span_ranges = torch.tensor(ranges, dtype=torch.int64).view(-1, 2)
-    return SpanScaling(span_ranges.to(device), torch.tensor(starts, dtype=torch.int64).to(device),
-                       temperature.contiguous().to(device), scale.contiguous().to(device))
+    ints = [torch.tensor(values, dtype=torch.int64).to(device) for values in (ranges, starts, groups)]
+    return SpanScaling(*ints, temperature.contiguous().to(device), scale.contiguous().to(device), max(groups) + 1)
 
 
 def build_forward_batch(

@@ -16,6 +16,8 @@ each pass fills the budget of its own spans.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from sglang_pic.managers.io_struct import wire_segments
@@ -59,7 +61,7 @@ def choose(segments: tuple[Segment, ...], scores: np.ndarray, select: str) -> li
         seg = segments[i]
         mine = chosen[(chosen >= start) & (chosen < start + len(seg.token_ids))] - start
         runs = seg.recompute + tuple((int(o), 1) for o in mine)
-        out[i] = Segment("span", seg.token_ids, seg.anchor, runs)
+        out[i] = replace(seg, recompute=runs, query_share=0.0)
     return canonicalize(out)
 
 

@@ -41,23 +41,23 @@ class LoadWeights:
 
 PLAN_SIZES = 4  # SharedDecodePlan.sizes()
 # op, the BatchHeader, req_to_token entries R, the integers of the probe, of the span scaling (in the device
-# payload) and of the deviation probe, then the shared decode plan's sizes (zeros without a plan)
-HEADER_LEN = 1 + BatchHeader.size() + 4 + PLAN_SIZES
+# payload) and its number of groups, of the deviation probe, then the shared decode plan's sizes (zeros without one)
+HEADER_LEN = 1 + BatchHeader.size() + 5 + PLAN_SIZES
 
 
 def scaling_to_tensor(scaling: SpanScaling) -> torch.Tensor:
-    """A batch's span scaling as one int64 tensor on its device: range starts, ranges, then temperatures and scales
-    as float32 bits. It travels in the device payload: read back to the host it would make rank 0 wait on the device
-    every step."""
+    """A batch's span scaling as one int64 tensor on its device: range starts, ranges, their groups, then their
+    temperatures and scales as float32 bits (num_groups travels in the header). It travels in the device payload:
+    read back to the host it would make rank 0 wait on the device every step."""
     factors = torch.cat([scaling.temperature, scaling.scale]).float().view(torch.int32).long()
-    return torch.cat([scaling.range_start, scaling.ranges.flatten(), factors])
+    return torch.cat([scaling.range_start, scaling.ranges.flatten(), scaling.group, factors])
 
 
-def scaling_from_tensor(values: torch.Tensor, batch_size: int) -> SpanScaling:
-    starts = values[: batch_size + 1]
-    ranges = values[batch_size + 1 : -2 * batch_size].view(-1, 2)
-    factors = values[-2 * batch_size :].int().view(torch.float32)
-    return SpanScaling(ranges, starts, factors[:batch_size], factors[batch_size:])
+def scaling_from_tensor(values: torch.Tensor, batch_size: int, num_groups: int) -> SpanScaling:
+    starts, rest = values[: batch_size + 1], values[batch_size + 1 :]
+    n = rest.shape[0] // 5  # ranges: two ints, a group and two factors each
+    factors = rest[3 * n :].int().view(torch.float32)
+    return SpanScaling(rest[: 2 * n].view(-1, 2), starts, rest[2 * n : 3 * n], factors[:n], factors[n:], num_groups)
 
 
 def table_index(
@@ -83,9 +83,10 @@ class BatchBroadcaster:
         plan_sizes = shared.sizes() if shared is not None else (0,) * PLAN_SIZES
         probe = batch.probe.to_list() if batch.probe is not None else []
         scaling = [scaling_to_tensor(batch.span_scaling)] if batch.span_scaling is not None else []
+        groups = batch.span_scaling.num_groups if batch.span_scaling is not None else 0
         deviation = batch.deviation.to_list() if batch.deviation is not None else []
         header = [Op.FORWARD, *batch.header().to_list(), entries, len(probe), sum(t.numel() for t in scaling),
-                  len(deviation), *plan_sizes]
+                  groups, len(deviation), *plan_sizes]
         dist.broadcast(torch.tensor(header, dtype=I64), 0, group=self.cpu_group)
         tensors, host = batch.pack()
         dist.broadcast(torch.tensor(host + probe + deviation, dtype=I64), 0, group=self.cpu_group)
@@ -127,7 +128,7 @@ class BatchReceiver:
             dist.broadcast_object_list(folder, 0, group=self.cpu_group)
             return LoadWeights(folder[0])
         shape = BatchHeader.from_list(values[: BatchHeader.size()])
-        entries, probe_len, scaling_len, deviation_len, *plan_sizes = values[BatchHeader.size() :]
+        entries, probe_len, scaling_len, span_groups, deviation_len, *plan_sizes = values[BatchHeader.size() :]
         host = torch.empty(shape.host_size() + probe_len + deviation_len, dtype=I64)
         dist.broadcast(host, 0, group=self.cpu_group)
         host = host.tolist()
@@ -148,7 +149,7 @@ class BatchReceiver:
         if probe_len:
             batch.probe = AttentionProbe.from_list(host[shape.host_size() : probe_end], runner.device)
         if scaling_len:
-            batch.span_scaling = scaling_from_tensor(scaling, shape.batch_size)
+            batch.span_scaling = scaling_from_tensor(scaling, shape.batch_size, span_groups)
         if deviation_len:
             batch.deviation = DeviationProbe.from_list(host[probe_end:], runner.device)
         rows, cols = table_index(batch.req_pool_indices, batch.seq_lens, entries)
