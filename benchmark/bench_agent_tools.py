@@ -5,6 +5,8 @@ concurrently with the official `openai` client, streaming, each session waiting 
   prefix_cache    extra_body tool_spans=false: tools rendered as text, reused only while everything before matches.
   tool_spans      extra_body tool_spans=true: each description is a span with the server's span settings.
   isolated_spans  spans with no anchor and no head tokens: each description encoded on its own.
+  result_spans    tool_spans, and each tool result in the history a span too (marked in the message's content), so
+                  a turn whose tools changed reuses its results' KV instead of prefilling its whole history again.
 Replies are greedy and go back into the history as the model wrote them (the agent acts on the first call), so a
 mode's later turns see its own earlier answers; prefix_cache is the exact reference the span modes agree with.
 Tool-call accuracy reads the model's first call: the server's tool_calls, else a reply that is nothing but one JSON
@@ -40,16 +42,19 @@ import numpy as np
 import openai
 from tqdm import tqdm
 
+from sglang_pic.frontend_lang import span
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from agent_workload import Session, Workload, WorkloadConfig, arguments_valid, build_workload  # noqa: E402
 from soak_server import OwnServer  # noqa: E402
 
-MODES = ("prefix_cache", "tool_spans", "isolated_spans")
+MODES = ("prefix_cache", "tool_spans", "isolated_spans", "result_spans")
 MODE_BODIES: dict[str, dict[str, Any]] = {
     "prefix_cache": {"tool_spans": False},
     "tool_spans": {"tool_spans": True},
     "isolated_spans": {"tool_spans": {"span_anchor": "none", "span_head_tokens": 0}},
+    "result_spans": {"tool_spans": True},
 }
 REFERENCE_MODE = "prefix_cache"
 DEFAULT_OUT = Path(__file__).parent / "results" / "agent_tools.json"
@@ -117,12 +122,14 @@ class ModeResult:
     right_tool_rate: float  # the first call names the expected tool
     schema_valid_rate: float | None  # of those right-tool calls, arguments valid against the schema
     agreement_with_reference: float | None  # share of turns whose action equals prefix_cache's
-    # Turns after each session's first whose tools changed, the history tokens they prefilled, and those tokens'
-    # share of prefill_tokens_computed; TTFT p50 of those turns and of the later turns whose tools stayed.
+    # Turns after each session's first whose tools changed, the history tokens they prefilled, those tokens' share of
+    # prefill_tokens_computed and the turns' cache hit ratio; TTFT p50 of those turns and of the later turns whose
+    # tools stayed.
     tool_change_turns: int
     tool_change_share: float
     tool_change_history_tokens: int
     tool_change_history_share: float
+    tool_change_hit_ratio: float  # cached over prompt tokens on those turns
     tool_change_ttft_p50_s: float | None
     same_tools_ttft_p50_s: float | None
     records: list[TurnRecord]
@@ -268,7 +275,8 @@ async def run_session(
         calls = [{"id": call_id, "type": "function", "function": {"name": first["name"],
                                                                   "arguments": first["arguments"]}}] if first else None
         messages.append({"role": "assistant", "content": reply.text or None, "tool_calls": calls})
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": turn.result})
+        result = span(turn.result) if mode == "result_spans" else turn.result
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
         bar.update(1)
     return records, messages
 
@@ -360,7 +368,8 @@ def summarize(mode: str, records: list[TurnRecord], wall: float) -> ModeResult:
     later = [r for r in records if r.turn > 0]
     changed = [r for r in later if r.tools_changed]
     # The history follows the tools, so none of it can hit once they change: all of it is prefilled (the cap only
-    # guards the count against a turn that prefilled less).
+    # guards the count against a turn that prefilled less), but for result_spans' results, which hit as spans
+    # (tool_change_hit_ratio shows how much).
     history = sum(min(r.history_tokens or 0, r.prompt_tokens - r.cached_tokens) for r in changed)
     return ModeResult(
         mode=mode, turns=len(records), wall_s=wall, ttft_p50_s=float(np.percentile(ttft, 50)),
@@ -375,6 +384,7 @@ def summarize(mode: str, records: list[TurnRecord], wall: float) -> ModeResult:
         agreement_with_reference=None,
         tool_change_turns=len(changed), tool_change_share=len(changed) / len(later) if later else 0.0,
         tool_change_history_tokens=history, tool_change_history_share=history / max(prompt - cached, 1),
+        tool_change_hit_ratio=sum(r.cached_tokens for r in changed) / max(sum(r.prompt_tokens for r in changed), 1),
         tool_change_ttft_p50_s=median([r.ttft_s for r in changed]),
         same_tools_ttft_p50_s=median([r.ttft_s for r in later if not r.tools_changed]),
         records=sorted(records, key=lambda r: (r.session, r.turn)),
@@ -414,17 +424,17 @@ def print_table(results: list[ModeResult]) -> None:
 
     print(f"{'mode':<16}{'ttft p50':>10}{'ttft p99':>10}{'out tok/s':>11}{'tot tok/s':>11}{'prefilled':>11}"
           f"{'hit':>7}{'acc':>7}{'server':>8}{'right':>7}{'valid':>7}{'agree':>7}{'changed':>9}{'hist pf':>9}"
-          f"{'of pf':>7}")
+          f"{'of pf':>7}{'ch hit':>8}")
     for m in results:
         print(f"{m.mode:<16}{m.ttft_p50_s:>10.3f}{m.ttft_p99_s:>10.3f}{m.output_tokens_per_s:>11.1f}"
               f"{m.total_tokens_per_s:>11.1f}{m.prefill_tokens_computed:>11}{m.cache_hit_ratio:>7.2f}"
               f"{m.tool_call_accuracy:>7.2f}{m.server_call_rate:>8.2f}{m.right_tool_rate:>7.2f}"
               f"{opt(m.schema_valid_rate, '.2f'):>7}"
               f"{opt(m.agreement_with_reference, '.2f'):>7}{m.tool_change_share:>9.2f}"
-              f"{m.tool_change_history_tokens:>9}{m.tool_change_history_share:>7.2f}")
+              f"{m.tool_change_history_tokens:>9}{m.tool_change_history_share:>7.2f}{m.tool_change_hit_ratio:>8.2f}")
     print("acc: right tool, valid arguments; server: calls the server returned as tool_calls; right: right tool; "
           "valid: of those, arguments valid\nchanged: share of later turns whose tools changed; hist pf: history "
-          "tokens those turns prefilled; of pf: their share of all prefill")
+          "tokens those turns prefilled; of pf: their share of all prefill; ch hit: those turns' cache hit ratio")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

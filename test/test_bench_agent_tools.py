@@ -18,11 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 import bench_agent_tools  # noqa: E402
 from agent_workload import WorkloadConfig, arguments_valid, build_workload  # noqa: E402
 
-MODES = ("prefix_cache", "tool_spans")
+MODES = ("prefix_cache", "tool_spans", "result_spans")
 FIELDS = ("ttft_p50_s", "ttft_p99_s", "ttft_p50_by_turn_s", "output_tokens_per_s", "total_tokens_per_s",
           "prefill_tokens_computed", "cached_tokens", "cache_hit_ratio", "tool_call_accuracy", "server_call_rate",
           "right_tool_rate", "agreement_with_reference", "tool_change_turns", "tool_change_share",
-          "tool_change_history_tokens", "tool_change_history_share", "tool_change_ttft_p50_s", "same_tools_ttft_p50_s")
+          "tool_change_history_tokens", "tool_change_history_share", "tool_change_hit_ratio", "tool_change_ttft_p50_s",
+          "same_tools_ttft_p50_s")
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,13 @@ def agent_run(tmp_path_factory) -> tuple[dict, Path]:
     out = root / "results" / "agent_tools.json"
     bench_agent_tools.main(
         ["--quick", "--modes", ",".join(MODES), "--model-path", str(model), "--chat-template", str(template),
-         "--out", str(out), "--change-prob", "0.7"]  # every session's tools drift
+         "--out", str(out), "--change-prob", "0.7",  # every session's tools drift
+         "--server-arg=--span-head-tokens", "--server-arg=4"]  # the quick results are shorter than the default head
     )
     return json.loads(out.read_text()), out
 
 
-@pytest.mark.slow  # two tiny servers, one after the other
+@pytest.mark.slow  # three tiny servers, one after the other
 def test_every_mode_reports_every_turn(agent_run):
     result, out = agent_run
     assert out.with_suffix(".png").stat().st_size > 0
@@ -58,7 +60,7 @@ def test_every_mode_reports_every_turn(agent_run):
     assert result["modes"]["prefix_cache"]["agreement_with_reference"] == 1
 
 
-@pytest.mark.slow  # two tiny servers, one after the other
+@pytest.mark.slow  # three tiny servers, one after the other
 def test_tool_change_turns_prefill_their_history(agent_run):
     result, _ = agent_run
     workload = result["workload"]
@@ -71,19 +73,22 @@ def test_tool_change_turns_prefill_their_history(agent_run):
         assert all(r["history_tokens"] is None for r in mode["records"] if not r["tools_changed"]), name
         for r in changed:
             # The history (earlier turns' messages, calls and results) sits between the tools and the new message,
-            # and is keyed on the tools before it: the turn prefilled all of it.
+            # and is keyed on the tools before it: the turn prefilled all of it, but for results that are spans.
             assert 0 < r["history_tokens"] < r["prompt_tokens"], (name, r)
-            assert r["prompt_tokens"] - r["cached_tokens"] >= r["history_tokens"], (name, r)
+            if name != "result_spans":
+                assert r["prompt_tokens"] - r["cached_tokens"] >= r["history_tokens"], (name, r)
         assert mode["tool_change_history_tokens"] == sum(r["history_tokens"] for r in changed), name
         assert 0 < mode["tool_change_history_share"] <= 1, name
         assert mode["tool_change_history_share"] == pytest.approx(
             mode["tool_change_history_tokens"] / mode["prefill_tokens_computed"]), name
 
 
-@pytest.mark.slow  # two tiny servers, one after the other
+@pytest.mark.slow  # three tiny servers, one after the other
 def test_spans_reuse_more_of_a_drifting_trace(agent_run):
     modes = agent_run[0]["modes"]
     assert modes["tool_spans"]["cached_tokens"] > modes["prefix_cache"]["cached_tokens"]
+    # Tool results as spans: a turn whose tools changed reads its earlier results from the cache.
+    assert modes["result_spans"]["tool_change_hit_ratio"] > modes["tool_spans"]["tool_change_hit_ratio"]
 
 
 QUICK = WorkloadConfig(num_tools=6, description_tokens=(39, 78), sessions=4, turns=(3, 6), session_tools=(3, 5),
