@@ -271,16 +271,19 @@ def _extend_attention_kernel(
                 s_lo = tl.load(span_ranges_ptr + 2 * r)
                 s_hi = tl.load(span_ranges_ptr + 2 * r + 1)
                 g = tl.load(span_group_ptr + r)
-                in_r = (offs_n >= s_lo) & (offs_n < s_hi)
+                # Only the few ranges that overlap this key block (of one group, in a first pass) cost tile work.
+                overlaps = (s_lo < start_n + BLOCK_N) & (s_hi > start_n)
                 if SPAN_PASS == 1:
-                    in_r = in_r & (g == span_group)
-                temp = tl.load(span_temp_ptr + r)
-                key_in_span |= in_r.to(tl.int32)
-                key_inv_temp = tl.where(in_r, 1.0 / temp, key_inv_temp)
-                if SPAN_PASS == 2:
-                    group_lse = tl.load(lse_rows + g * group_stride, mask=row_scaled, other=0.0)
-                    shift_r = (tl.load(span_scale_ptr + r) * temp - 1.0) * group_lse
-                    shift = tl.where(in_r[None, :], shift_r[:, None], shift)
+                    overlaps = overlaps & (g == span_group)
+                if overlaps:
+                    in_r = (offs_n >= s_lo) & (offs_n < s_hi)
+                    temp = tl.load(span_temp_ptr + r)
+                    key_in_span |= in_r.to(tl.int32)
+                    key_inv_temp = tl.where(in_r, 1.0 / temp, key_inv_temp)
+                    if SPAN_PASS == 2:
+                        group_lse = tl.load(lse_rows + g * group_stride, mask=row_scaled, other=0.0)
+                        shift_r = (tl.load(span_scale_ptr + r) * temp - 1.0) * group_lse
+                        shift = tl.where(in_r[None, :], shift_r[:, None], shift)
             span_key = row_scaled[:, None] & (key_in_span != 0)[None, :]
             if SPAN_PASS == 1:
                 visible = visible & span_key
@@ -399,7 +402,8 @@ def extend_attention_fwd(
     keys_rotated=True is the baseline: the pool holds keys already rotated by their position, so only queries
     are rotated. With `staged_keys` (from stage_keys over the same requests) keys are read, rotated, from its
     workspace instead of kv.k_buffer; values still come from the pool. `span` (over the same requests) scales the
-    attention to span keys: a first pass of the kernel takes each row's span log-sum-exp, the second attends.
+    attention to span keys: a pass of the kernel per span group takes each row's log-sum-exp of that group, then
+    the last pass attends.
     """
     num_tokens, num_heads, head_dim = q.shape
     max_extend_len, k_buffer, v_buffer = ext.max_extend_len, kv.k_buffer, kv.v_buffer

@@ -14,7 +14,8 @@ the span cut at the run's start: PDEP text after that shorter span would attend 
 run is keyed as that text (recompute_namespaces). A span behind an anchor attends causally to the anchor and
 itself: that is the KV of the plain text anchor + span, so it is keyed as that prefix (namespace None), and a plain
 prompt starting with the same text shares it. Both settings are part of the structure later PDEP keys hash, since
-the KV after a span depends on them.
+the KV after a span depends on them; so are the APE factors a span is read with (`attention`), which change what
+everything after it attends to but not the span's own KV.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Segment:
     query_share: float = 0.0
     select: str = "query"
     # Spans only: APE's (temperature, scale) for the attention the request's later tokens pay to the span (span_policy's
-    # attention; (1, 1): plain). Not part of any key: the KV is the same, only how it is read differs.
+    # attention; (1, 1): plain). Not part of the span's own key (its KV is the same whatever reads it), but of the
+    # structure that keys what follows it.
     attention: tuple[float, float] = (1.0, 1.0)
 
     def __post_init__(self) -> None:
@@ -168,7 +170,8 @@ def _token_hasher(tokens: Sequence[int]):
 
 def _encode(seg: Segment, length: int | None = None, tokens_digest: bytes | None = None) -> bytes:
     """Kind, length, the sha256 of the tokens (int64s), then anchor length, anchor, the number of recomputed runs and
-    their (offset, length) pairs, as little-endian int64: self-delimiting, so a sequence of records is unambiguous.
+    their (offset, length) pairs, as little-endian int64, then the APE factors as two float64: self-delimiting, so
+    a sequence of records is unambiguous.
     `length` and `tokens_digest`: the record of the segment cut to its first `length` tokens, whose digest the caller
     has (a running hash over the tokens makes every cut of a span one pass: recompute_namespaces)."""
     n = len(seg.token_ids) if length is None else length
@@ -177,7 +180,7 @@ def _encode(seg: Segment, length: int | None = None, tokens_digest: bytes | None
     m, r = len(seg.anchor), len(cut)
     runs = [x for run in cut for x in run]
     return struct.pack(
-        f"<BQ32sQ{m}qQ{2 * r}q", _KINDS.index(seg.kind), n, digest, m, *seg.anchor, r, *runs
+        f"<BQ32sQ{m}qQ{2 * r}q2d", _KINDS.index(seg.kind), n, digest, m, *seg.anchor, r, *runs, *seg.attention
     )
 
 

@@ -112,6 +112,37 @@ def test_unit_factors_are_plain_attention(setup):
         [o["meta_info"]["output_token_logprobs"] for o in plain]
 
 
+def test_text_after_spans_is_cached_under_the_factors_it_read_them_with(setup):
+    """The text after a span (its recomputed head, PDEP text, the question) attends to the span as the factors say,
+    so a request with other factors never hits that KV: warm after a plain run of the same prompt, it answers as
+    it does cold; the spans' own KV, which no factor changes, is still shared."""
+    engine, _ = setup
+    given = {"span_anchor": "auto", "span_head_tokens": 1}
+    ape = {**given, "span_attention_temperature": 0.3, "span_attention_scale": 3.0}
+    text = prompts()[0]
+    engine.flush_cache()
+    cold = engine.generate(text, PARAMS, return_logprob=True, **ape)
+    engine.flush_cache()
+    engine.generate(text, PARAMS, **given)
+    warm = engine.generate(text, PARAMS, return_logprob=True, **ape)
+    assert warm["meta_info"]["cached_span_tokens"] > 0
+    assert warm["output_ids"] == cold["output_ids"]
+    lp = [t[0] for t in warm["meta_info"]["output_token_logprobs"]]
+    assert lp == pytest.approx([t[0] for t in cold["meta_info"]["output_token_logprobs"]], abs=1e-4)
+
+
+def test_at_most_four_span_groups(setup):
+    engine, _ = setup
+    isolated = {"span_anchor": "none", "span_head_tokens": 0}  # short spans a head would recompute whole
+    for n in (5, 4):
+        text = "Q:" + "".join(span(DOCS[i % 3] + f" {i}.", attention_temperature=0.5 + 0.1 * i) for i in range(n))
+        if n > 4:
+            with pytest.raises(ValueError, match="5 distinct .* at most 4"):
+                engine.generate(text + "?", PARAMS, **isolated)
+        else:
+            assert engine.generate(text + "?", PARAMS, **isolated)["meta_info"]["finish_reason"] is not None
+
+
 @pytest.mark.parametrize("value", [0, -1.0, 17.0, "1", True])
 def test_bad_factors_are_refused(setup, value):
     engine, _ = setup

@@ -226,8 +226,9 @@ class ServerArgs:
     span_settings_marker: str = _arg(
         "<|span_settings|>",
         "Text marker right after a span marker that opens the span's own settings, a JSON object with "
-        "span_anchor, span_head_tokens, span_tail_tokens, span_query_share and/or span_recompute (what "
-        "span(doc, anchor=..., head_tokens=...) writes).",
+        "span_anchor, span_head_tokens, span_tail_tokens, span_query_share, span_select, "
+        "span_attention_temperature, span_attention_scale and/or span_recompute (what span(doc, anchor=..., "
+        "head_tokens=...) writes).",
     )
     span_anchor: str = _arg(
         "auto",
@@ -268,12 +269,13 @@ class ServerArgs:
     span_attention_temperature: float = _arg(
         1.0,
         "APE's attention temperature T for span keys: a query after the spans sees the keys of spans encoded apart "
-        "from it with logits divided by T (1: plain attention). Not with speculative decoding.",
+        "from it with logits divided by T (1: plain attention). A request or a span may override it. Not with "
+        "speculative decoding.",
     )
     span_attention_scale: float = _arg(
         1.0,
         "APE's scale S for span keys: their softmax group weighs exp(S * T * LSE) against the other keys, LSE the "
-        "log-sum-exp of their tempered logits (1 with T = 1: plain attention).",
+        "log-sum-exp of their tempered logits (1 with T = 1: plain attention). A request or a span may override it.",
     )
     ssep_token_id: int = _arg(-1, "Id that stands for the span marker in input_ids.")
     pdep_token_id: int = _arg(-2, "Id that stands for the prompt-dependent marker in input_ids.")

@@ -49,6 +49,9 @@ SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens", "span_q
 SPAN_FIELDS = (*SETTING_FIELDS, "span_recompute")  # a span's own settings: the request's, and its exact runs
 _SENTINEL = "\u2063sglang-pic-span\u2063"
 MAX_ATTENTION_FACTOR = 16.0  # past this a temperature or scale only flattens or saturates the softmax
+# Distinct APE factor pairs in one request: each is an attention group, one more kernel pass per layer (and on
+# FlashInfer one more planned wrapper with a workspace of its own).
+MAX_SPAN_GROUPS = 4
 
 
 @dataclass(frozen=True)

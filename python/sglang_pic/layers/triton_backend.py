@@ -76,7 +76,8 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         fb = forward_batch
-        # Span scaling runs in the extend kernel only (its two passes): then every decode is a one-token extend.
+        # Span scaling runs in the extend kernel only (a pass per span group, then attention): then every decode is
+        # a one-token extend.
         decodes = fb.num_decodes if fb.span_scaling is None else 0
         extends = fb.batch_size - decodes
         meta = TritonMetadata(extends, fb.positions.shape[0] - decodes)

@@ -17,7 +17,7 @@ from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.span_policy import SpanPolicy, anchor_tokens, check_settings
+from sglang_pic.span_policy import MAX_SPAN_GROUPS, SpanPolicy, anchor_tokens, check_settings
 from sglang_pic.tokenizer import fast_decode
 
 
@@ -139,6 +139,10 @@ class RequestBuilder:
             segments, own = self.segmenter.from_ids(ids), {}
         policy = self._span_policy(item["span_settings"])
         segments = canonicalize(self._apply(policy, segments, own))
+        groups = {seg.attention for seg in segments if seg.kind == "span"} - {(1.0, 1.0)}
+        if len(groups) > MAX_SPAN_GROUPS:
+            raise ValueError(f"the spans carry {len(groups)} distinct (span_attention_temperature, "
+                             f"span_attention_scale) pairs; a request takes at most {MAX_SPAN_GROUPS}")
         prompt_len = sum(len(s.token_ids) for s in segments)  # the positions the scheduler gives the prompt
         given = isinstance(item["sampling_params"], dict) and item["sampling_params"].get("max_new_tokens") is not None
         self._fit_context(params, prompt_len, given, default_max_new_tokens)
