@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from sglang_pic.span_policy import check_settings, format_settings
 
@@ -82,9 +82,8 @@ def marked_prompt(*parts: str | Span) -> str:
     out = []
     for part in parts:
         if isinstance(part, Span):
-            out.append(span(part.text, anchor=part.anchor, head_tokens=part.head_tokens, tail_tokens=part.tail_tokens,
-                            query_share=part.query_share, select=part.select,
-                            attention_temperature=part.attention_temperature, attention_scale=part.attention_scale))
+            settings = {f.name: getattr(part, f.name) for f in fields(Span) if f.name != "text"}
+            out.append(span(part.text, **settings))
         else:
             out.append(_check_text(part, "prompt text"))
     return "".join(out)

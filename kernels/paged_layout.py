@@ -60,20 +60,22 @@ class SpanScaling:
         """Whether key index index[i, ...] of request requests[i] (default: request i) lies in one of its spans (of
         its group `group`; None: any)."""
         b = torch.arange(self.range_start.shape[0] - 1, device=index.device) if requests is None else requests
-        owner = torch.repeat_interleave(self.range_start.diff())  # [R] request of each range
-        mine = owner[None, :] == b[:, None]  # [n, R]
-        if group is not None:
-            mine = mine & (self.group == group)[None, :]
+        mine = self._ranges_of(b, group)
         idx = index.reshape(index.shape[0], -1, 1)
         inside = (idx >= self.ranges[:, 0]) & (idx < self.ranges[:, 1]) & mine[:, None, :]
         return inside.any(-1).view(index.shape)
 
     def group_factors(self, group: int, requests: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(temperature, scale) [n] of group `group` of request requests[i]; 1 where it has no such group."""
-        owner = torch.repeat_interleave(self.range_start.diff())
-        mine = (owner[None, :] == requests[:, None]) & (self.group == group)[None, :]  # [n, R]
+        mine = self._ranges_of(requests, group)
         has = mine.any(1)
         first = mine.int().argmax(1)
         one = torch.ones((), device=requests.device)
         return (torch.where(has, self.temperature[first], one).float(),
                 torch.where(has, self.scale[first], one).float())
+
+    def _ranges_of(self, requests: torch.Tensor, group: int | None) -> torch.Tensor:
+        """[n, R] bool: range r belongs to request requests[i] (and to its group `group`; None: any)."""
+        owner = torch.repeat_interleave(self.range_start.diff())  # [R] request of each range
+        mine = owner[None, :] == requests[:, None]
+        return mine if group is None else mine & (self.group == group)[None, :]

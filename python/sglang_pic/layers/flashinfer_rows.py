@@ -137,17 +137,17 @@ def span_groups(rows: RaggedRows, span: SpanScaling) -> SpanGroups:
     i64 = dict(dtype=torch.int64, device=device)
     q_len, kv_len = rows.qo_indptr.diff().tolist(), rows.kv_indptr.diff().tolist()
     q_start, kv_start = rows.qo_indptr[:-1].tolist(), rows.kv_indptr[:-1].tolist()
+    q_len_t, kv_len_t, q_start_t, key_start = (torch.tensor(x, **i64) for x in (q_len, kv_len, q_start, kv_start))
     n_rows, nq, nnz, n_groups = rows.num_rows, rows.num_queries, int(rows.kv_indptr[-1]), span.num_groups
     req, lo = torch.tensor(rows.row_req, **i64), torch.tensor(rows.row_lo, **i64)
     row_ids = torch.arange(n_rows, **i64)
 
-    key_row = torch.repeat_interleave(row_ids, torch.tensor(kv_len, **i64), output_size=nnz)
-    key_start = torch.tensor(kv_start, **i64)
+    key_row = torch.repeat_interleave(row_ids, kv_len_t, output_size=nnz)
     key_index = lo[key_row] + torch.arange(nnz, **i64) - key_start[key_row]
     key_in_group = torch.stack([span.in_spans(key_index, req[key_row], g) for g in range(n_groups)])  # [G, nnz]
-    q_row = torch.repeat_interleave(row_ids, torch.tensor(q_len, **i64), output_size=nq)
-    q_offset = torch.arange(nq, **i64) - torch.tensor(q_start, **i64)[q_row]
-    q_index = lo[q_row] + torch.tensor(kv_len, **i64)[q_row] - torch.tensor(q_len, **i64)[q_row] + q_offset
+    q_row = torch.repeat_interleave(row_ids, q_len_t, output_size=nq)
+    q_offset = torch.arange(nq, **i64) - q_start_t[q_row]
+    q_index = lo[q_row] + kv_len_t[q_row] - q_len_t[q_row] + q_offset
     q_scaled = ~span.in_spans(q_index, req[q_row])  # query i of a row sees its keys 0 .. kv_len - q_len + i
 
     sizes = [q * kv for q, kv in zip(q_len, kv_len)]
@@ -161,7 +161,7 @@ def span_groups(rows: RaggedRows, span: SpanScaling) -> SpanGroups:
     keys = single[key_row]  # the keys of one-query rows: their elements follow the keys' order
     if bool(keys.any()):
         at = (torch.tensor(elem_start, **i64) - key_start)[key_row[keys]] + torch.arange(nnz, **i64)[keys]
-        query = torch.tensor(q_start, **i64)[key_row[keys]]
+        query = q_start_t[key_row[keys]]
         flags = key_in_group[:, keys] & q_scaled[query][None, :]
         masks[:, at] = flags
         for g in range(n_groups):

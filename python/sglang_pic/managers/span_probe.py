@@ -1,17 +1,17 @@
 """Query-driven selection: each request chooses the span tokens it recomputes from its own question's attention.
 
-A request with spans that have a query share and select by `query` (span_policy.py) is first prefilled as its other settings give it: spans
-read from their jobs, seams recomputed, and its question (the text after its last span) computed in full, never
-read from the cache. That probe pass samples nothing; every layer scores how much attention the question pays to
-each position (layers/attention_probe.py). When it completes, the request's KV goes to the radix tree like any
-prefill's and the request chooses: of the span tokens no run covers yet, in those spans, it takes the sum
-over those spans of share x span length, in aligned blocks (SELECT_BLOCK) highest summed score first (the earlier
-block on ties, so the same request chooses the same tokens; the last block taken is cut to the budget), adds them
-to its spans' recomputed runs, and is re-keyed exactly as if the client had sent those runs (`span_recompute`).
-It then waits at the front of the queue and is prefilled again: what comes before its first newly chosen token (its
-prefix, earlier seams) is a cache hit, the rest is computed with the chosen tokens attending to everything before
-them. Spans that select by `deviation` in the same request have chosen before its probe pass (span_deviation.py):
-each pass fills the budget of its own spans.
+A request with spans that have a query share and select by `query` (span_policy.py) is first prefilled as its other
+settings give it: spans read from their jobs, seams recomputed, and its question (the text after its last span)
+computed in full, never read from the cache. That probe pass samples nothing; every layer scores how much attention
+the question pays to each position (layers/attention_probe.py). When it completes, the request's KV goes to the
+radix tree like any prefill's and the request chooses: of the span tokens no run covers yet, in those spans, it
+takes the sum over those spans of share x span length, in aligned blocks (SELECT_BLOCK) highest summed score first
+(the earlier block on ties, so the same request chooses the same tokens; the last block taken is cut to the budget),
+adds them to its spans' recomputed runs, and is re-keyed exactly as if the client had sent those runs
+(`span_recompute`). It then waits at the front of the queue and is prefilled again: what comes before its first
+newly chosen token (its prefix, earlier seams) is a cache hit, the rest is computed with the chosen tokens attending
+to everything before them. Spans that select by `deviation` in the same request have chosen before its probe pass
+(span_deviation.py): each pass fills the budget of its own spans.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def take_choice(req: Req, scores: np.ndarray, select: str) -> None:
 
 def add_probe_counts(req: Req) -> None:
     """After a match of a probed request: it reports what the cache held before its probe pass, the prompt tokens
-    its second prefill computes (`probe_tokens`, with any deviation pass's), and the span tokens it computed itself in either pass, once each:
-    those this match misses, and those it finds that the probe pass computed (at most as many as it computed)."""
+    its second prefill computes (`probe_tokens`, with any deviation pass's), and the span tokens it computed itself
+    in either pass, once each: those this match misses, and those it finds that the probe pass computed (at most as
+    many as it computed)."""
     if req.probe_counts is None:
         return
     prefix, span, computed = req.probe_counts
