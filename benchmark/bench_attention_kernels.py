@@ -174,7 +174,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list, config=None) 
 
     batch = _make_batch(args, specs, seed=len(name))
     out = batch.poisoned_output()
-    staged = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer, batch.query_rows())
+    staged = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer, batch.query_rows(), batch.q.dtype)
     pre_k = batch.k_buffer.clone()  # the baseline's pool: the store rotates its new keys, the rest stay as they are
     new_kv = (batch.out_cache_loc, batch.k_new, batch.v_new)
 
@@ -241,7 +241,7 @@ def bench_store(args: argparse.Namespace, tokens: int) -> dict:
     batch = _make_batch(args, [prefill(tokens)], seed=tokens)
     k, v, loc, pos = batch.k_new, batch.v_new, batch.out_cache_loc, batch.positions
     k_buf, v_buf, table = batch.k_buffer, batch.v_buffer, batch.kernel_cos_sin
-    staged = alloc_staged_keys(batch.kv(), batch.ext(), tokens)
+    staged = alloc_staged_keys(batch.kv(), batch.ext(), tokens, batch.q.dtype)
     fns = {
         "free": lambda: store_kv(k_buf, v_buf, loc, k, v, table),
         "free_staged": lambda: store_kv(k_buf, v_buf, loc, k, v, table, staged, pos),

@@ -158,7 +158,7 @@ def bench_extend(args: argparse.Namespace, name: str, specs: list) -> dict:
 
     batch = bak._make_batch(args, specs, seed=len(name))
     ours = batch.poisoned_output()
-    staged = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer, batch.query_rows())
+    staged = should_stage_keys(sum(batch.seq_lens_cpu), batch.k_buffer, batch.query_rows(), batch.q.dtype)
     new_kv = (batch.out_cache_loc, batch.k_new, batch.v_new)
     case = FlashInferCase(batch, args, decode=False)
     fi_pre, _ = case.runner(rope=False)

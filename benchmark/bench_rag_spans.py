@@ -185,6 +185,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-shared-decode", action="store_true",
                    help="every decode reads its own keys (no shared reads of cached runs, kernels/shared_decode.py)")
     p.add_argument("--attention-backend", help="the server's --attention-backend (default: its default)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype (e.g. fp8_e4m3)")
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -197,7 +198,7 @@ def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
 def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> dict[str, Any]:
     kwargs = dict(
         model_path=model_dir, tokenizer_path=tokenizer_dir, load_format=args.load_format, dtype=args.dtype,
-        max_total_tokens=args.max_total_tokens, random_seed=args.seed,
+        max_total_tokens=args.max_total_tokens, random_seed=args.seed, kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.chunked_prefill_size is not None:
         kwargs["chunked_prefill_size"] = args.chunked_prefill_size

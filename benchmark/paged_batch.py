@@ -143,7 +143,7 @@ class PagedBatch:
         out = self.poisoned_output() if out is None else out
         kv = self.kv(k_buffer)
         if stage is None:
-            stage = should_stage_keys(sum(self.seq_lens_cpu), kv.k_buffer, self.query_rows())
+            stage = should_stage_keys(sum(self.seq_lens_cpu), kv.k_buffer, self.query_rows(), self.q.dtype)
         staged = self.stage_keys(kv.k_buffer) if stage and not keys_rotated else None
         extend_attention_fwd(
             self.q, out, kv, self.ext(), self.kernel_cos_sin, self.sm_scale, keys_rotated=keys_rotated, config=config,
@@ -161,7 +161,7 @@ class PagedBatch:
 
         kv = self.kv(k_buffer)
         if self.staged is None:
-            self.staged = alloc_staged_keys(kv, self.ext(), sum(self.seq_lens_cpu))
+            self.staged = alloc_staged_keys(kv, self.ext(), sum(self.seq_lens_cpu), self.q.dtype)
             self.staged.workspace.fill_(float("nan"))
         new_kv = (self.out_cache_loc, self.k_new, self.v_new)
         store_kv(kv.k_buffer, self.v_buffer, *new_kv, self.kernel_cos_sin, self.staged, self.positions)
@@ -227,8 +227,8 @@ class PagedBatch:
         """Stores k_new/v_new into NaN-filled copies of the pools (rotating keys by position for the baseline)."""
         from sglang_pic.kernels.store_kv import store_kv, store_kv_rotated
 
-        k_buf = torch.full_like(self.k_buffer, float("nan"))
-        v_buf = torch.full_like(self.v_buffer, float("nan"))
+        k_buf = torch.full(self.k_buffer.shape, float("nan")).to(self.k_buffer)  # fp8 pools take no fill
+        v_buf = torch.full(self.v_buffer.shape, float("nan")).to(self.v_buffer)
         loc = self.out_cache_loc
         if rotate:
             store_kv_rotated(k_buf, v_buf, loc, self.k_new, self.v_new, self.positions, self.cos_sin_cache)
@@ -275,8 +275,10 @@ def make_paged_batch(
     v_head_dim: int | None = None,
     rope_base: float = 10000.0,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
-    """Random q and KV for `specs`. Slots that no request owns hold NaN, and every request's req_to_token row
+    """Random q and KV for `specs`, the pool in `kv_dtype` (default: `dtype`; the new tokens' k_new and v_new are
+    its values widened to `dtype`). Slots that no request owns hold NaN, and every request's req_to_token row
     points past its length at such a slot, so a kernel that reads outside its keys produces NaN."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
@@ -306,7 +308,7 @@ def make_paged_batch(
         buf = torch.randn((owned.shape[0], num_kv_heads, dim), generator=dev_gen, device=device, dtype=dtype)
         buf[~owned.to(device)] = float("nan")
         buf[:page_size] = 0
-        buffers.append(buf)
+        buffers.append(buf.to(kv_dtype or dtype))
     k_buffer, v_buffer = buffers
 
     def on_device(values: list[int]) -> torch.Tensor:
@@ -319,8 +321,8 @@ def make_paged_batch(
     return PagedBatch(
         rows=rows,
         q=q,
-        k_new=k_buffer[loc].clone(),
-        v_new=v_buffer[loc].clone(),
+        k_new=k_buffer[loc].to(dtype),
+        v_new=v_buffer[loc].to(dtype),
         k_buffer=k_buffer,
         v_buffer=v_buffer,
         req_to_token=req_to_token.to(device),

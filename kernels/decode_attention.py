@@ -7,7 +7,7 @@ their log-sum-exp. The chunk count of a request is derived in both kernels from 
 depends only on the batch size and `max_splits`: replayable in a CUDA graph with any lengths.
 
 Decode is memory-bound: rotating keys must not cost HBM bytes or the registers that keep enough loads in flight.
-Each key is rotated by its own cos/sin row, read from the table in the KV cache's dtype (all programs read the
+Each key is rotated by its own cos/sin row, read from the table in the model's dtype (all programs read the
 same rows, so they come from L2, never HBM), with packed half-precision math (`rotate_keys`). The query is
 rotated once, by its own position, before the loop. Keys are not rotated from a table held in registers: such a
 table takes half of them and cuts the programs resident per SM, the loads in flight that decode lives on. Against
@@ -143,7 +143,7 @@ def _decode_split_kernel(
     kv_start = split * chunk
     kv_end = tl.minimum(kv_start + chunk, seq_len)
     req_row = tl.load(req_pool_indices_ptr + b)
-    dtype = k_buf_ptr.dtype.element_ty
+    dtype = q_ptr.dtype.element_ty
 
     offs_h = tl.arange(0, BLOCK_H)
     h_mask = offs_h < GROUP
@@ -167,8 +167,8 @@ def _decode_split_kernel(
         slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
         m_i, l_i, acc = attend_paged_keys(
             q1_dot, q2_dot, q_tail, k_head, v_head, slots, n_mask, offs_n, cos_sin_ptr, stride_cs, stride_kbs,
-            stride_vbs, m_i, l_i, acc, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, V_DIM, BLOCK_V, DOT_DTYPE,
-            DOT_PRECISION,
+            stride_vbs, m_i, l_i, acc, dtype, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, V_DIM, BLOCK_V,
+            DOT_DTYPE, DOT_PRECISION,
         )
 
     mid_o = mid_o_ptr + b * stride_mob + head[:, None] * stride_moh + split * stride_mos + offs_v[None, :]
@@ -266,8 +266,8 @@ def decode_attention_fwd(
     """out [B, Hq, Dv] for q [B, Hq, D] (unrotated, row b at position kv.seq_lens[b] - 1; every seq_len >= 1).
 
     The split count is mid_o.shape[2] (buffers from alloc_decode_buffers). Keys are rotated in the dtype of
-    `cos_sin_cache` (pass it in the pool's dtype, see RotaryEmbedding.kernel_table). keys_rotated=True is the
-    baseline that reads pre-rotated keys.
+    `cos_sin_cache` (pass it in q's dtype, see RotaryEmbedding.kernel_table); the pool may hold them in fp8.
+    keys_rotated=True is the baseline that reads pre-rotated keys.
     """
     batch_size, num_heads, head_dim = q.shape
     if batch_size == 0:
@@ -278,7 +278,7 @@ def decode_attention_fwd(
     max_splits = mid_o.shape[2]
     split = head_split(head_dim, cos_sin_cache, v_buffer.shape[-1])
     split_params, merge_params = decode_kernel_params(
-        num_heads, num_kv_heads, split, k_buffer.dtype, q.device, keys_rotated, config
+        num_heads, num_kv_heads, split, q.dtype, q.device, keys_rotated, config
     )
     _decode_split_kernel[(batch_size, num_kv_heads, max_splits)](
         q,

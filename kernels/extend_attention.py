@@ -178,7 +178,7 @@ def _extend_attention_kernel(
         return
     ext_start = tl.load(extend_start_loc_ptr + b)
     req_row = tl.load(req_pool_indices_ptr + b)
-    dtype = k_buf_ptr.dtype.element_ty
+    dtype = q_ptr.dtype.element_ty  # the pool (v_buf, and k_buf unless staged) may be fp8: tiles widen on load
 
     # Row r of the block is token r // GROUP of this program, query head kvh * GROUP + r % GROUP.
     offs_m = tl.arange(0, BLOCK_M)
@@ -250,8 +250,8 @@ def _extend_attention_kernel(
         else:
             k_rows = k_head + slots[:, None] * stride_kbs
         k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
-        k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
-        k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
+        k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0).to(dtype)
+        k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0).to(dtype)
         if ROTATE_KEYS:
             t_cos, t_sin = load_cos_sin(cos_sin_ptr, stride_cs, offs_b, offs_r, offs_b < num_positions, HALF)
             base = cos_sin_ptr + start_n * stride_cs + offs_r
@@ -287,7 +287,10 @@ def _extend_attention_kernel(
             span_key = row_scaled[:, None] & (key_in_span != 0)[None, :]
             if SPAN_PASS == 1:
                 visible = visible & span_key
-            qk = tl.where(span_key, qk * key_inv_temp[None, :] + shift, qk)
+            if SPAN_PASS == 2:
+                qk = tl.where(span_key, qk * key_inv_temp[None, :] + shift, qk)
+            else:  # a first pass has no shifts yet: its zero tile is dropped
+                qk = tl.where(span_key, qk * key_inv_temp[None, :], qk)
         qk = tl.where(visible, qk, float("-inf"))
         if SPAN_PASS == 1:
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -295,7 +298,7 @@ def _extend_attention_kernel(
             m_i = m_new
         else:
             v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
-            v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
+            v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0).to(dtype)
             m_i, l_i, acc = attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -398,12 +401,12 @@ def extend_attention_fwd(
     The key range is cut into `num_splits` chunks (default: `num_extend_splits` from the longest context,
     kv.max_seq_len, and the device's `num_sms`). ext.max_extend_len sizes the grid; it may exceed the true maximum.
 
-    Keys are rotated in the dtype of `cos_sin_cache` (pass it in the pool's dtype, see RotaryEmbedding.kernel_table).
-    keys_rotated=True is the baseline: the pool holds keys already rotated by their position, so only queries
-    are rotated. With `staged_keys` (from stage_keys over the same requests) keys are read, rotated, from its
-    workspace instead of kv.k_buffer; values still come from the pool. `span` (over the same requests) scales the
-    attention to span keys: a pass of the kernel per span group takes each row's log-sum-exp of that group, then
-    the last pass attends.
+    Keys are rotated in the dtype of `cos_sin_cache` (pass it in q's dtype, see RotaryEmbedding.kernel_table); the
+    pool may hold keys and values in fp8. keys_rotated=True is the baseline: the pool holds keys already rotated by
+    their position, so only queries are rotated. With `staged_keys` (from stage_keys over the same requests) keys
+    are read, rotated, from its workspace instead of kv.k_buffer; values still come from the pool. `span` (over the
+    same requests) scales the attention to span keys: a pass of the kernel per span group takes each row's
+    log-sum-exp of that group, then the last pass attends.
     """
     num_tokens, num_heads, head_dim = q.shape
     max_extend_len, k_buffer, v_buffer = ext.max_extend_len, kv.k_buffer, kv.v_buffer
@@ -416,7 +419,7 @@ def extend_attention_fwd(
     if staged:
         k_buffer = staged_keys.workspace
     params = extend_kernel_params(
-        num_heads, num_kv_heads, split, k_buffer.dtype, q.device, keys_rotated, config, keys_staged=staged,
+        num_heads, num_kv_heads, split, q.dtype, q.device, keys_rotated, config, keys_staged=staged,
         max_extend_len=max_extend_len, max_keys=kv.max_seq_len,
     )
     q_blocks = triton.cdiv(max_extend_len, params["BLOCK_M"] // params["GROUP"])

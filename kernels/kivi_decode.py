@@ -136,7 +136,7 @@ def _kivi_split_kernel(
     kv_start = split * chunk
     kv_end = tl.minimum(kv_start + chunk, total)
     prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
-    dtype = k_buf_ptr.dtype.element_ty
+    dtype = q_ptr.dtype.element_ty
     quant = quant_ptrs_ptr + b * _FIELDS
     k_codes = tl.load(quant).to(tl.pointer_type(tl.uint8))
     k_scale = tl.load(quant + 1).to(tl.pointer_type(tl.float32))
@@ -279,7 +279,7 @@ def kivi_decode_fwd(
     max_splits = mid_o.shape[2]
     split_params, merge_params = kivi_kernel_params(
         num_heads, num_kv_heads, head_dim, cos_sin_cache.shape[-1], v_buffer.shape[-1], kv.quant_group,
-        kv.value_group, k_buffer.dtype, q.device,
+        kv.value_group, q.dtype, q.device,
     )
     _kivi_split_kernel[(batch_size, num_kv_heads, max_splits)](
         q,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_pic.kv_cache_dtype import to_kv_dtype
 from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV, SpanScaling
 
 QUERY_CHUNK = 512
@@ -104,8 +105,8 @@ def store_reference(
     """Writes k (rotated by positions when given) and v into their slots, rounding once to the pool dtype."""
     if positions is not None:
         k = rope_f64(k, positions, cos_sin_cache)
-    k_buffer[loc] = k.to(k_buffer.dtype)
-    v_buffer[loc] = v.to(v_buffer.dtype)
+    k_buffer[loc] = to_kv_dtype(k, k_buffer.dtype)
+    v_buffer[loc] = to_kv_dtype(v, v_buffer.dtype)
 
 
 def relative_errors(out: torch.Tensor, expect: torch.Tensor) -> tuple[float, float]:

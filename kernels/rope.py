@@ -91,7 +91,7 @@ def rotate_halves(x1, x2, cos, sin):
 
 @triton.jit
 def rotate_keys(k1, k2, cos, sin):
-    """rotate_half of key tiles in the table's dtype. Kernels get the table in the KV cache's dtype, so bf16 keys
+    """rotate_half of key tiles in the table's dtype. Kernels get the table in the model's dtype, so bf16 keys
     are rotated with packed bf16 math: a quarter of the fp32 path's instructions (no widening and narrowing),
     with errors the size of the rounding that storing pre-rotated bf16 keys incurs anyway."""
     k1 = k1.to(cos.dtype)
@@ -217,6 +217,7 @@ def attend_paged_keys(
     m_i,
     l_i,
     acc,
+    dtype: tl.constexpr,
     ROTATE_KEYS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -229,21 +230,21 @@ def attend_paged_keys(
 ):
     """One block of decode keys read from the pool: the keys and values at `slots` of one kv head (`k_head`,
     `v_head`: the head's first element in the pools; `n_mask` masks the block's padding), keys rotated by
-    `key_pos` when ROTATE_KEYS, against the query operands of load_query_rows; folds into (m_i, l_i, acc)."""
-    dtype = k_head.dtype.element_ty
+    `key_pos` when ROTATE_KEYS, against the query operands of load_query_rows; folds into (m_i, l_i, acc). Pool
+    tiles are widened to the model's `dtype` as they load (an fp8 pool's included)."""
     offs_r = tl.arange(0, BLOCK_HALF)
     offs_v = tl.arange(0, BLOCK_V)
     k_rows = k_head + slots[:, None] * stride_kbs
     k_mask = n_mask[:, None] & (offs_r[None, :] < HALF)
-    k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0)
-    k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0)
+    k1 = tl.load(k_rows + offs_r[None, :], mask=k_mask, other=0.0).to(dtype)
+    k2 = tl.load(k_rows + HALF + offs_r[None, :], mask=k_mask, other=0.0).to(dtype)
     if ROTATE_KEYS:
         k_cos, k_sin = load_cos_sin(cos_sin_ptr, stride_cs, key_pos, offs_r, n_mask, HALF)
         k1, k2 = rotate_keys(k1, k2, k_cos, k_sin)
     qk = key_scores(q1, q2, q_tail, k1, k2, k_rows, n_mask, dtype, HALF, TAIL, BLOCK_TAIL, DOT_DTYPE, DOT_PRECISION)
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     v_mask = n_mask[:, None] & (offs_v[None, :] < V_DIM)
-    v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0)
+    v = tl.load(v_head + slots[:, None] * stride_vbs + offs_v[None, :], mask=v_mask, other=0.0).to(dtype)
     return attend_block(qk, v, m_i, l_i, acc, DOT_DTYPE, DOT_PRECISION)
 
 
@@ -265,7 +266,7 @@ def load_query_rows(
 ):
     """Query heads (pointer column `q_rows` [BLOCK_ROWS, 1] at each head's first element), scaled and rotated
     each by its own position `pos`: the dot operands of the two rotary halves and of the tail (zeros without one),
-    rounded to the cache's dtype like keys are."""
+    rounded to the model's dtype like keys are."""
     offs_r = tl.arange(0, BLOCK_HALF)
     q_mask = row_mask[:, None] & (offs_r[None, :] < HALF)
     q1 = tl.load(q_rows + offs_r[None, :], mask=q_mask, other=0.0).to(tl.float32) * qk_scale

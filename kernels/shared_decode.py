@@ -91,7 +91,7 @@ def _shared_decode_kernel(
     run_index = tl.load(item + 3).to(tl.int32)
     member_lo = tl.load(item + 4)
     member_cnt = tl.load(item + 5).to(tl.int32)
-    dtype = k_buf_ptr.dtype.element_ty
+    dtype = q_ptr.dtype.element_ty
 
     # Query row m is head m % GROUP of member m // GROUP, rotated by that member's position minus the run's start.
     offs_m = tl.arange(0, BLOCK_M)
@@ -121,7 +121,7 @@ def _shared_decode_kernel(
         slots = tl.load(r2t + offs_n, mask=n_mask, other=0)
         m_i, l_i, acc = attend_paged_keys(
             q1, q2, q_tail, k_head, v_head, slots, n_mask, run_index + offs_n, cos_sin_ptr, stride_cs, stride_kbs,
-            stride_vbs, m_i, l_i, acc, True, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, V_DIM, BLOCK_V, DOT_DTYPE,
+            stride_vbs, m_i, l_i, acc, dtype, True, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, V_DIM, BLOCK_V, DOT_DTYPE,
             DOT_PRECISION,
         )
 
@@ -214,7 +214,7 @@ def shared_decode_attention_fwd(
     check_dense_heads(q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer)
     num_kv_heads = k_buffer.shape[1]
     split = head_split(head_dim, cos_sin_cache, v_buffer.shape[-1])
-    attend, merge = shared_decode_kernel_params(num_heads, num_kv_heads, split, k_buffer.dtype, q.device)
+    attend, merge = shared_decode_kernel_params(num_heads, num_kv_heads, split, q.dtype, q.device)
     if plan.members_per_item * attend["GROUP"] > attend["BLOCK_M"]:
         raise ValueError(f"the plan puts {plan.members_per_item} requests in an item; the kernel takes "
                          f"{attend['BLOCK_M'] // attend['GROUP']} (members_per_item)")

@@ -30,11 +30,12 @@ FEW_QUERY_ROWS = 256  # query rows (new tokens x GQA group) per request up to wh
 BLOCK_KEYS = 64
 
 
-def should_stage_keys(total_keys: int, k_buffer: torch.Tensor, query_rows: int) -> bool:
+def should_stage_keys(total_keys: int, k_buffer: torch.Tensor, query_rows: int, dtype: torch.dtype) -> bool:
     """Whether an extend batch's `total_keys` (its requests' context lengths summed) are staged: when its longest
     request has more than FEW_QUERY_ROWS `query_rows` (new tokens x query heads per kv head) and the workspace,
-    rows like those of the layer's key buffer [slots, Hkv, D], fits STAGE_MAX_BYTES."""
-    workspace = total_keys * k_buffer[0].numel() * k_buffer.element_size()
+    rows shaped like those of the layer's key buffer [slots, Hkv, D] in the queries' `dtype`, fits
+    STAGE_MAX_BYTES."""
+    workspace = total_keys * k_buffer[0].numel() * dtype.itemsize
     return query_rows > FEW_QUERY_ROWS and 0 < workspace <= STAGE_MAX_BYTES
 
 
@@ -54,18 +55,18 @@ class StagedKeys:
     token_rows: torch.Tensor
 
 
-def alloc_staged_keys(kv: PagedKV, ext: ExtendRows, total_keys: int) -> StagedKeys:
+def alloc_staged_keys(kv: PagedKV, ext: ExtendRows, total_keys: int, dtype: torch.dtype) -> StagedKeys:
     """A workspace for the keys of the extends `kv` and `ext` describe (`total_keys`: their seq_lens summed, a host
-    int), requests back to back, and the row of each of the `ext.positions.shape[0]` new tokens. Tokens past the
-    last request's new tokens (a CUDA graph's padding) get row -1. Nothing synchronizes, so this may run inside a
-    graph capture."""
+    int), requests back to back, in the queries' `dtype` (keys are rotated once, into it, even from an fp8 pool),
+    and the row of each of the `ext.positions.shape[0]` new tokens. Tokens past the last request's new tokens (a
+    CUDA graph's padding) get row -1. Nothing synchronizes, so this may run inside a graph capture."""
     positions, starts, counts = ext.positions, ext.extend_start_loc, ext.extend_seq_lens
     row_start = torch.cumsum(kv.seq_lens, 0) - kv.seq_lens
     token = torch.arange(positions.shape[0], device=positions.device)
     request = torch.searchsorted(starts, token, right=True) - 1
     live = token < starts[-1:] + counts[-1:]
     token_rows = torch.where(live, row_start[request] + positions, -1)
-    workspace = kv.k_buffer.new_empty((total_keys, *kv.k_buffer.shape[1:]))
+    workspace = kv.k_buffer.new_empty((total_keys, *kv.k_buffer.shape[1:]), dtype=dtype)
     return StagedKeys(workspace, row_start, token_rows)
 
 

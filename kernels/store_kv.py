@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_pic.kv_cache_dtype import to_kv_dtype
 from sglang_pic.kernels.rope import HeadSplit, check_dense_heads, copy_key_rows
 from sglang_pic.kernels.stage_keys import StagedKeys
 
@@ -105,6 +106,10 @@ def _launch(
     check_dense_heads(k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer)
     if num_tokens == 0:
         return
+    if k_buffer.dtype != k.dtype:  # rounded here, so the kernel copies bytes (see kv_cache_dtype.py)
+        if rotate:
+            raise ValueError("the pre-rotated baseline store rounds keys after rotating: pass k in the pool's dtype")
+        k, v = to_kv_dtype(k, k_buffer.dtype), to_kv_dtype(v, v_buffer.dtype)
     split = HeadSplit(head_dim, cos_sin_cache.shape[-1], v.shape[-1])
     ws, ws_rows = (staged.workspace, staged.token_rows) if staged is not None else (k_buffer, loc)
     _store_kv_kernel[(num_tokens,)](
@@ -138,9 +143,10 @@ def store_kv(
     staged: StagedKeys | None = None,
     positions: torch.Tensor | None = None,
 ) -> None:
-    """k_buffer[loc] = k, v_buffer[loc] = v, k/v [T, Hkv, D] unrotated. With `staged`, the first
-    len(staged.token_rows) tokens' keys also go, rotated by `positions` (cos_sin_cache in the pool's dtype, as
-    stage_keys gets it), to their workspace rows; else cos_sin_cache only sizes the rotary tiles."""
+    """k_buffer[loc] = k, v_buffer[loc] = v, k/v [T, Hkv, D] unrotated (rounded to an fp8 pool's dtype). With
+    `staged`, the first len(staged.token_rows) tokens' keys also go, rotated by `positions` (cos_sin_cache in the
+    workspace's dtype, as stage_keys gets it), from the values the pool keeps to their workspace rows; else
+    cos_sin_cache only sizes the rotary tiles."""
     if staged is not None and positions is None:
         raise ValueError("store_kv needs the new tokens' positions to stage their keys")
     _launch(k_buffer, v_buffer, loc, k, v, loc if positions is None else positions, cos_sin_cache, False, staged)

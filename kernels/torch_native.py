@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sglang_pic.kv_cache_dtype import to_kv_dtype
 from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV, SpanScaling
 
 
@@ -26,8 +27,8 @@ def rope_rotate(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.T
 def store_kv_torch(
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    k_buffer[loc] = k.to(k_buffer.dtype)
-    v_buffer[loc] = v.to(v_buffer.dtype)
+    k_buffer[loc] = to_kv_dtype(k, k_buffer.dtype)
+    v_buffer[loc] = to_kv_dtype(v, v_buffer.dtype)
 
 
 def paged_attention_torch(

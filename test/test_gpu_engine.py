@@ -51,6 +51,24 @@ def test_cuda_engine_matches_cpu_float32(tiny_model, page_size):
     assert again == expected
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pool_on_cuda_matches_cpu(tiny_model, kv_cache_dtype):
+    """An fp8 pool (calibrated scales, CUDA graphs, cached spans read again) gives the CPU engine's tokens on the
+    same pool dtype."""
+    common = dict(model_path=str(tiny_model), dtype="float32", max_total_tokens=4096, kv_cache_dtype=kv_cache_dtype)
+    with Engine(device="cpu", **common) as cpu:
+        expected = [o["output_ids"] for o in cpu.generate(PROMPTS, GREEDY)]
+        cpu_scales = cpu.runner.token_to_kv_pool.k_scale, cpu.runner.token_to_kv_pool.v_scale
+    with Engine(device="cuda", attention_backend="triton", **common) as gpu:
+        pool = gpu.runner.token_to_kv_pool
+        assert gpu.runner.graph_runner is not None and pool.k_buffer[0].element_size() == 1
+        assert (pool.k_scale, pool.v_scale) == cpu_scales
+        got = [o["output_ids"] for o in gpu.generate(PROMPTS, GREEDY)]
+        again = [o["output_ids"] for o in gpu.generate(PROMPTS, GREEDY)]
+    assert got == expected
+    assert again == expected
+
+
 SHARED_DOCS = [
     "Position-free keys are rotated inside attention, from each request's own positions, so one copy serves all.",
     "The capital of France is Paris, the capital of Japan is Tokyo, and the capital of Italy is Rome.",

@@ -144,6 +144,36 @@ def test_extend(case: str, dtype: torch.dtype, keys_rotated: bool, stage: bool) 
     _check(out, attention_reference(*batch.attention_args(k_buffer), keys_rotated=keys_rotated), dtype)
 
 
+FP8_RUNS = [("decode", "b256_ctx512_2k"), ("decode", "b8_ctx4k_16k"), ("shared", "b64_span4k"),
+            ("extend", "spans_and_pdep"), ("staged", "prefix_extend")]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("kernel,case", FP8_RUNS, ids=[f"{k}-{c}" for k, c in FP8_RUNS])
+def test_fp8_pool(kernel: str, case: str, kv_dtype: torch.dtype) -> None:
+    """bf16 queries over an fp8 pool (--kv-cache-dtype): the reference reads the same fp8 values."""
+    from paged_batch import decode
+    from sglang_pic.kernels.decode_attention import num_kv_splits
+    from sglang_pic.kernels.reference import attention_reference
+    from sglang_pic.managers.shared_decode_planner import SharedDecodeSettings
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if kernel == "decode":
+        lens = DECODE_CASES[case][0]
+        batch = _batch([decode(n) for n in lens], torch.bfloat16, seed=len(lens), kv_dtype=kv_dtype)
+        out = batch.run_decode(num_kv_splits(len(lens), HKV, sms))
+    elif kernel == "shared":
+        prefaces, span, tail = SHARED_DECODE_CASES[case]
+        lens = [n + span + tail for n in prefaces]
+        batch = _batch([decode(n) for n in lens], torch.bfloat16, seed=len(lens), kv_dtype=kv_dtype)
+        runs = batch.share_keys([(0, prefaces[0], span, list(enumerate(prefaces))[1:])])
+        out = batch.run_shared_decode(runs, SharedDecodeSettings.for_model(HQ, HKV, sms, batch.q.device))
+    else:
+        batch = _batch(_extend_specs(case), torch.bfloat16, seed=EXTEND_CASES.index(case), kv_dtype=kv_dtype)
+        out = batch.run_extend(stage=kernel == "staged")
+    _check(out, attention_reference(*batch.attention_args()), torch.bfloat16)
+
+
 @pytest.mark.parametrize("num_splits", [None, 7], ids=["engine_choice", "forced"])
 def test_extend_few_tokens_over_long_context(num_splits: int | None) -> None:
     """Questions behind long cached spans: few query blocks, so the key range is split and merged."""

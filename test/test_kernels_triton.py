@@ -56,6 +56,10 @@ ATTENTION_CASES = [
     "shared_decode_gqa_page16_fp32",
     "shared_decode_many_members_mqa_dim16_bf16",
     "shared_decode_group3_partial_rotary_fp16",
+    "spans_staged_keys_fp8_e4m3_bf16",
+    "extend_key_splits3_fp8_e5m2_fp32",
+    "decode_splits_gqa_fp8_e4m3_bf16",
+    "shared_decode_gqa_fp8_e4m3_fp32",
 ]
 
 
@@ -79,7 +83,7 @@ def test_attention_kernel(worker: InterpreterWorker, name: str) -> None:
     _assert_close(name, "vs torch_native", entry["vs_torch_native"], tol)
 
 
-STORE_CASES = ["store_kv_fp32", "store_kv_bf16"]
+STORE_CASES = ["store_kv_fp32", "store_kv_bf16", "store_kv_fp8_e4m3_bf16", "store_kv_fp8_e5m2_fp32"]
 STORE_ROTATED_CASES = ["store_kv_rotated_fp32", "store_kv_rotated_bf16"]
 BACKEND_CASES = [
     "backend_extend_page16",
@@ -99,6 +103,7 @@ ENGINE_CASES = [
     "shared_decode_static_plan",
     "span_probe_engine",
     "span_attention_engine",
+    "fp8_kv_engine",
 ]
 
 
@@ -160,6 +165,12 @@ def test_shared_decode_in_the_engine_gives_the_same_tokens(worker: InterpreterWo
 @pytest.mark.parametrize("name", ["shared_decode_tp2_engine", "shared_decode_common_prefix_engine"])
 def test_shared_decode_in_the_engine_with_tp2_or_a_common_prefix(worker: InterpreterWorker, name: str) -> None:
     entry = _entry(worker, name)
+    assert entry["identical"] and entry["shared_steps"] > 0
+
+
+@pytest.mark.slow  # three engines under the interpreter
+def test_fp8_kv_pool_through_the_triton_backend_and_tp2(worker: InterpreterWorker) -> None:
+    entry = _entry(worker, "fp8_kv_engine")
     assert entry["identical"] and entry["shared_steps"] > 0
 
 

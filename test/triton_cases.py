@@ -83,15 +83,21 @@ def span_scaling(ranges: list[list[tuple[int, int]]], groups: list[list[int]] | 
                        max(group_ids, default=-1) + 1)
 
 
-def store_case(dtype: str, rotate: bool, page: int) -> dict:
+def store_case(
+    dtype: str, rotate: bool, page: int, kv_dtype: torch.dtype | None = None, magnitude: float = 1.0
+) -> dict:
+    """The store into a pool of `kv_dtype` (default: `dtype`) of new keys and values `magnitude` times the batch's
+    (large ones saturate an fp8 pool), against the reference store."""
     specs = [pb.prefill(19), pb.extend(40, 7), pb.spans(30, [(4, 9)], 2)]
-    batch = pb.make_paged_batch(specs, 4, 2, 32, DTYPES[dtype], "cpu", page_size=page)
+    batch = pb.make_paged_batch(specs, 4, 2, 32, DTYPES[dtype], "cpu", page_size=page, kv_dtype=kv_dtype)
+    batch.k_new, batch.v_new = batch.k_new * magnitude, batch.v_new * magnitude
     k_buf, v_buf = batch.run_store(rotate)
-    k_exp = torch.full_like(k_buf, float("nan"))
-    v_exp = torch.full_like(v_buf, float("nan"))
+    k_exp, v_exp = (torch.full(b.shape, float("nan")).to(b) for b in (k_buf, v_buf))  # fp8 pools take no fill
     loc = batch.out_cache_loc
     rotation = (batch.positions, batch.cos_sin_cache) if rotate else ()
     store_reference(k_exp, v_exp, loc, batch.k_new, batch.v_new, *rotation)
+    # fp8 tensors take no isnan or equal: compare widened (exact)
+    k_buf, v_buf, k_exp, v_exp = (t.float() for t in (k_buf, v_buf, k_exp, v_exp))
     untouched = torch.ones(k_buf.shape[0], dtype=torch.bool)
     untouched[loc] = False
     return {
@@ -199,11 +205,11 @@ def stage_decision_case() -> dict:
     bound = STAGE_MAX_BYTES // (8 * 128 * 2)
     many = FEW_QUERY_ROWS + 1
     return {
-        "no_keys": should_stage_keys(0, key, many),
-        "prefill_8k": should_stage_keys(8192, key, many),
-        "at_bound": should_stage_keys(bound, key, many),
-        "over_bound": should_stage_keys(bound + 1, key, many),
-        "few_queries": should_stage_keys(8192, key, FEW_QUERY_ROWS),
+        "no_keys": should_stage_keys(0, key, many, torch.bfloat16),
+        "prefill_8k": should_stage_keys(8192, key, many, torch.bfloat16),
+        "at_bound": should_stage_keys(bound, key, many, torch.bfloat16),
+        "over_bound": should_stage_keys(bound + 1, key, many, torch.bfloat16),
+        "few_queries": should_stage_keys(8192, key, FEW_QUERY_ROWS, torch.bfloat16),
     }
 
 
@@ -222,11 +228,11 @@ def warm_up_case() -> dict:
     k_buf.normal_(), v_buf.normal_()
     before = k_buf.clone(), v_buf.clone()
     layer = RadixAttention(8, 32, 32**-0.5, 2, layer_id=0, rotary=RotaryEmbedding(32, 512))
-    launches = TritonAttnBackend().warm_up(layer, pool, ReqToTokenPool(4, 512, "cpu"))
+    launches = TritonAttnBackend().warm_up(layer, pool, ReqToTokenPool(4, 512, "cpu"), torch.float32)
     variants = extend_variants(4, 32, torch.float32, torch.device("cpu"))
     # one kv head per query head and a 200-token context: no request reaches the 257 rows that staging needs
     mha = RadixAttention(2, 32, 32**-0.5, 2, layer_id=0, rotary=RotaryEmbedding(32, 200))
-    short_context_launches = TritonAttnBackend().warm_up(mha, pool, ReqToTokenPool(4, 200, "cpu"))
+    short_context_launches = TritonAttnBackend().warm_up(mha, pool, ReqToTokenPool(4, 200, "cpu"), torch.float32)
     # The GPU's long-context tiles launch over a context longer than the new tokens (the CPU has one tile, so its
     # own list has none): the same launches, in-kernel and staged, over 300 keys.
     import sglang_pic.layers.triton_backend as backend_module
@@ -235,7 +241,7 @@ def warm_up_case() -> dict:
     own = backend_module.extend_variants
     backend_module.extend_variants = lambda *args: gpu_like
     try:
-        long_context_launches = TritonAttnBackend().warm_up(layer, pool, ReqToTokenPool(4, 512, "cpu"))
+        long_context_launches = TritonAttnBackend().warm_up(layer, pool, ReqToTokenPool(4, 512, "cpu"), torch.float32)
     finally:
         backend_module.extend_variants = own
     return {
@@ -406,6 +412,17 @@ CASES: dict[str, Callable[[], dict]] = {
     "decode_baseline_rotated_keys_fp32": lambda: attention_case(
         [D(n) for n in (1, 80, 200)], 4, 2, 32, "float32", page=16, decode=True, keys_rotated=True
     ),
+    # fp8 pools: tiles widen to the queries' dtype as they load; the references read the same fp8 values
+    "spans_staged_keys_fp8_e4m3_bf16": lambda: attention_case(
+        span_specs, 4, 2, 32, "bfloat16", page=16, stage=True, kv_dtype=torch.float8_e4m3fn
+    ),
+    "extend_key_splits3_fp8_e5m2_fp32": lambda: attention_case(
+        span_specs, 4, 2, 32, "float32", extend_splits=3, kv_dtype=torch.float8_e5m2
+    ),
+    "decode_splits_gqa_fp8_e4m3_bf16": lambda: attention_case(
+        [D(n) for n in (40, 77, 64)], 4, 2, 32, "bfloat16", page=16, decode=True, splits=3,
+        kv_dtype=torch.float8_e4m3fn,
+    ),
     # (source request, first key, length, [(request, first key)]): runs shared at other offsets
     "shared_decode_gqa_page16_fp32": lambda: attention_case(
         [D(n) for n in (40, 77, 64, 23, 90)], 4, 2, 32, "float32", page=16,
@@ -415,12 +432,18 @@ CASES: dict[str, Callable[[], dict]] = {
         [D(n) for n in (50, 51, 60, 75, 33, 90, 41)], 4, 1, 16, "bfloat16", members=16,
         shares=[(0, 2, 30, [(1, 0), (2, 20), (3, 40), (5, 1), (6, 11)])],
     ),
+    "shared_decode_gqa_fp8_e4m3_fp32": lambda: attention_case(
+        [D(n) for n in (40, 77, 64, 23, 90)], 4, 2, 32, "float32", page=16, kv_dtype=torch.float8_e4m3fn,
+        shares=[(1, 10, 20, [(0, 0), (2, 40), (4, 60)]), (4, 0, 12, [(3, 5)])],
+    ),
     "shared_decode_group3_partial_rotary_fp16": lambda: attention_case(
         [D(n) for n in (90, 33, 61)], 6, 2, 32, "float16", rotary_dim=16,
         shares=[(0, 50, 25, [(1, 8), (2, 36)]), (2, 0, 30, [(0, 0)])],
     ),
     "store_kv_fp32": lambda: store_case("float32", rotate=False, page=16),
     "store_kv_bf16": lambda: store_case("bfloat16", rotate=False, page=1),
+    "store_kv_fp8_e4m3_bf16": lambda: store_case("bfloat16", False, 16, torch.float8_e4m3fn, magnitude=300.0),
+    "store_kv_fp8_e5m2_fp32": lambda: store_case("float32", False, 1, torch.float8_e5m2, magnitude=3.0),
     "store_kv_rotated_fp32": lambda: store_case("float32", rotate=True, page=16),
     "store_kv_rotated_bf16": lambda: store_case("bfloat16", rotate=True, page=1),
     "backend_extend_page16": lambda: backend_case(decode=False, page=16),

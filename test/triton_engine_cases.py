@@ -1,5 +1,6 @@
 """The Triton interpreter cases that run whole engines over the tiny llama (see triton_cases.py, which serves them
-with the kernel cases): KIVI drafting through its fused kernel, and shared decode in the engine.
+with the kernel cases): KIVI drafting through its fused kernel, shared decode, APE, the probe pass and fp8 KV
+pools in the engine.
 """
 
 from __future__ import annotations
@@ -169,7 +170,25 @@ def span_attention_engine_case() -> dict:
     }
 
 
+def fp8_kv_engine_case() -> dict:
+    """An fp8 KV pool (--kv-cache-dtype fp8_e4m3) through the Triton backend, shared decode and TP2: the kernels
+    read the bytes torch_native reads, so greedy tokens equal torch_native's on the same pool dtype."""
+    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+    outs, stats = _engine_outputs(
+        {"torch_native": fp8, "triton": dict(attention_backend="triton", **fp8),
+         "tp2": dict(attention_backend="triton", tp_size=2, **fp8)},
+        _span_prompts(),
+    )
+    return {
+        "dtype": "float32",
+        "nan": False,
+        "identical": outs["triton"] == outs["torch_native"] == outs["tp2"],
+        "shared_steps": stats["triton"]["shared_decode_steps"],
+    }
+
+
 ENGINE_CASES: dict[str, Callable[[], dict]] = {
+    "fp8_kv_engine": fp8_kv_engine_case,
     "span_attention_engine": span_attention_engine_case,
     "span_probe_engine": span_probe_engine_case,
     "kivi_engine": kivi_engine_case,

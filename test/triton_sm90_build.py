@@ -26,13 +26,17 @@ def main() -> None:
     float_ptrs = {"q_ptr", "k_ptr", "v_ptr", "k_buf_ptr", "v_buf_ptr", "out_ptr", "ws_ptr"}
     fp32_ptrs = {"cos_sin_ptr", "mid_o_ptr", "mid_lse_ptr", "span_temp_ptr", "span_scale_ptr", "span_lse_ptr"}
 
-    def build(kernel, params: dict, dtype: str) -> None:
+    def build(kernel, params: dict, dtype: str, pool: str | None = None) -> None:
+        """`pool`: the KV pool's element type when it differs from `dtype` (the store's inputs come in it too)."""
         consts = dict(params)
         options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages", 1)}
+        pool_ptrs = {"k_buf_ptr", "v_buf_ptr"} | ({"k_ptr", "v_ptr"} if kernel is sk._store_kv_kernel else set())
 
         def arg_type(name: str) -> str:
             if name in consts:
                 return "constexpr"
+            if pool is not None and name in pool_ptrs:
+                return "*" + pool
             if name in float_ptrs:
                 return "*" + dtype
             if name in fp32_ptrs:
@@ -66,6 +70,9 @@ def main() -> None:
                                                 max_extend_len=1024, max_keys=1024)
                 variants["extend_staged_short_context"] = (ea._extend_attention_kernel, short)
                 variants["stage_keys"] = (st._stage_keys_kernel, st.stage_kernel_params(split))
+                for span_pass in (1, 2):  # APE's log-sum-exp pass per span group and its attention pass
+                    variants[f"extend_span_pass{span_pass}"] = (ea._extend_attention_kernel,
+                                                                {**ext, "SPAN_PASS": span_pass})
                 kivi = kd.kivi_kernel_params(32, 8, 128, 128, 128, 32, 32, torch_dtype, cuda)[0]
                 variants["kivi_decode"] = (kd._kivi_split_kernel, kivi)
                 shared, shared_merge = sd.shared_decode_kernel_params(32, 8, split, torch_dtype, cuda)
@@ -81,6 +88,25 @@ def main() -> None:
                     report[key] = None
                 except Exception:
                     report[key] = traceback.format_exc()[-3000:]
+    # fp8 pools under bf16 queries: every kernel that reads or writes the pool (staged keys go to a bf16 workspace)
+    for pool in ("fp8e4nv", "fp8e5"):
+        fp8_variants = {
+            "extend": (ea._extend_attention_kernel, ea.extend_kernel_params(32, 8, split, torch.bfloat16, cuda, False)),
+            "extend_staged": (ea._extend_attention_kernel, ea.extend_kernel_params(
+                32, 8, split, torch.bfloat16, cuda, False, keys_staged=True)),
+            "decode": (da._decode_split_kernel, da.decode_kernel_params(32, 8, split, torch.bfloat16, cuda, False)[0]),
+            "store_kv_staged": (sk._store_kv_kernel, sk.store_kernel_params(8, split, rotate=False, stage=True)),
+            "stage_keys": (st._stage_keys_kernel, st.stage_kernel_params(split)),
+            "shared_decode": (sd._shared_decode_kernel,
+                              sd.shared_decode_kernel_params(32, 8, split, torch.bfloat16, cuda)[0]),
+        }
+        for name, (kernel, params) in fp8_variants.items():
+            key = f"{name}_bf16_{pool}_pool"
+            try:
+                build(kernel, params, "bf16", pool)
+                report[key] = None
+            except Exception:
+                report[key] = traceback.format_exc()[-3000:]
     print(json.dumps(report))
 
 

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_pic.kv_cache_dtype import KV_CACHE_DTYPES
 from sglang_pic.parser_names import REASONING_PARSER_NAMES as REASONING_PARSERS
 from sglang_pic.parser_names import TOOL_CALL_PARSER_NAMES as TOOL_CALL_PARSERS
 from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, check_settings
@@ -109,6 +110,13 @@ class ServerArgs:
     )
     mem_fraction_static: float = _arg(0.85, "Share of GPU memory for the weights and the KV cache.")
     page_size: int = _arg(1, "Tokens per KV cache page.")
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "KV cache storage: auto (the model's dtype), bf16 / bfloat16, fp8_e4m3 or fp8_e5m2. fp8 halves the bf16 "
+        "bytes a cached token takes and decode reads; each layer's keys and values get a power-of-two scale fixed "
+        "at start by one forward over fixed tokens, and widen to the model's dtype inside attention. Not with the "
+        "flashinfer backend or VeriCache.",
+    )
     max_running_requests: int = _arg(256, "Most requests running at once.")
     max_queued_requests: int | None = _arg(
         None,
@@ -361,6 +369,15 @@ class ServerArgs:
         if self.attention_backend not in (None, "torch_native", "triton", "flashinfer"):
             raise ValueError(
                 f"attention_backend must be torch_native, triton or flashinfer, got {self.attention_backend!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype.startswith("fp8") and (
+            self.attention_backend == "flashinfer" or self.speculative_algorithm is not None
+        ):
+            raise ValueError(
+                "kv_cache_dtype fp8 runs on the triton and torch_native backends without speculative decoding: the "
+                "flashinfer backend and VeriCache's drafts read the pool in the model's dtype"
             )
         if self.speculative_algorithm not in (None, "vericache"):
             raise ValueError(f"speculative_algorithm must be vericache, got {self.speculative_algorithm!r}")

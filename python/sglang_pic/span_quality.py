@@ -17,7 +17,8 @@ settings serve it:
                  (span_select deviation);
   ...+apeTxSy    APE's reweighting of the attention to span keys: temperature x and scale y in percent
                  (span_attention_temperature, span_attention_scale);
-  anchor+...     the anchor with a head, tail or seams.
+  anchor+...     the anchor with a head, tail or seams;
+  ...+kvfp8e4m3  the KV cache in fp8 (kv_cache_dtype fp8_e4m3; kvfp8e5m2: fp8_e5m2), for dense and the default spans.
 
 Each mode runs every task through one Engine (its cache shared across the samples, as in real use), greedy, in
 batches, and is shut down before the next starts. Per task and mode: accuracy against the gold answers; agreement
@@ -59,9 +60,8 @@ class Mode:
 
     def server_flags(self) -> str:
         """The launch_server flags that serve prompts as this mode does."""
-        if self.marking == "dense":
-            return "--disable-pic"
-        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.engine_kwargs.items())
+        flags = [f"--{k.replace('_', '-')} {v}" for k, v in self.engine_kwargs.items()]
+        return " ".join((["--disable-pic"] if self.marking == "dense" else []) + flags)
 
 
 MARKINGS = ("dense", "spans")
@@ -110,9 +110,13 @@ _SPAN_SETTINGS = (
     *(("auto", k, 0, 0.0, t, s) for k in (0, 16) for t, s in ((0.7, 1.1), (0.8, 1.0), (0.9, 0.9), (1.0, 1.2))),
     *(("auto", 8, 0, share, 1.0, 1.0, "deviation") for share in (0.1, 0.2, 0.3, 0.5)),
 )
+_SPAN_MODES = {span_mode_name(*setting): span_mode(*setting) for setting in _SPAN_SETTINGS}
 MODES: dict[str, Mode] = {
     REFERENCE: Mode("dense"),
-    **{span_mode_name(*setting): span_mode(*setting) for setting in _SPAN_SETTINGS},
+    **_SPAN_MODES,
+    **{f"{name}+kv{kv.replace('_', '')}": Mode(mode.marking, {**mode.engine_kwargs, "kv_cache_dtype": kv})
+       for name, mode in ((REFERENCE, Mode("dense")), ("anchor+head128", _SPAN_MODES["anchor+head128"]))
+       for kv in ("fp8_e4m3", "fp8_e5m2")},
 }
 
 

@@ -38,9 +38,9 @@ class AttentionBackend(ABC):
     def init_forward_metadata_replay(self, forward_batch: "ForwardBatch", size: int, padding_row: int) -> None:
         """Before a graph of `size` replays the live `forward_batch` (its padded requests read `padding_row`)."""
 
-    def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool) -> int:
-        """Run each kernel variant the backend can pick once, so none compiles while serving; returns how many
-        launches that took. Backends without compiled kernels have nothing to do."""
+    def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool, dtype: torch.dtype) -> int:
+        """Run each kernel variant the backend can pick once, with queries in the model's `dtype`, so none compiles
+        while serving; returns how many launches that took. Backends without compiled kernels have nothing to do."""
         return 0
 
     @abstractmethod
@@ -94,7 +94,9 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer, forward_batch):
         fb = forward_batch
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        pool, lid = fb.token_to_kv_pool, layer.layer_id
+        k_buf, v_buf = pool.get_kv_buffer(lid)
+        k, v = pool.to_storage(lid, k, v)
         store_kv_torch(
             k_buf,
             v_buf,
@@ -107,9 +109,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         table = fb.req_to_token_pool.req_to_token
         for group in fb.attn_metadata.groups:
             kv = group.kv(k_buf, v_buf, table)
-            paged_attention_torch(q3, kv, group.ext, layer.rotary.cos_sin_cache, layer.scaling, out=out,
-                                  span=fb.span_scaling, requests=group.requests)
-        return out.reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
+            paged_attention_torch(q3, kv, group.ext, layer.rotary.cos_sin_cache, layer.scaling * pool.k_scale[lid],
+                                  out=out, span=fb.span_scaling, requests=group.requests)
+        return scale_values(out, pool.v_scale[lid]).reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
+
+
+def scale_values(out: torch.Tensor, v_scale: float) -> torch.Tensor:
+    """Attention output over values stored as v / v_scale (MHATokenToKVPool), in the model's units."""
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 def create_attention_backend(name: str, layer: "RadixAttention", model_config, speculative: bool) -> AttentionBackend:

@@ -65,7 +65,9 @@ class AttentionProbe:
 
     def score(self, q: torch.Tensor, layer, forward_batch) -> None:
         """Add this layer's attention of each item's question rows (q [T, Hq * D], unrotated) to its scores."""
-        k_buffer = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        pool = forward_batch.token_to_kv_pool
+        k_buffer = pool.get_key_buffer(layer.layer_id)
+        sm_scale = layer.scaling * pool.k_scale[layer.layer_id]  # the pool holds k / k_scale
         table = layer.rotary.cos_sin_cache
         hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         for item in self.items:
@@ -77,6 +79,6 @@ class AttentionProbe:
                 hi = min(lo + QUERY_BLOCK, item.hi)
                 pos = forward_batch.positions[lo:hi]
                 qr = rope_rotate(q[lo:hi].view(hi - lo, hq, d), pos, table).transpose(0, 1)  # [Hq, n, D]
-                logits = torch.matmul(qr, keys.transpose(1, 2)) * layer.scaling  # [Hq, n, S]
+                logits = torch.matmul(qr, keys.transpose(1, 2)) * sm_scale  # [Hq, n, S]
                 logits.masked_fill_(key_pos[None, None, :] > pos[None, :, None], float("-inf"))
                 item.scores += torch.softmax(logits, dim=-1).sum(dim=(0, 1))

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sglang_pic.kv_cache_dtype import to_kv_dtype
+
 EPS = 1e-12  # a zero shared vector (padding) never divides by zero
 
 
@@ -44,11 +46,14 @@ class DeviationProbe:
         """At the probe's layer: add each compared position's deviation (k, v [T, Hkv * D] as computed here)."""
         if layer.layer_id != self.layer:
             return
-        k_buf, v_buf = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        pool = forward_batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         positions = torch.tensor(self.positions, dtype=torch.int64, device=k.device)
         slots = torch.tensor(self.slots, dtype=torch.int64, device=k.device)
-        new_k = k.view(-1, layer.num_kv_heads, layer.head_dim)[positions].float()
-        new_v = v.view(-1, layer.num_kv_heads, layer.v_head_dim)[positions].float()
+        # In the pool's units and rounding, so an fp8 pool's rounding does not count as deviation.
+        k, v = pool.to_storage(layer.layer_id, k, v)
+        new_k = to_kv_dtype(k.view(-1, layer.num_kv_heads, layer.head_dim)[positions], k_buf.dtype).float()
+        new_v = to_kv_dtype(v.view(-1, layer.num_kv_heads, layer.v_head_dim)[positions], v_buf.dtype).float()
         old_k, old_v = k_buf[slots].float(), v_buf[slots].float()
         dev = ((new_k - old_k).square().sum(-1) / (old_k.square().sum(-1) + EPS)).sum(-1)
         dev += ((new_v - old_v).square().sum(-1) / (old_v.square().sum(-1) + EPS)).sum(-1)

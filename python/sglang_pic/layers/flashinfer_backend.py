@@ -166,7 +166,7 @@ class FlashInferAttnBackend(AttentionBackend):
         return out.reshape(q.shape[0], layer.num_heads * layer.v_head_dim)
 
     @torch.inference_mode()
-    def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool) -> int:
+    def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool, dtype: torch.dtype) -> int:
         """Plan and run the decode and the prefill kernel once on the padding row (every key the dummy slot 0), so
         FlashInfer JIT-compiles them (or loads them from its cache) at start, not inside a step; logs the time."""
         start = time.perf_counter()
@@ -174,7 +174,8 @@ class FlashInferAttnBackend(AttentionBackend):
         table, pad = req_to_token_pool.req_to_token, req_to_token_pool.padding_row
         for rows in (decode_rows(table, [pad], [8]), extend_rows(table, [pad], [6, 7], [0, 0], [2])):
             self.kernels.plan(rows)
-            self.kernels.run(k_buf.new_zeros((rows.num_queries, layer.num_heads, layer.head_dim)), k_buf, v_buf)
+            self.kernels.run(k_buf.new_zeros((rows.num_queries, layer.num_heads, layer.head_dim), dtype=dtype), k_buf,
+                             v_buf)
         # APE's masked passes, with keys 0-5 as the span group of both queries
         device = k_buf.device
         ones = torch.ones(1, dtype=torch.float32, device=device)

@@ -27,7 +27,7 @@ from sglang_pic.kernels.stage_keys import (
     stage_keys,
 )
 from sglang_pic.kernels.store_kv import store_kv
-from sglang_pic.layers.attention_backend import AttentionBackend
+from sglang_pic.layers.attention_backend import AttentionBackend, scale_values
 
 if TYPE_CHECKING:
     from sglang_pic.forward_batch import ForwardBatch
@@ -104,13 +104,16 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         fb = forward_batch
         meta: TritonMetadata = fb.attn_metadata
-        k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        cos_sin = layer.rotary.kernel_table(k_buf.dtype)
+        pool, lid = fb.token_to_kv_pool, layer.layer_id
+        k_buf, v_buf = pool.get_kv_buffer(lid)
+        k, v = pool.to_storage(lid, k, v)
+        sm_scale = layer.scaling * pool.k_scale[lid]
+        cos_sin = layer.rotary.kernel_table(q.dtype)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, layer.v_head_dim))
         extends, rows = meta.extends, meta.rows
         kv = _paged(fb, k_buf, v_buf, slice(None, extends), meta.max_seq_len) if extends else None
-        staged = self._staging(meta, kv, layer.num_heads // layer.num_kv_heads) if extends else None
+        staged = self._staging(meta, kv, layer.num_heads // layer.num_kv_heads, q.dtype) if extends else None
         store_kv(
             k_buf,
             v_buf,
@@ -126,7 +129,7 @@ class TritonAttnBackend(AttentionBackend):
                 stage_keys(staged, kv, meta.ext, cos_sin)
             # A mixed batch's decodes go to the decode kernel below: in extend tiles each would fill one row.
             extend_attention_fwd(
-                q3[:rows], out[:rows], kv, meta.ext, cos_sin, layer.scaling, num_sms=self.sm_count(q.device),
+                q3[:rows], out[:rows], kv, meta.ext, cos_sin, sm_scale, num_sms=self.sm_count(q.device),
                 staged_keys=staged, span=fb.span_scaling,
             )
         if extends < fb.batch_size:
@@ -135,15 +138,15 @@ class TritonAttnBackend(AttentionBackend):
                 if meta.shared_buffers is None:
                     meta.shared_buffers = alloc_shared_buffers(q3[rows:], fb.shared_decode, layer.v_head_dim)
                 shared_decode_attention_fwd(
-                    q3[rows:], out[rows:], decode_kv, fb.shared_decode, cos_sin, layer.scaling, meta.shared_buffers
+                    q3[rows:], out[rows:], decode_kv, fb.shared_decode, cos_sin, sm_scale, meta.shared_buffers
                 )
             else:
                 mid_o, mid_lse = self._decode_buffers(meta, fb.num_decodes, layer, q.device)
-                decode_attention_fwd(q3[rows:], out[rows:], decode_kv, cos_sin, layer.scaling, mid_o, mid_lse)
-        return out.view(q3.shape[0], layer.num_heads * layer.v_head_dim)
+                decode_attention_fwd(q3[rows:], out[rows:], decode_kv, cos_sin, sm_scale, mid_o, mid_lse)
+        return scale_values(out, pool.v_scale[lid]).view(q3.shape[0], layer.num_heads * layer.v_head_dim)
 
     @torch.inference_mode()
-    def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool) -> int:
+    def warm_up(self, layer: "RadixAttention", token_to_kv_pool, req_to_token_pool, dtype: torch.dtype) -> int:
         """Compile, at startup, every kernel variant `forward` can launch for the pool's layers. Triton compiles a
         variant on its first launch, which on a machine with an empty Triton cache takes seconds inside the step
         that needs it while every running request waits. Per-batch integers are not specialized (see the kernels),
@@ -153,7 +156,7 @@ class TritonAttnBackend(AttentionBackend):
         launches. APE's span passes (SPAN_PASS 1 and 2) are left to compile at a request's first use: they would
         triple the extend variants for a setting few servers use."""
         k_buf, v_buf = token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        device, dtype = k_buf.device, k_buf.dtype
+        device = k_buf.device
         cos_sin = layer.rotary.kernel_table(dtype)
         group = layer.num_heads // layer.num_kv_heads
         table = req_to_token_pool.req_to_token
@@ -171,7 +174,7 @@ class TritonAttnBackend(AttentionBackend):
             positions = torch.arange(keys - tokens, keys, device=device)
             kv = PagedKV(k_buf, v_buf, table, request, torch.full_like(lens, keys), keys)
             ext = ExtendRows(zero, lens, positions, zeros, tokens)
-            staged = alloc_staged_keys(kv, ext, keys) if stage else None
+            staged = alloc_staged_keys(kv, ext, keys, dtype) if stage else None
             store_kv(k_buf, v_buf, zeros, k, v, cos_sin, staged, positions)
             if staged is not None:
                 stage_keys(staged, kv, ext, cos_sin)
@@ -184,14 +187,14 @@ class TritonAttnBackend(AttentionBackend):
         return len(variants) + 1
 
     @staticmethod
-    def _staging(meta: TritonMetadata, kv: PagedKV, group: int) -> StagedKeys | None:
+    def _staging(meta: TritonMetadata, kv: PagedKV, group: int, dtype: torch.dtype) -> StagedKeys | None:
         """The workspace the extends' keys are staged in, rotated once (see stage_keys), shared by every layer of
         the forward; None when the kernel rotates them itself (few query rows per request, or a workspace past its
-        bound). `group`: query heads per kv head."""
-        if not should_stage_keys(meta.total_keys, kv.k_buffer, meta.ext.max_extend_len * group):
+        bound). `group`: query heads per kv head; `dtype`: the queries'."""
+        if not should_stage_keys(meta.total_keys, kv.k_buffer, meta.ext.max_extend_len * group, dtype):
             return None
         if meta.staged is None:
-            meta.staged = alloc_staged_keys(kv, meta.ext, meta.total_keys)
+            meta.staged = alloc_staged_keys(kv, meta.ext, meta.total_keys, dtype)
         return meta.staged
 
     @staticmethod

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_pic.kv_cache_dtype import power_of_two_scale, to_kv_dtype
+
 
 class ReqToTokenPool:
     """req_to_token[r, j] = KV slot of logical token j of the request living in row r."""
@@ -36,7 +38,8 @@ class ReqToTokenPool:
 
 
 class MHATokenToKVPool:
-    """Per-layer key and value buffers of shape [size + page_size, num_kv_heads, head_dim]."""
+    """Per-layer key and value buffers of shape [size + page_size, num_kv_heads, head_dim], holding k / k_scale[l]
+    and v / v_scale[l] (powers of two, 1.0 unless calibrated for an fp8 pool: see kv_cache_dtype.py)."""
 
     def __init__(
         self,
@@ -62,6 +65,10 @@ class MHATokenToKVPool:
         self.v_buffer = [
             torch.zeros((rows, head_num, self.v_head_dim), dtype=dtype, device=device) for _ in range(layer_num)
         ]
+        self.k_scale = [1.0] * layer_num
+        self.v_scale = [1.0] * layer_num
+        # While calibrating: each layer's largest |k| and |v| so far ([layers, 2], on the device); else None.
+        self.calibration: torch.Tensor | None = None
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]
@@ -73,8 +80,28 @@ class MHATokenToKVPool:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        """Write k and v, given in the pool's scaled units (as to_storage gives them), to slots `loc`."""
+        self.k_buffer[layer_id][loc] = to_kv_dtype(k, self.dtype)
+        self.v_buffer[layer_id][loc] = to_kv_dtype(v, self.dtype)
+
+    def to_storage(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New keys and values in the units layer `layer_id` stores (divided by its scales; exact, powers of two),
+        recording their magnitudes while calibrating."""
+        if self.calibration is not None:
+            seen = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
+            torch.maximum(self.calibration[layer_id], seen, out=self.calibration[layer_id])
+        ks, vs = self.k_scale[layer_id], self.v_scale[layer_id]
+        return (k if ks == 1.0 else k * (1.0 / ks)), (v if vs == 1.0 else v * (1.0 / vs))
+
+    def start_calibration(self) -> None:
+        self.calibration = torch.zeros((self.layer_num, 2), dtype=torch.float32, device=self.device)
+
+    def finish_calibration(self) -> None:
+        """Fix each layer's scales from the magnitudes recorded since start_calibration."""
+        for layer, (k_max, v_max) in enumerate(self.calibration.tolist()):
+            self.k_scale[layer] = power_of_two_scale(k_max, self.dtype)
+            self.v_scale[layer] = power_of_two_scale(v_max, self.dtype)
+        self.calibration = None
 
     def bytes_per_token(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()

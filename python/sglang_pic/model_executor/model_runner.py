@@ -14,7 +14,8 @@ import torch
 
 from sglang_pic.distributed.parallel_state import get_tp_group, min_over_ranks
 from sglang_pic.distributed.sharding import kv_head_shard
-from sglang_pic.forward_batch import ForwardBatch
+from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
+from sglang_pic.kv_cache_dtype import FP8_DTYPES, kv_storage_dtype
 from sglang_pic.layers.attention_backend import create_attention_backend
 from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
@@ -28,6 +29,7 @@ from sglang_pic.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+CALIBRATION_TOKENS = 512  # the start-up forward that fixes an fp8 pool's scales
 
 
 class DraftMemory(Protocol):
@@ -64,6 +66,7 @@ class ModelRunner:
             speculative=server_args.speculative_algorithm is not None,
         )
         self.shared_decode_heads = self._shared_decode_heads()
+        self._calibrate_kv_scales()
         if self.device.type == "cuda" and not server_args.skip_kernel_warmup:
             self._warm_up_kernels()
         self.graph_runner = None
@@ -73,6 +76,33 @@ class ModelRunner:
 
             self.graph_runner = CudaGraphRunner.for_engine(self)
         self.broadcaster = BatchBroadcaster(self) if self.tp.size > 1 and self.tp.rank == 0 else None
+
+    def _calibrate_kv_scales(self) -> None:
+        """An fp8 pool's per-layer key and value scales (kv_cache_dtype.py), from one forward over fixed
+        pseudo-random tokens: the same scales on every start, so a cache never mixes units. Every tensor-parallel
+        rank runs it at this point of its start, so their collectives meet; each scales its own heads. Weights
+        updated later (a checkpoint of the same model) keep these scales, whose headroom is 2-4x."""
+        pool = self.token_to_kv_pool
+        if pool.dtype not in FP8_DTYPES:
+            return
+        n = min(CALIBRATION_TOKENS, self.allocator.available_size(), self.model_config.context_len)
+        ids = torch.randint(self.model_config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+        row, slots = self.req_to_token_pool.alloc(), self.allocator.alloc(n)
+        try:
+            self.req_to_token_pool.write(row, slice(0, n), slots)
+            rows = BatchRows(input_ids=ids.tolist())
+            rows.add(row, range(n), [0] * n)
+            batch = ForwardBatch.build(ForwardMode.EXTEND, rows, slots, self.device,
+                                       req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=pool,
+                                       attn_backend=self.attn_backend)
+            pool.start_calibration()
+            self.forward_with(batch, None)
+            pool.finish_calibration()
+        finally:
+            self.allocator.free(slots)
+            self.req_to_token_pool.free(row)
+        logger.info("fp8 KV scales over %d tokens: keys %s, values %s", n,
+                    sorted(set(pool.k_scale)), sorted(set(pool.v_scale)))
 
     def _shared_decode_heads(self) -> tuple[int, int] | None:
         """(query heads, KV heads) of this rank when decode steps may share the reads of KV runs that several
@@ -88,7 +118,7 @@ class ModelRunner:
     def _warm_up_kernels(self) -> None:
         layer = self._attention_layer()
         start = time.perf_counter()
-        launches = self.attn_backend.warm_up(layer, self.token_to_kv_pool, self.req_to_token_pool)
+        launches = self.attn_backend.warm_up(layer, self.token_to_kv_pool, self.req_to_token_pool, self.dtype)
         torch.cuda.synchronize(self.device)
         logger.info("warmed up %d attention kernel variants in %.1f s", launches, time.perf_counter() - start)
 
@@ -96,7 +126,8 @@ class ModelRunner:
         cfg = self.model_config
         page = self.server_args.page_size
         kv_heads = kv_head_shard(cfg.num_key_value_heads, self.tp.rank, self.tp.size).size
-        probe = MHATokenToKVPool(0, page, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, "meta")
+        kv_dtype = kv_storage_dtype(self.server_args.kv_cache_dtype, self.dtype)
+        probe = MHATokenToKVPool(0, page, kv_dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, "meta")
         kv_per_token = probe.bytes_per_token()
         per_token = kv_per_token + self._draft_bytes_per_token(kv_heads)
         size = self.server_args.max_total_tokens
@@ -116,14 +147,15 @@ class ModelRunner:
         size = max(min_over_ranks(size) // page * page, page)  # every rank must hold rank 0's slot indices
         self.max_total_num_tokens = size
         self.token_to_kv_pool = MHATokenToKVPool(
-            size, page, self.dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.device
+            size, page, kv_dtype, kv_heads, cfg.head_dim, cfg.num_hidden_layers, self.device
         )
         self.allocator = TokenToKVPoolAllocator(size, page, self.device)
         # Twice the running set: a step's prefills (span jobs, new requests) get rows even while every running
         # seat is taken, so span prefills keep their full token budget next to a full decode batch.
         rows = 2 * self.server_args.max_running_requests + 8
         self.req_to_token_pool = ReqToTokenPool(rows, cfg.context_len + page, self.device)
-        logger.info("KV pool: %d tokens (%.2f GiB), %d request rows", size, size * kv_per_token / 2**30, rows)
+        logger.info("KV pool: %d tokens (%.2f GiB, %s), %d request rows", size, size * kv_per_token / 2**30,
+                    str(kv_dtype).removeprefix("torch."), rows)
 
     def _draft_bytes_per_token(self, kv_heads: int) -> int:
         """Device memory a pool token may also take outside the pool for VeriCache drafts (KIVI keeps a 2-bit copy

@@ -329,4 +329,4 @@ class KiviTritonDraftBackend(_KiviBackend):
         k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
         kv = KiviKV(k_buf, v_buf, step.table, step.totals, step.prefix_lens, step.addresses[layer.layer_id], GROUP,
                     value_group(layer.v_head_dim))
-        kivi_decode_fwd(q3, out, kv, layer.rotary.kernel_table(k_buf.dtype), layer.scaling, *step.buffers)
+        kivi_decode_fwd(q3, out, kv, layer.rotary.kernel_table(q3.dtype), layer.scaling, *step.buffers)
