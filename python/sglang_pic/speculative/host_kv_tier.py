@@ -177,12 +177,17 @@ class CopyStream:
 
 
 class StagingPool:
-    """Stands in for the KV pool in a staged batch: layer l reads staging buffer l % depth."""
+    """Stands in for the KV pool `pool` in a staged batch: layer l reads staging buffer l % depth, which holds KV
+    in the pool's units (its per-layer scales)."""
 
-    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], head_num: int, dtype: torch.dtype) -> None:
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], pool: MHATokenToKVPool) -> None:
         self.buffers = buffers
-        self.head_num = head_num
-        self.dtype = dtype
+        self.pool = pool
+        self.head_num, self.dtype = pool.head_num, pool.dtype
+        self.k_scale, self.v_scale = pool.k_scale, pool.v_scale
+
+    def to_storage(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.to_storage(layer_id, k, v)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.buffers[layer_id % len(self.buffers)]
@@ -249,7 +254,7 @@ class HostStreamingBackend(AttentionBackend):
         self.staged = dataclasses.replace(
             fb,
             attn_backend=self.inner,
-            token_to_kv_pool=StagingPool(self.buffers, p.head_num, p.dtype),
+            token_to_kv_pool=StagingPool(self.buffers, p),
             req_to_token_pool=TokenTable(table.to(device)),
             req_pool_indices=torch.arange(len(olds), device=device),
             req_pool_indices_cpu=list(range(len(olds))),
