@@ -51,9 +51,9 @@ class DeviationProbe:
         positions = torch.tensor(self.positions, dtype=torch.int64, device=k.device)
         slots = torch.tensor(self.slots, dtype=torch.int64, device=k.device)
         # In the pool's units and rounding, so an fp8 pool's rounding does not count as deviation.
-        k, v = pool.to_storage(layer.layer_id, k, v)
-        new_k = to_kv_dtype(k.view(-1, layer.num_kv_heads, layer.head_dim)[positions], k_buf.dtype).float()
-        new_v = to_kv_dtype(v.view(-1, layer.num_kv_heads, layer.v_head_dim)[positions], v_buf.dtype).float()
+        new_k, new_v = pool.to_storage(layer.layer_id, k.view(-1, layer.num_kv_heads, layer.head_dim)[positions],
+                                       v.view(-1, layer.num_kv_heads, layer.v_head_dim)[positions])
+        new_k, new_v = to_kv_dtype(new_k, k_buf.dtype).float(), to_kv_dtype(new_v, v_buf.dtype).float()
         old_k, old_v = k_buf[slots].float(), v_buf[slots].float()
         dev = ((new_k - old_k).square().sum(-1) / (old_k.square().sum(-1) + EPS)).sum(-1)
         dev += ((new_v - old_v).square().sum(-1) / (old_v.square().sum(-1) + EPS)).sum(-1)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
 from sglang_pic.layers.deviation_probe import DeviationProbe
 from sglang_pic.managers.req import Req
 from sglang_pic.managers.req_kv import ReqKVManager
@@ -38,30 +37,17 @@ def deviation_scores(req: Req, runner, kv: ReqKVManager) -> torch.Tensor | None:
     """The deviation pass of a matched request: one score per prompt position (0 off the compared ones), or None
     when no scratch row or no slots for its prompt are free."""
     n = req.prompt_len
-    row = kv.req_to_token_pool.alloc()
-    if row is None:
+    if kv.req_to_token_pool.available_size() == 0 or not kv.ensure_free(n):
         return None
-    if not kv.ensure_free(n):
-        kv.req_to_token_pool.free(row)
-        return None
-    slots = kv.allocator.alloc(n)
-    try:
-        kv.req_to_token_pool.write(row, slice(0, n), slots)
-        rows = BatchRows(input_ids=req.prompt_ids())
-        rows.add(row, range(n), [0] * n)
-        batch = ForwardBatch.build(
-            ForwardMode.EXTEND, rows, slots, runner.device, req_to_token_pool=runner.req_to_token_pool,
-            token_to_kv_pool=runner.token_to_kv_pool, attn_backend=runner.attn_backend,
-        )
+    with runner.scratch_prefill(req.prompt_ids()) as batch:
+        if batch is None:
+            return None
         layer = min(DEVIATION_LAYERS, runner.model_config.num_hidden_layers) - 1
         positions = compared_positions(req)
         shared = kv.req_to_token_pool.req_to_token[req.req_pool_idx, positions].tolist()
         batch.deviation = DeviationProbe(layer, positions, shared,
                                          torch.zeros(n, dtype=torch.float32, device=runner.device))
         return runner.forward_deviation(batch)
-    finally:
-        kv.allocator.free(slots)
-        kv.req_to_token_pool.free(row)
 
 
 def select_by_deviation(req: Req, runner, kv: ReqKVManager) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -87,22 +89,36 @@ class ModelRunner:
             return
         n = min(CALIBRATION_TOKENS, self.allocator.available_size(), self.model_config.context_len)
         ids = torch.randint(self.model_config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-        row, slots = self.req_to_token_pool.alloc(), self.allocator.alloc(n)
-        try:
-            self.req_to_token_pool.write(row, slice(0, n), slots)
-            rows = BatchRows(input_ids=ids.tolist())
-            rows.add(row, range(n), [0] * n)
-            batch = ForwardBatch.build(ForwardMode.EXTEND, rows, slots, self.device,
-                                       req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=pool,
-                                       attn_backend=self.attn_backend)
+        with self.scratch_prefill(ids.tolist()) as batch:  # the pool is empty at start: there is room
             pool.start_calibration()
             self.forward_with(batch, None)
             pool.finish_calibration()
+        logger.info("fp8 KV scales over %d tokens: keys %s, values %s", n,
+                    sorted(set(pool.k_scale)), sorted(set(pool.v_scale)))
+
+    @contextmanager
+    def scratch_prefill(self, ids: list[int]) -> Iterator[ForwardBatch | None]:
+        """A one-request prefill batch of `ids` at positions 0 .., in a request row and KV slots of its own, freed
+        on exit: for passes that keep only what the forward measures (calibration, deviation). None when no row
+        or too few slots are free."""
+        n = len(ids)
+        row = self.req_to_token_pool.alloc()
+        slots = None if row is None else self.allocator.alloc(n)
+        if slots is None:
+            if row is not None:
+                self.req_to_token_pool.free(row)
+            yield None
+            return
+        try:
+            self.req_to_token_pool.write(row, slice(0, n), slots)
+            rows = BatchRows(input_ids=ids)
+            rows.add(row, range(n), [0] * n)
+            yield ForwardBatch.build(ForwardMode.EXTEND, rows, slots, self.device,
+                                     req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+                                     attn_backend=self.attn_backend)
         finally:
             self.allocator.free(slots)
             self.req_to_token_pool.free(row)
-        logger.info("fp8 KV scales over %d tokens: keys %s, values %s", n,
-                    sorted(set(pool.k_scale)), sorted(set(pool.v_scale)))
 
     def _shared_decode_heads(self) -> tuple[int, int] | None:
         """(query heads, KV heads) of this rank when decode steps may share the reads of KV runs that several
