@@ -180,6 +180,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the server's --span-head-tokens for the span modes (default: its default)")
     p.add_argument("--span-query-share", type=float,
                    help="the server's --span-query-share for the span modes (default: its default, no probe)")
+    p.add_argument("--span-select", choices=("query", "deviation"),
+                   help="the server's --span-select: how --span-query-share picks its tokens (default: query)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="commit each step's tokens before launching the next")
     p.add_argument("--disable-shared-decode", action="store_true",
@@ -216,6 +218,8 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
         kwargs["span_head_tokens"] = args.span_head_tokens
     if args.span_query_share is not None:
         kwargs["span_query_share"] = args.span_query_share
+    if args.span_select is not None:
+        kwargs["span_select"] = args.span_select
     return kwargs
 
 
