@@ -286,7 +286,8 @@ def run_task(
             records.append(Record(
                 reply=out["text"], correct=right, key=key, first_token=out["output_ids"][0],
                 first_logprobs=_first_logprobs(meta, reference is not None),
-                prompt_tokens=meta["prompt_tokens"], computed_tokens=meta["prompt_tokens"] - meta["cached_tokens"] + meta["probe_tokens"],
+                prompt_tokens=meta["prompt_tokens"],
+                computed_tokens=meta["prompt_tokens"] - meta["cached_tokens"] + meta["probe_tokens"],
                 span_tokens=prompt.span_tokens, recomputed_span_tokens=_recomputed_span_tokens(mode, prompt, meta),
             ))
         progress.requests_done(len(batch))
