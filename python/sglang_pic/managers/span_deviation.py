@@ -37,6 +37,7 @@ def deviation_scores(req: Req, runner, kv: ReqKVManager) -> torch.Tensor | None:
     """The deviation pass of a matched request: one score per prompt position (0 off the compared ones), or None
     when no scratch row or no slots for its prompt are free."""
     n = req.prompt_len
+    # The row first: a pass that cannot get one must not evict cached KV for its slots.
     if kv.req_to_token_pool.available_size() == 0 or not kv.ensure_free(n):
         return None
     with runner.scratch_prefill(req.prompt_ids()) as batch:
