@@ -247,7 +247,7 @@ class ReqKVManager:
         return out
 
     # ---- handing KV to the tree -------------------------------------------------------------------------------
-    def cache(self, req: Req, upto_output: bool = True) -> None:
+    def cache(self, req: Req) -> None:
         """Insert every segment's computed, page-aligned tokens into the tree and lock the new path."""
         for seg in req.segments:
             if seg.kind == "span" and seg.done == len(seg.tokens):
