@@ -243,14 +243,16 @@ def _sampled_outputs(engine: Engine) -> list[dict]:
     return engine.generate(prompts, params, return_logprob=True, top_logprobs_num=3, return_text_in_logprobs=True)
 
 
-def test_probe_passes_on_cuda_choose_what_cpu_float32_chooses(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("select", ["query", "deviation"])
+def test_probe_passes_on_cuda_choose_what_cpu_float32_chooses(tiny_llama, monkeypatch, select):
     """A probe pass alone in its step is an extend CUDA graphs could replay; it runs eagerly, so its layers score
-    the question: the CUDA engine's probes choose the CPU engine's tokens, and answer alike."""
+    the question. A deviation pass is a scratch prefill through the first layers at admission. Either way the CUDA
+    engine chooses the CPU engine's tokens, and answers alike."""
     from probe_choices import recording
     from sglang_pic.managers import span_probe
 
     common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, span_head_tokens=2,
-                  span_query_share=0.3)
+                  span_query_share=0.3, span_select=select)
     outs, choices = {}, {}
     for device in ("cpu", "cuda"):
         choices[device] = []
