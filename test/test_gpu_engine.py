@@ -243,6 +243,15 @@ def _sampled_outputs(engine: Engine) -> list[dict]:
     return engine.generate(prompts, params, return_logprob=True, top_logprobs_num=3, return_text_in_logprobs=True)
 
 
+# A span of several 16-token selection blocks (span_probe.SELECT_BLOCK): which blocks a request takes depends on the
+# scores, while PROMPTS' spans of one or two blocks leave little to choose.
+LONG_DOC = ("Paris sits on the Seine and is known for its museums. Tokyo is the largest city by population. Ottawa "
+            "lies on the Ottawa River. Canberra was built as a capital. Brasilia was planned in the 1950s and opened "
+            "in 1960.")
+PROBED = [*PROMPTS[2:], "Preface." + span(LONG_DOC) + "Which city lies on a river named after it?",
+          span(SHARED_DOCS[0]) + span(LONG_DOC) + "When did Brasilia open?"]
+
+
 @pytest.mark.parametrize("select", ["query", "deviation"])
 def test_probe_passes_on_cuda_choose_what_cpu_float32_chooses(tiny_llama, monkeypatch, select):
     """A probe pass alone in its step is an extend CUDA graphs could replay; it runs eagerly, so its layers score
@@ -258,8 +267,8 @@ def test_probe_passes_on_cuda_choose_what_cpu_float32_chooses(tiny_llama, monkey
         choices[device] = []
         monkeypatch.setattr(span_probe, "choose", recording(choices[device]))
         with Engine(device=device, **common) as engine:
-            outs[device] = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS[2:]]  # one at a time
-    assert len(choices["cpu"]) == 2 and choices["cuda"] == choices["cpu"]
+            outs[device] = [engine.generate(p, GREEDY)["output_ids"] for p in PROBED]  # one at a time
+    assert len(choices["cpu"]) == len(PROBED) and choices["cuda"] == choices["cpu"]
     assert outs["cuda"] == outs["cpu"]
 
 
