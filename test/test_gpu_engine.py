@@ -7,6 +7,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
@@ -262,13 +263,18 @@ def test_probe_passes_on_cuda_choose_what_cpu_float32_chooses(tiny_llama, monkey
 
     common = dict(model_path=str(tiny_llama), dtype="float32", max_total_tokens=4096, span_head_tokens=2,
                   span_query_share=0.3, span_select=select)
-    outs, choices = {}, {}
+    outs, choices, scores = {}, {}, {}
     for device in ("cpu", "cuda"):
-        choices[device] = []
-        monkeypatch.setattr(span_probe, "choose", recording(choices[device]))
+        choices[device], scores[device] = [], []
+        monkeypatch.setattr(span_probe, "choose", recording(choices[device], scores[device]))
         with Engine(device=device, **common) as engine:
             outs[device] = [engine.generate(p, GREEDY)["output_ids"] for p in PROBED]  # one at a time
-    assert len(choices["cpu"]) == len(PROBED) and choices["cuda"] == choices["cpu"]
+    assert len(choices["cpu"]) == len(PROBED) == len(choices["cuda"])
+    for i, (cpu, cuda) in enumerate(zip(scores["cpu"], scores["cuda"])):
+        worst = int(np.argmax(np.abs(cuda - cpu)))
+        assert np.allclose(cuda, cpu, rtol=1e-4, atol=1e-5), f"prompt {i}: position {worst} scores " \
+            f"{cuda[worst]} on CUDA, {cpu[worst]} on CPU"
+    assert choices["cuda"] == choices["cpu"]
     assert outs["cuda"] == outs["cpu"]
 
 
