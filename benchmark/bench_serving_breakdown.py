@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "reached)")
     p.add_argument("--params-b", type=float, help="parameters in billions (default: from --model-config, else 8.03)")
     p.add_argument("--weight-bytes", type=float, default=2.0, help="bytes per parameter")
-    p.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV element")
+    p.add_argument("--kv-bytes", type=float, help="bytes per KV element (default: the trace's pool, else 2)")
     p.add_argument("--model-config", help="a HF model folder or config.json: its shape and parameter count")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--q-heads", type=int, default=32)
@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> dict:
     header, steps = read_runs(args.trace)[args.run]
     if not steps:
         raise SystemExit(f"{args.trace}: the run has no steps")
+    if args.kv_bytes is None:
+        args.kv_bytes = float(header.get("kv_bytes", 2.0))
     ceilings = ceilings_from(args)
     bench = read_bench_result(args.bench_result) if args.bench_result else None
     window = args.window_s if args.window_s is not None else (bench or {}).get("duration")

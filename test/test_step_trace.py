@@ -56,6 +56,7 @@ def test_every_step_is_traced_and_agrees_with_the_requests(traced):
     path, run = traced
     header, steps = _lines(path)
     assert header["trace"] and header["device"] == "cpu" and header["overlap"] == run.overlap
+    assert header["kv_bytes"] == 4  # a float32 pool: the breakdown's KV bytes default to it
     assert [s["step"] for s in steps] == list(range(1, run.stats["num_steps"] + 1))
     assert {s["kind"] for s in steps} <= KINDS
     assert {"span_job", "probe", "decode"} <= {s["kind"] for s in steps}
@@ -90,6 +91,7 @@ def test_the_breakdown_adds_up_to_the_trace(traced, tmp_path):
     report = bench_serving_breakdown.main([str(path), "--bench-result", str(bench), "--out", str(out),
                                            "--tflops", "790", "--hbm-tbps", "4.25", "--params-b", "8.03"])
     assert json.loads(out.read_text())["steps"] == report["steps"] == len(steps)  # the window holds every step
+    assert report["ceilings"]["kv_bytes"] == 4  # the trace's pool
     assert out.with_suffix(".png").stat().st_size > 0
     device = sum(s["device_s"] for s in steps)
     assert report["device_busy_s"] == pytest.approx(device)
@@ -160,7 +162,8 @@ def test_cuda_events_are_read_once_passed_and_waited_for_only_when_idle(monkeypa
     monkeypatch.setattr(FakeEvent, "waits", 0)
     graphs = SimpleNamespace(num_replays={"decode": 0})
     runner = SimpleNamespace(device=SimpleNamespace(type="cuda"), graph_runner=graphs,
-                             server_args=SimpleNamespace(model_path="m", tp_size=1))
+                             server_args=SimpleNamespace(model_path="m", tp_size=1),
+                             token_to_kv_pool=SimpleNamespace(dtype=torch.bfloat16))
     out = io.StringIO()
     tracer = StepTracer(out, runner, overlap=True)
     plan = SimpleNamespace(entries=[])

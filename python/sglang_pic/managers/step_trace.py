@@ -120,6 +120,7 @@ class StepTracer:
             "trace": "sglang_pic step trace", "version": TRACE_VERSION, "t": self._wall0,
             "device": runner.device.type, "device_timing": "cuda_events" if self._cuda else "host_clock",
             "overlap": overlap, "model_path": runner.server_args.model_path, "tp_size": runner.server_args.tp_size,
+            "kv_bytes": runner.token_to_kv_pool.dtype.itemsize,  # an fp8 pool halves its KV reads
         }
         file.write(json.dumps(header) + "\n")
         file.flush()
