@@ -42,6 +42,7 @@ from graph_timing import ceilings, graph_time_ms, interleaved_ms, spread_pct
 
 DEVICE = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # auto: --dtype
 FULL = {
     "batches": [1, 8, 32, 64, 128, 256],
     "contexts": [1024, 4096, 8192, 16384, 32768],
@@ -67,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="auto",
+                   help="the pool's dtype, as the server's --kv-cache-dtype (auto: --dtype)")
     p.add_argument("--max-kv-tokens", type=int, default=8 * 2**20, help="skip decode cases with batch x context above")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
     p.add_argument("--rounds", type=int, default=3, help="interleaved measurements of each variant (median kept)")
@@ -92,11 +95,12 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _make_batch(args: argparse.Namespace, specs: list, seed: int):
+def _make_batch(args: argparse.Namespace, specs: list, seed: int, device: str = DEVICE):
     from paged_batch import make_paged_batch
 
     dims = (args.heads, args.kv_heads, args.head_dim)
-    return make_paged_batch(specs, *dims, DTYPES[args.dtype], DEVICE, page_size=args.page_size, seed=seed)
+    return make_paged_batch(specs, *dims, DTYPES[args.dtype], device, page_size=args.page_size, seed=seed,
+                            kv_dtype=KV_DTYPES[args.kv_dtype])
 
 
 def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config=None) -> dict:
@@ -106,7 +110,6 @@ def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config
     from sglang_pic.kernels.decode_attention import alloc_decode_buffers, num_kv_splits
     from paged_batch import decode
 
-    dtype = DTYPES[args.dtype]
     specs = [decode(context)] * batch_size
     batch = _make_batch(args, specs, seed=batch_size + context)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -130,7 +133,7 @@ def bench_decode(args: argparse.Namespace, batch_size: int, context: int, config
         "noise_pct": spread_pct(times),
         "rounds": times,
     }
-    kv_bytes = batch_size * context * args.kv_heads * 2 * args.head_dim * dtype.itemsize
+    kv_bytes = batch_size * context * args.kv_heads * 2 * args.head_dim * batch.k_buffer.element_size()
     result.update(
         batch=batch_size,
         context=context,
@@ -249,7 +252,7 @@ def bench_store(args: argparse.Namespace, tokens: int) -> dict:
     }
     times = interleaved_ms(fns, args.rep_ms, args.rounds)
     ms = {name: median(t) for name, t in times.items()}
-    moved = 2 * (k.numel() + v.numel()) * k.element_size()
+    moved = (k.numel() + v.numel()) * (k.element_size() + k_buf.element_size())  # read in, written to the pool
     return {
         "tokens": tokens,
         "position_free_ms": ms["free"],
@@ -323,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             "triton": triton.__version__,
             "python": platform.python_version(),
             "dtype": args.dtype,
+            "kv_dtype": args.kv_dtype,
             "heads": args.heads,
             "kv_heads": args.kv_heads,
             "head_dim": args.head_dim,

@@ -37,3 +37,15 @@ def test_bad_kinds_are_named(text: str, message: str, capsys: pytest.CaptureFixt
 def test_only_the_chosen_kinds_are_planned(kinds: str, plan: str, capsys: pytest.CaptureFixture) -> None:
     assert bench.main(["--kinds", kinds]) == 0
     assert plan in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kv_dtype, pool, element_bytes", [("auto", bench.torch.bfloat16, 2),
+                                                          ("fp8_e4m3", bench.torch.float8_e4m3fn, 1)])
+def test_kv_dtype_sets_the_pool_the_cases_read(kv_dtype: str, pool, element_bytes: int) -> None:
+    """--kv-dtype times the kernels over a pool as the server's --kv-cache-dtype holds it (the queries stay bf16)."""
+    from paged_batch import decode
+
+    args = bench.parse_args(["--kv-dtype", kv_dtype, "--heads", "4", "--kv-heads", "2", "--head-dim", "32"])
+    batch = bench._make_batch(args, [decode(40)], seed=0, device="cpu")
+    assert batch.k_buffer.dtype == batch.v_buffer.dtype == pool and batch.k_buffer.element_size() == element_bytes
+    assert batch.q.dtype == bench.torch.bfloat16
