@@ -108,6 +108,7 @@ _SPAN_SETTINGS = (
     *(("auto", k, 0) for k in (4, 8, 16, 32, 64, 128, 256)), *(("auto", k, k) for k in (8, 16, 32)),
     *(("auto", 8, 0, share) for share in (0.1, 0.2, 0.3, 0.5)), *(("auto", 8, 8, share) for share in (0.1, 0.2, 0.3)),
     *(("auto", 128, 0, share) for share in (0.1, 0.2, 0.3)), *(("auto", 128, k) for k in (16, 32)),
+    ("auto", 64, 32), ("auto", 128, 32, 0.1),
     *(("auto", k, 0, 0.0, t, s) for k in (0, 16) for t, s in ((0.7, 1.1), (0.8, 1.0), (0.9, 0.9), (1.0, 1.2))),
     *(("auto", k, 0, share, 1.0, 1.0, "deviation") for k, shares in ((8, (0.1, 0.2, 0.3, 0.5)), (128, (0.1, 0.2)))
       for share in shares),
