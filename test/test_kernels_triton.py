@@ -92,7 +92,9 @@ BACKEND_CASES = [
     "backend_mixed_page16",
     "backend_mixed_shared_decode_page16",
 ]
-GRAPH_CASES = ["backend_graph_padded_extend", "backend_graph_padded_staged_prefill", "stage_decision"]
+GRAPH_PADDED = ["backend_graph_padded_extend", "backend_graph_padded_staged_prefill",
+                "backend_graph_padded_staged_extend_at_context_len"]
+GRAPH_CASES = [*GRAPH_PADDED, "stage_decision"]
 WARM_UP_CASES = ["warm_up", "warm_up_coverage"]
 KIVI_CASES = ["kivi_gqa_fp32", "kivi_group3_partial_rotary_vdim16_bf16"]
 KIVI_ENGINE_CASES = ["kivi_engine"]
@@ -194,12 +196,12 @@ def test_shared_decode_static_plan_keeps_the_live_rows(worker: InterpreterWorker
     assert entry["padded_zero"]
 
 
-@pytest.mark.parametrize("name", ["backend_graph_padded_extend", "backend_graph_padded_staged_prefill"])
+@pytest.mark.parametrize("name", GRAPH_PADDED)
 def test_padded_extend_graph_inputs_keep_the_live_rows(worker: InterpreterWorker, name: str) -> None:
     entry = _entry(worker, name)
     _assert_close(name, "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
     assert entry["writes_only_own_and_dummy_slots"] and entry["key_splits"]
-    assert entry["staged"] == (name == "backend_graph_padded_staged_prefill")
+    assert entry["staged"] == ("staged" in name)
 
 
 def test_keys_are_staged_while_the_workspace_fits(worker: InterpreterWorker) -> None:

@@ -155,10 +155,10 @@ def backend_case(
     }
 
 
-def graph_padding_case(spec: pb.RequestSpec, padded: int) -> dict:
-    """A one-request extend padded as its CUDA graph replays it: the backend is sized for a long context and
-    the padded count, the live rows keep their output and the padded rows write only the dummy slot 0 (and,
-    when the keys are staged, no workspace row: they would overwrite the new keys' rotated copies)."""
+def graph_padding_case(spec: pb.RequestSpec, padded: int, context_len: int = 4096) -> dict:
+    """A one-request extend padded as its CUDA graph replays it: the backend is sized for the model's
+    `context_len` and the padded count, the live rows keep their output and the padded rows write only the dummy
+    slot 0 (and, when the keys are staged, no workspace row: they would overwrite the new keys' rotated copies)."""
     from sglang_pic.forward_batch import ForwardMode
     from sglang_pic.layers.attention_backend import TorchNativeAttnBackend
     from sglang_pic.layers.triton_backend import TritonAttnBackend
@@ -166,7 +166,7 @@ def graph_padding_case(spec: pb.RequestSpec, padded: int) -> dict:
     from sglang_pic.layers.rotary_embedding import RotaryEmbedding
     from sglang_pic.model_executor.cuda_graph_runner import StaticInputs
 
-    hq, hkv, dim, context_len = 4, 2, 32, 4096
+    hq, hkv, dim = 4, 2, 32
     batch = pb.make_paged_batch([spec], hq, hkv, dim, torch.float32, "cpu", page_size=16)
     layer = RadixAttention(hq, dim, batch.sm_scale, hkv, layer_id=0, rotary=RotaryEmbedding(dim, context_len))
     q, k, v = batch.q.flatten(1), batch.k_new.flatten(1), batch.v_new.flatten(1)
@@ -193,7 +193,7 @@ def graph_padding_case(spec: pb.RequestSpec, padded: int) -> dict:
         "nan": bool(out[:rows].isnan().any()),
         "vs_torch_native": relative_errors(out[:rows], expected),
         "writes_only_own_and_dummy_slots": written <= set(batch.out_cache_loc.tolist()) | {0},
-        "key_splits": graph_batch.attn_metadata.max_seq_len == context_len,
+        "key_splits": graph_batch.attn_metadata.max_seq_len >= context_len,
         "staged": graph_batch.attn_metadata.staged is not None,
     }
 
@@ -412,7 +412,7 @@ CASES: dict[str, Callable[[], dict]] = {
     "decode_baseline_rotated_keys_fp32": lambda: attention_case(
         [D(n) for n in (1, 80, 200)], 4, 2, 32, "float32", page=16, decode=True, keys_rotated=True
     ),
-    # fp8 pools: tiles widen to the queries' dtype as they load; the references read the same fp8 values
+    # fp8 pools: tiles widen as they load (decode under bf16 to fp16); the references read the same fp8 values
     "spans_staged_keys_fp8_e4m3_bf16": lambda: attention_case(
         span_specs, 4, 2, 32, "bfloat16", page=16, stage=True, kv_dtype=torch.float8_e4m3fn
     ),
@@ -454,6 +454,8 @@ CASES: dict[str, Callable[[], dict]] = {
     "backend_graph_padded_extend": lambda: graph_padding_case(pb.spans(50, [(8, 20)], 4), 32),
     # 150 new tokens x 2 query heads per kv head: past FEW_QUERY_ROWS, so keys are staged
     "backend_graph_padded_staged_prefill": lambda: graph_padding_case(pb.prefill(150), 256),
+    # a graph as long as the model's context, replayed by an extend with cached keys: the capture must stage them
+    "backend_graph_padded_staged_extend_at_context_len": lambda: graph_padding_case(pb.extend(142, 137), 256, 256),
     "stage_decision": stage_decision_case,
     "kivi_gqa_fp32": lambda: kivi_case("float32", 4, 32, 32),
     "kivi_group3_partial_rotary_vdim16_bf16": lambda: kivi_case("bfloat16", 6, 16, 16),

@@ -81,11 +81,14 @@ class StaticInputs:
     def batch(self, mode: ForwardMode, size: int, context_len: int, req_to_token_pool, token_to_kv_pool,
               attn_backend) -> ForwardBatch:
         """The batch a graph captures: `size` requests for decode, or `size` tokens of one request for extend,
-        whose host-side lengths ask the backend for the widest grid (every key chunk a context_len context has)."""
+        whose host-side lengths ask the backend for the widest grid (every key chunk a context_len context has).
+        An extend's context is longer than its tokens even where `size` reaches context_len, so that the capture
+        includes the passes over cached keys (the Triton backend's key staging) that replays with a cached prefix
+        need."""
         if mode.is_decode():
             reqs, seq_lens_cpu, extend_lens_cpu = size, [1] * size, [1] * size
         else:
-            reqs, seq_lens_cpu, extend_lens_cpu = 1, [context_len], [size]
+            reqs, seq_lens_cpu, extend_lens_cpu = 1, [max(context_len, size + 1)], [size]
         views = {name: self.tensors[name][:size] for name in TOKEN_FIELDS}
         views.update({name: self.tensors[name][:reqs] for name in REQUEST_FIELDS})
         return ForwardBatch(
