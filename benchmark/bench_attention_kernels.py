@@ -279,6 +279,11 @@ def sweep(args: argparse.Namespace) -> list[dict]:
         DecodeConfig(block_n=32, min_split_len=256, num_warps=4, num_stages=3),
         DecodeConfig(block_n=128, min_split_len=512, num_warps=4, num_stages=3),
         DecodeConfig(block_n=128, min_split_len=256, num_warps=8, num_stages=3),
+        # fp8 pools: a block of 256 keys moves bf16's 128-key bytes; one stage keeps shared memory free for more
+        # programs per SM
+        DecodeConfig(block_n=256, min_split_len=256, num_warps=8, num_stages=2),
+        DecodeConfig(block_n=128, min_split_len=256, num_warps=4, num_stages=1),
+        DecodeConfig(block_n=256, min_split_len=256, num_warps=8, num_stages=1),
     ]
     extend_cfgs = [None] + [  # None: the engine's own pick, which depends on the case's query rows
         ExtendConfig(block_m=256, block_n=64, num_warps=8, num_stages=2),

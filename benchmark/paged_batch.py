@@ -15,6 +15,7 @@ import torch
 from sglang_pic.forward_batch import BatchRows
 from sglang_pic.kernels.paged_layout import ExtendRows, PagedKV, SpanScaling
 from sglang_pic.kernels.reference import rope_f64
+from sglang_pic.kv_cache_dtype import decode_tile_dtype
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class PagedBatch:
     out_cache_loc: torch.Tensor
     cos_sin_cache: torch.Tensor
     kernel_cos_sin: torch.Tensor  # cos_sin_cache in the pool's dtype, what the engine hands the kernels
+    decode_cos_sin: torch.Tensor  # the same in the decode kernel's tile dtype (decode_tile_dtype)
     sm_scale: float
     page_size: int = 1
     staged: "StagedKeys | None" = None  # the key-staging workspace (NaN at first), built by the first staged run
@@ -192,7 +194,7 @@ class PagedBatch:
             num_heads, v_dim = self.q.shape[1], self.v_buffer.shape[-1]
             buffers = alloc_decode_buffers(self.q.shape[0], num_heads, v_dim, max_splits, self.q.device)
         decode_attention_fwd(
-            self.q, out, self.kv(k_buffer), self.kernel_cos_sin, self.sm_scale, *buffers, keys_rotated=keys_rotated,
+            self.q, out, self.kv(k_buffer), self.decode_cos_sin, self.sm_scale, *buffers, keys_rotated=keys_rotated,
             config=config,
         )
         return out
@@ -335,6 +337,7 @@ def make_paged_batch(
         out_cache_loc=loc,
         cos_sin_cache=rope.cos_sin_cache,
         kernel_cos_sin=rope.kernel_table(dtype),
+        decode_cos_sin=rope.kernel_table(decode_tile_dtype(k_buffer.dtype, dtype)),
         sm_scale=head_dim**-0.5,
         page_size=page_size,
     )

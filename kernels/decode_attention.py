@@ -13,6 +13,10 @@ rotated once, by its own position, before the loop. Keys are not rotated from a 
 table takes half of them and cuts the programs resident per SM, the loads in flight that decode lives on. Against
 pre-rotated keys this costs +3.5% (geometric mean over batch x context on the H200,
 benchmark/results/attention_kernels_h200.json).
+
+An fp8 pool under a bf16 model is read in fp16 tiles (`decode_tile_dtype`): fp8 widens to fp16 exactly with one
+packed instruction per two values, but to bf16 only through fp16 and one more conversion per value, and with bf16
+tiles the kernel issued more instructions per key block over half the bytes than over a bf16 pool.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import triton.language as tl
 
 from sglang_pic.kernels.paged_layout import PagedKV
 from sglang_pic.kernels.rope import (
+    TL_DTYPES,
     HeadSplit,
     attend_paged_keys,
     check_dense_heads,
@@ -36,6 +41,7 @@ from sglang_pic.kernels.rope import (
     load_group_query,
     merge_partials,
 )
+from sglang_pic.kv_cache_dtype import decode_tile_dtype
 
 LOG2E = 1.0 / math.log(2.0)
 MAX_SPLITS_CAP = 64
@@ -130,6 +136,7 @@ def _decode_split_kernel(
     V_DIM: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ROTATE_KEYS: tl.constexpr,
+    TILE_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -167,7 +174,7 @@ def _decode_split_kernel(
         slots = tl.load(r2t_row + offs_n, mask=n_mask, other=0)
         m_i, l_i, acc = attend_paged_keys(
             q1_dot, q2_dot, q_tail, k_head, v_head, slots, n_mask, offs_n, cos_sin_ptr, stride_cs, stride_kbs,
-            stride_vbs, m_i, l_i, acc, dtype, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, V_DIM, BLOCK_V,
+            stride_vbs, m_i, l_i, acc, TILE_DTYPE, ROTATE_KEYS, HALF, BLOCK_HALF, TAIL, BLOCK_TAIL, V_DIM, BLOCK_V,
             DOT_DTYPE, DOT_PRECISION,
         )
 
@@ -225,9 +232,12 @@ def decode_kernel_params(
     device: torch.device,
     keys_rotated: bool,
     config: DecodeConfig | None = None,
+    pool_dtype: torch.dtype | None = None,
 ) -> tuple[dict, dict]:
-    """Constexprs and launch options of the split and merge kernels (the sm_90 build test compiles these)."""
+    """Constexprs and launch options of the split and merge kernels (the sm_90 build test compiles these) for
+    queries in `dtype` over a `pool_dtype` pool (None: `dtype`)."""
     group = num_heads // num_kv_heads
+    tile = decode_tile_dtype(pool_dtype or dtype, dtype)
     cfg = config or default_decode_config(split.head_dim, dtype, device)
     tiles = split.constexprs()
     split_params = {
@@ -236,8 +246,9 @@ def decode_kernel_params(
         "BLOCK_N": cfg.block_n,
         "MIN_SPLIT_LEN": cfg.min_split_len,
         "ROTATE_KEYS": not keys_rotated,
-        "DOT_DTYPE": dot_operand_dtype(dtype, device),
-        "DOT_PRECISION": dot_precision(dtype),
+        "TILE_DTYPE": TL_DTYPES[tile],
+        "DOT_DTYPE": dot_operand_dtype(tile, device),
+        "DOT_PRECISION": dot_precision(tile),
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         **tiles,
@@ -266,7 +277,7 @@ def decode_attention_fwd(
     """out [B, Hq, Dv] for q [B, Hq, D] (unrotated, row b at position kv.seq_lens[b] - 1; every seq_len >= 1).
 
     The split count is mid_o.shape[2] (buffers from alloc_decode_buffers). Keys are rotated in the dtype of
-    `cos_sin_cache` (pass it in q's dtype, see RotaryEmbedding.kernel_table); the pool may hold them in fp8.
+    `cos_sin_cache`: pass it in decode_tile_dtype(pool dtype, q's) (see RotaryEmbedding.kernel_table).
     keys_rotated=True is the baseline that reads pre-rotated keys.
     """
     batch_size, num_heads, head_dim = q.shape
@@ -278,7 +289,7 @@ def decode_attention_fwd(
     max_splits = mid_o.shape[2]
     split = head_split(head_dim, cos_sin_cache, v_buffer.shape[-1])
     split_params, merge_params = decode_kernel_params(
-        num_heads, num_kv_heads, split, q.dtype, q.device, keys_rotated, config
+        num_heads, num_kv_heads, split, q.dtype, q.device, keys_rotated, config, k_buffer.dtype
     )
     _decode_split_kernel[(batch_size, num_kv_heads, max_splits)](
         q,

@@ -58,6 +58,9 @@ def check_dense_heads(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must have dense [heads, dim] rows, got strides {tuple(x.stride())}")
 
 
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact products (tests, debugging); half types ignore the setting."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -68,7 +71,7 @@ def dot_operand_dtype(dtype: torch.dtype, device: torch.device) -> tl.dtype:
     bf16 (same values as on the GPU) and then widened to fp32, whose products of bf16 values are exact."""
     if device.type == "cpu" and dtype == torch.bfloat16:
         return tl.float32
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+    return TL_DTYPES[dtype]
 
 
 @triton.jit

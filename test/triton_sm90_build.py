@@ -24,10 +24,11 @@ def main() -> None:
 
     cuda = torch.device("cuda")
     float_ptrs = {"q_ptr", "k_ptr", "v_ptr", "k_buf_ptr", "v_buf_ptr", "out_ptr", "ws_ptr"}
-    fp32_ptrs = {"cos_sin_ptr", "mid_o_ptr", "mid_lse_ptr", "span_temp_ptr", "span_scale_ptr", "span_lse_ptr"}
+    fp32_ptrs = {"mid_o_ptr", "mid_lse_ptr", "span_temp_ptr", "span_scale_ptr", "span_lse_ptr"}
 
-    def build(kernel, params: dict, dtype: str, pool: str | None = None) -> None:
-        """`pool`: the KV pool's element type when it differs from `dtype` (the store's inputs come in it too)."""
+    def build(kernel, params: dict, dtype: str, pool: str | None = None, table: str = "fp32") -> None:
+        """`pool`: the KV pool's element type when it differs from `dtype` (the store's inputs come in it too);
+        `table`: the cos/sin table's."""
         consts = dict(params)
         options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages", 1)}
         pool_ptrs = {"k_buf_ptr", "v_buf_ptr"} | ({"k_ptr", "v_ptr"} if kernel is sk._store_kv_kernel else set())
@@ -39,6 +40,8 @@ def main() -> None:
                 return "*" + pool
             if name in float_ptrs:
                 return "*" + dtype
+            if name == "cos_sin_ptr":
+                return "*" + table
             if name in fp32_ptrs:
                 return "*fp32"
             return "*i64" if name.endswith("_ptr") else ("fp32" if name == "qk_scale" else "i32")
@@ -89,12 +92,13 @@ def main() -> None:
                 except Exception:
                     report[key] = traceback.format_exc()[-3000:]
     # fp8 pools under bf16 queries: every kernel that reads or writes the pool (staged keys go to a bf16 workspace)
-    for pool in ("fp8e4nv", "fp8e5"):
+    for pool, pool_dtype in (("fp8e4nv", torch.float8_e4m3fn), ("fp8e5", torch.float8_e5m2)):
+        decode = da.decode_kernel_params(32, 8, split, torch.bfloat16, cuda, False, pool_dtype=pool_dtype)[0]
         fp8_variants = {
             "extend": (ea._extend_attention_kernel, ea.extend_kernel_params(32, 8, split, torch.bfloat16, cuda, False)),
             "extend_staged": (ea._extend_attention_kernel, ea.extend_kernel_params(
                 32, 8, split, torch.bfloat16, cuda, False, keys_staged=True)),
-            "decode": (da._decode_split_kernel, da.decode_kernel_params(32, 8, split, torch.bfloat16, cuda, False)[0]),
+            "decode": (da._decode_split_kernel, decode),  # fp16 tiles (decode_tile_dtype)
             "store_kv_staged": (sk._store_kv_kernel, sk.store_kernel_params(8, split, rotate=False, stage=True)),
             "stage_keys": (st._stage_keys_kernel, st.stage_kernel_params(split)),
             "shared_decode": (sd._shared_decode_kernel,
@@ -103,7 +107,7 @@ def main() -> None:
         for name, (kernel, params) in fp8_variants.items():
             key = f"{name}_bf16_{pool}_pool"
             try:
-                build(kernel, params, "bf16", pool)
+                build(kernel, params, "bf16", pool, "fp16" if name == "decode" else "fp32")
                 report[key] = None
             except Exception:
                 report[key] = traceback.format_exc()[-3000:]

@@ -27,6 +27,7 @@ from sglang_pic.kernels.stage_keys import (
     stage_keys,
 )
 from sglang_pic.kernels.store_kv import store_kv
+from sglang_pic.kv_cache_dtype import decode_tile_dtype
 from sglang_pic.layers.attention_backend import AttentionBackend, scale_values
 
 if TYPE_CHECKING:
@@ -142,7 +143,8 @@ class TritonAttnBackend(AttentionBackend):
                 )
             else:
                 mid_o, mid_lse = self._decode_buffers(meta, fb.num_decodes, layer, q.device)
-                decode_attention_fwd(q3[rows:], out[rows:], decode_kv, cos_sin, sm_scale, mid_o, mid_lse)
+                table = layer.rotary.kernel_table(decode_tile_dtype(k_buf.dtype, q.dtype))
+                decode_attention_fwd(q3[rows:], out[rows:], decode_kv, table, sm_scale, mid_o, mid_lse)
         return scale_values(out, pool.v_scale[lid]).view(q3.shape[0], layer.num_heads * layer.v_head_dim)
 
     @torch.inference_mode()
@@ -183,7 +185,8 @@ class TritonAttnBackend(AttentionBackend):
                 staged_keys=staged,
             )
         mid_o, mid_lse = alloc_decode_buffers(1, layer.num_heads, layer.v_head_dim, 1, device)
-        decode_attention_fwd(q[:1], out[:1], kv, cos_sin, layer.scaling, mid_o, mid_lse)
+        table = layer.rotary.kernel_table(decode_tile_dtype(k_buf.dtype, dtype))
+        decode_attention_fwd(q[:1], out[:1], kv, table, layer.scaling, mid_o, mid_lse)
         return len(variants) + 1
 
     @staticmethod
