@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
-    sizes = [1, 2, 4, 8, 12, 16, 24] + list(range(32, 257, 16))
-    return [bs for bs in sizes if bs <= max_bs] or [1]
+    """Decode batch sizes to capture, up to `max_bs` and always including it: steps of 16 to 256, of 32 beyond (a
+    replay pads the batch to the next size)."""
+    sizes = [1, 2, 4, 8, 12, 16, 24, *range(32, 256, 16), *range(256, max_bs, 32)]
+    return [bs for bs in sizes if bs < max_bs] + [max(max_bs, 1)]
 
 
 def capture_extend_sizes(max_tokens: int) -> list[int]:
