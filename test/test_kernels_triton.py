@@ -99,6 +99,7 @@ WARM_UP_CASES = ["warm_up", "warm_up_coverage"]
 KIVI_CASES = ["kivi_gqa_fp32", "kivi_group3_partial_rotary_vdim16_bf16"]
 KIVI_ENGINE_CASES = ["kivi_engine"]
 ENGINE_CASES = [
+    "graph_replay_engine",
     "shared_decode_engine",
     "shared_decode_tp2_engine",
     "shared_decode_common_prefix_engine",
@@ -186,6 +187,13 @@ def test_span_attention_scaling_through_the_triton_backend_and_tp2(worker: Inter
 def test_span_probe_chooses_alike_through_the_triton_backend(worker: InterpreterWorker) -> None:
     assert _entry(worker, "span_probe_engine") == {
         "dtype": "float32", "nan": False, "probed": 4, "same_choice": True, "identical": True,
+    }
+
+
+@pytest.mark.slow  # two engines prefilling under the interpreter
+def test_graph_replays_give_the_eager_engine_tokens(worker: InterpreterWorker) -> None:
+    assert _entry(worker, "graph_replay_engine") == {
+        "dtype": "float32", "nan": False, "identical": True, "decode_replays": True, "padded_to_context": True,
     }
 
 

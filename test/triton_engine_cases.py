@@ -1,6 +1,6 @@
 """The Triton interpreter cases that run whole engines over the tiny llama (see triton_cases.py, which serves them
-with the kernel cases): KIVI drafting through its fused kernel, shared decode, APE, the probe pass and fp8 KV
-pools in the engine.
+with the kernel cases): KIVI drafting through its fused kernel, shared decode, APE, the probe pass, fp8 KV pools
+and CUDA-graph replays (emulated) in the engine.
 """
 
 from __future__ import annotations
@@ -187,7 +187,36 @@ def fp8_kv_engine_case() -> dict:
     }
 
 
+def graph_replay_engine_case() -> dict:
+    """Decodes and one-request extends replayed as their CUDA graphs would be (graph_replay.py) give the eager
+    engine's tokens: spans with a probe pass (recomputed tokens scattered through them) and an extend behind a
+    cached prefix that pads to the tiny model's whole context, whose keys the graph must stage."""
+    from graph_replay import EmulatedGraphs
+    from test_gpu_engine import PROBED
+    from sglang_pic.engine import Engine
+
+    common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=4096, device="cpu",
+                  attention_backend="triton", span_head_tokens=2, span_query_share=0.3)
+    params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    outs = {}
+    for name in ("eager", "graphs"):
+        with Engine(**common) as e:
+            runner = e.scheduler.runner
+            if name == "graphs":
+                runner.graph_runner = EmulatedGraphs(runner)
+            outs[name] = [e.generate(p, params)["output_ids"] for p in PROBED]
+    replays = runner.graph_runner.padded
+    return {
+        "dtype": "float32",
+        "nan": False,
+        "identical": outs["graphs"] == outs["eager"],
+        "decode_replays": sum(mode == "DECODE" for mode, _ in replays) > 0,
+        "padded_to_context": ("EXTEND", runner.model_config.context_len) in replays,
+    }
+
+
 ENGINE_CASES: dict[str, Callable[[], dict]] = {
+    "graph_replay_engine": graph_replay_engine_case,
     "fp8_kv_engine": fp8_kv_engine_case,
     "span_attention_engine": span_attention_engine_case,
     "span_probe_engine": span_probe_engine_case,

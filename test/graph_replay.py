@@ -1,0 +1,53 @@
+"""CUDA-graph replay emulated on CPU, for the Triton interpreter's engine cases.
+
+A captured graph fixes what the host decides for its batch (the attention backend's metadata, built from the
+capture batch's host lists: the model's whole context, the padded token count) and replays the device work over
+the live batch, copied into static inputs. `EmulatedGraphs` stands in for the engine's CudaGraphRunner: it runs
+the forward over the same static inputs with metadata built from the same capture batch, so a decision a capture
+takes that a live batch needs taken otherwise (such as skipping the staging of cached keys) shows on CPU. Device
+values the backend computes before a capture are not frozen here, unlike in a real graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_pic.forward_batch import ForwardBatch
+from sglang_pic.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    StaticInputs,
+    capture_batch_sizes,
+    capture_extend_sizes,
+)
+
+
+class EmulatedGraphs:
+    """The engine's graph runner on CPU: the same batch sizes, padding and capture batches, run eagerly."""
+
+    can_run = CudaGraphRunner.can_run
+    _padded_key = CudaGraphRunner._padded_key
+    _inputs = CudaGraphRunner._inputs
+
+    def __init__(self, runner) -> None:
+        args, pad = runner.server_args, runner.req_to_token_pool.padding_row
+        self.runner = runner
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.batch_sizes = capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests))
+        self.extend_sizes = capture_extend_sizes(args.cuda_graph_max_extend_tokens)
+        self.decode_inputs = StaticInputs.allocate(self.batch_sizes[-1], self.batch_sizes[-1], pad, runner.device)
+        self.extend_inputs = StaticInputs.allocate(max(self.extend_sizes), 1, pad, runner.device)
+        self.shared_plan = None  # decodes replay the per-request graph
+        self.padded: list[tuple[str, int]] = []  # (mode, padded size) of every replay
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        mode, padded, _ = self._padded_key(batch)
+        inputs = self._inputs(mode)
+        if not mode.is_decode():
+            inputs.tensors["extend_seq_lens"].fill_(padded)
+        capture = inputs.batch(mode, padded, self.runner.model_config.context_len, self.req_to_token_pool,
+                               self.runner.token_to_kv_pool, batch.attn_backend)
+        batch.attn_backend.init_forward_metadata_capture(capture, padded)
+        inputs.load(batch, padded, self.req_to_token_pool.padding_row)
+        batch.shared_decode = None
+        self.padded.append((mode.name, padded))
+        return self.runner.model(capture.input_ids, capture.positions, capture)[: batch.input_ids.shape[0]]
