@@ -13,12 +13,7 @@ from __future__ import annotations
 import torch
 
 from sglang_pic.forward_batch import ForwardBatch
-from sglang_pic.model_executor.cuda_graph_runner import (
-    CudaGraphRunner,
-    StaticInputs,
-    capture_batch_sizes,
-    capture_extend_sizes,
-)
+from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner, StaticInputs, engine_capture_sizes
 
 
 class EmulatedGraphs:
@@ -27,13 +22,14 @@ class EmulatedGraphs:
     can_run = CudaGraphRunner.can_run
     _padded_key = CudaGraphRunner._padded_key
     _inputs = CudaGraphRunner._inputs
+    _capture_batch = CudaGraphRunner._capture_batch
 
     def __init__(self, runner) -> None:
-        args, pad = runner.server_args, runner.req_to_token_pool.padding_row
+        pad = runner.req_to_token_pool.padding_row
         self.runner = runner
         self.req_to_token_pool = runner.req_to_token_pool
-        self.batch_sizes = capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests))
-        self.extend_sizes = capture_extend_sizes(args.cuda_graph_max_extend_tokens)
+        self.attn_backend = runner.attn_backend
+        self.batch_sizes, self.extend_sizes = engine_capture_sizes(runner)
         self.decode_inputs = StaticInputs.allocate(self.batch_sizes[-1], self.batch_sizes[-1], pad, runner.device)
         self.extend_inputs = StaticInputs.allocate(max(self.extend_sizes), 1, pad, runner.device)
         self.shared_plan = None  # decodes replay the per-request graph
@@ -41,13 +37,9 @@ class EmulatedGraphs:
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         mode, padded, _ = self._padded_key(batch)
-        inputs = self._inputs(mode)
-        if not mode.is_decode():
-            inputs.tensors["extend_seq_lens"].fill_(padded)
-        capture = inputs.batch(mode, padded, self.runner.model_config.context_len, self.req_to_token_pool,
-                               self.runner.token_to_kv_pool, batch.attn_backend)
-        batch.attn_backend.init_forward_metadata_capture(capture, padded)
-        inputs.load(batch, padded, self.req_to_token_pool.padding_row)
+        capture = self._capture_batch(mode, padded)
+        self.attn_backend.init_forward_metadata_capture(capture, padded)
+        self._inputs(mode).load(batch, padded, self.req_to_token_pool.padding_row)
         batch.shared_decode = None
         self.padded.append((mode.name, padded))
         return self.runner.model(capture.input_ids, capture.positions, capture)[: batch.input_ids.shape[0]]

@@ -44,6 +44,14 @@ def capture_extend_sizes(max_tokens: int) -> list[int]:
     return [n for n in (16, 32, 64, 128, 256, 512) if n <= max_tokens]
 
 
+def engine_capture_sizes(runner) -> tuple[list[int], list[int]]:
+    """The engine's decode batch sizes (up to --cuda-graph-max-bs, at most --max-running-requests) and one-request
+    extend sizes (up to --cuda-graph-max-extend-tokens, none for a backend that captures no extends)."""
+    args = runner.server_args
+    extends = capture_extend_sizes(args.cuda_graph_max_extend_tokens) if runner.attn_backend.captures_extends else []
+    return capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests)), extends
+
+
 @dataclass
 class StaticInputs:
     """Device tensors a captured graph reads, one per device field of ForwardBatch (TOKEN_FIELDS of `tokens` rows,
@@ -147,12 +155,10 @@ class CudaGraphRunner:
     def for_engine(cls, runner) -> CudaGraphRunner:
         """The engine's graphs: decode up to --cuda-graph-max-bs requests, extends up to
         --cuda-graph-max-extend-tokens tokens, over the engine's request table and backend."""
-        args = runner.server_args
         heads = runner.shared_decode_heads
         return cls(
             runner,
-            capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests)),
-            capture_extend_sizes(args.cuda_graph_max_extend_tokens) if runner.attn_backend.captures_extends else [],
+            *engine_capture_sizes(runner),
             runner.req_to_token_pool,
             runner.attn_backend,
             shared_members=members_per_item(heads[0] // heads[1]) if heads is not None else None,
@@ -186,12 +192,12 @@ class CudaGraphRunner:
             type(self.attn_backend).__name__,
         )
 
-    def _capture(self, key: tuple[ForwardMode, int, bool], stream: torch.cuda.Stream) -> None:
-        mode, size, shared = key
+    def _capture_batch(self, mode: ForwardMode, size: int) -> ForwardBatch:
+        """The batch over the static inputs that the graph of (mode, size) is captured with."""
         inputs = self._inputs(mode)
         if not mode.is_decode():
             inputs.tensors["extend_seq_lens"].fill_(size)  # the warm-up runs attend with every row
-        batch = inputs.batch(
+        return inputs.batch(
             mode,
             size,
             self.runner.model_config.context_len,
@@ -199,6 +205,10 @@ class CudaGraphRunner:
             self.runner.token_to_kv_pool,
             self.attn_backend,
         )
+
+    def _capture(self, key: tuple[ForwardMode, int, bool], stream: torch.cuda.Stream) -> None:
+        mode, size, shared = key
+        batch = self._capture_batch(mode, size)
         if shared:
             batch.shared_decode = self.shared_plan.view(size)
         with torch.cuda.stream(stream):
