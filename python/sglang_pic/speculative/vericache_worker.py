@@ -12,8 +12,9 @@ One decode round for all running requests:
      to the device while the model drafts;
   5. accept: greedy or rejection sampling (spec_sampling.py) commits the accepted drafts and one more token;
      the full KV keeps exactly the accepted tokens' entries and frees the rest (full_kv.py).
-Greedy output is token-identical to full-KV decoding and sampled output has the same distribution; compression
-only changes how many drafts are accepted.
+Greedy output is token-identical to full-KV decoding (in float32; in bf16 as often as full-KV decoding agrees with
+itself across batch shapes, since verification rounds like an extend) and sampled output has the same
+distribution; compression only changes how many drafts are accepted.
 
 Staggered rounds (vericache_stagger_groups > 1) split the requests into groups and pipeline steps 3-5 over them:
 group i's verification is set up (its host-tier KV starts streaming to the device on the copy stream) and group
