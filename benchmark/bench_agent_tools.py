@@ -42,7 +42,7 @@ import numpy as np
 import openai
 from tqdm import tqdm
 
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 
 TOWN = (" The town has a harbour, a market square, an old library, two bridges over the river, a school, a small"
         " museum of local history, several cafes and a park where people walk their dogs in the evening.")

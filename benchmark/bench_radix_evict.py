@@ -26,7 +26,8 @@ from bench_rag_spans import args_json, write_json  # noqa: E402
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from sglang_pic.mem_cache.host_pool import HostKVPool  # noqa: E402
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang_pic.radix_ext import RadixCache, RadixKey  # noqa: E402
+from sglang_pic.radix_ext.radix_cache import RadixCache  # noqa: E402
+from sglang_pic.radix_ext.radix_tree import RadixKey
 
 
 def evict_ms(nodes: int, span_tokens: int, calls: int, seed: int) -> float:

@@ -130,8 +130,8 @@ def bench_plan(args: argparse.Namespace, batch_size: int, span: int, repeats: in
 
 def bench_engine(args: argparse.Namespace, batch_size: int, span: int) -> list[dict[str, Any]]:
     from sglang_pic import Engine
-    from sglang_pic.frontend_lang import pdep
-    from sglang_pic.frontend_lang import span as span_marker
+    from sglang_pic.frontend_lang.markers import pdep
+    from sglang_pic.frontend_lang.markers import span as span_marker
     from sglang_pic.tokenizer import load_tokenizer
 
     model_dir, tokenizer_dir = resolve_paths(args)

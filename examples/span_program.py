@@ -8,7 +8,8 @@ import sys
 
 import sglang as sgl
 
-from sglang_pic.frontend_lang import span, warm_spans
+from sglang_pic.frontend_lang.markers import span
+from sglang_pic.frontend_lang.warmup import warm_spans
 
 DOCS = [
     "Kiroku is a small software company that makes a note-taking app for researchers. It was founded in 2015 in "

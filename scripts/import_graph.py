@@ -15,23 +15,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# The installed package's layout (pyproject.toml's package-dir): top-level folders mapped into sglang_pic.
-SOURCES = {
-    "sglang_pic": ROOT / "python" / "sglang_pic",
-    "sglang_pic.kernels": ROOT / "kernels",
-    "sglang_pic.radix_ext": ROOT / "radix_ext",
-    "sglang_pic.frontend_lang": ROOT / "frontend_lang",
-}
+from package_tree import package_files
+
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for package, folder in SOURCES.items():
-        for path in folder.rglob("*.py"):
-            rel = path.relative_to(folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            out[".".join([package, *parts])] = path
+    for rel, path in package_files().items():
+        parts = [p for p in rel.with_suffix("").parts if p != "__init__"]
+        out[".".join(parts)] = path
     return out
 
 

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import sglang_pic  # noqa: F401  first: it drops the checkout's root from sys.path (sglang_pic/import_path.py)
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import ARCHS, build_tiny_model  # noqa: E402

@@ -19,7 +19,7 @@ import bench_span_quality as bench  # noqa: E402
 from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
 from sglang_pic.entrypoints.tool_calls import ToolCall  # noqa: E402
-from sglang_pic.frontend_lang import SSEP_MARKER, strip_markers  # noqa: E402
+from sglang_pic.frontend_lang.markers import SSEP_MARKER, strip_markers  # noqa: E402
 from sglang_pic.span_quality import MODES as ALL_MODES  # noqa: E402
 from sglang_pic.span_quality import Mode, PromptBuilder, Workload, span_mode, span_mode_name  # noqa: E402
 from sglang_pic.span_quality_tasks import Gold, TaskSizes, ToolGold, judge  # noqa: E402

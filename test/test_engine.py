@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req_kv import SHARED_PREFIX_MIN
 

@@ -11,7 +11,7 @@ import torch
 from flashinfer_double import FlashInferDouble
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import pdep, span
+from sglang_pic.frontend_lang.markers import pdep, span
 from sglang_pic.layers import flashinfer_backend
 from sglang_pic.layers.flashinfer_backend import RopeParams, check_flashinfer_support
 from sglang_pic.kernels.paged_layout import SpanScaling

@@ -11,7 +11,7 @@ import torch
 
 from sglang_pic import Engine
 from sglang_pic.forward_batch import ForwardMode
-from sglang_pic.frontend_lang import pdep, span
+from sglang_pic.frontend_lang.markers import pdep, span
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 flashinfer = pytest.importorskip("flashinfer")

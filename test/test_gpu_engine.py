@@ -13,7 +13,7 @@ import torch
 
 from sglang_pic import Engine
 from sglang_pic.forward_batch import ForwardMode
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -27,12 +27,13 @@ from hypothesis.stateful import (
     rule,
 )
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache import host_pool
 from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
-from sglang_pic.radix_ext import RadixCache, RadixKey, TreeNode
+from sglang_pic.radix_ext.radix_cache import RadixCache
+from sglang_pic.radix_ext.radix_tree import RadixKey, TreeNode
 from test_radix_cache import (
     check_sizes,
     keys,  # the same key space the plain tree's property test draws from

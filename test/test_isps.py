@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import ReqSegment
 

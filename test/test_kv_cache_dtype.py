@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import pdep, span
+from sglang_pic.frontend_lang.markers import pdep, span
 from sglang_pic.kv_cache_dtype import kv_storage_dtype, to_kv_dtype
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_pic.server_args import ServerArgs

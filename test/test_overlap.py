@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 from test_engine import PROMPTS, assert_idle_accounting
 

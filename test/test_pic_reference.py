@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import pdep, span
+from sglang_pic.frontend_lang.markers import pdep, span
 
 DOCS = [
     "The capital of France is Paris, the capital of Japan is Tokyo.",

@@ -11,7 +11,7 @@ import pytest
 from server_utils import start_server, stop_server
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.req import Req
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
-from sglang_pic.radix_ext import MatchResult, RadixCache, RadixKey, TreeNode
+from sglang_pic.radix_ext.radix_cache import RadixCache
+from sglang_pic.radix_ext.radix_tree import MatchResult, RadixKey, TreeNode
 from sglang_pic.radix_ext.radix_tree import common_prefix_len
 
 

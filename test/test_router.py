@@ -21,7 +21,7 @@ import requests
 import sglang_router  # noqa: F401  (the package under test: fail loudly if it is missing)
 
 from server_utils import ServerProcess, free_port, spawn_server, stop_server, wait_healthy
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 
 pytestmark = pytest.mark.slow  # a tp 2 server, a dp 2 server and two routers
 

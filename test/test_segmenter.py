@@ -12,7 +12,7 @@ from tokenizers.processors import TemplateProcessing
 
 from sglang_pic.managers.segment_token_cache import SegmentTokenCache
 from sglang_pic.managers.segmenter import PromptSegmenter
-from sglang_pic.radix_ext import Segment
+from sglang_pic.radix_ext.segments import Segment
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.tokenizer import load_tokenizer
 from tiny_models import build_tiny_model

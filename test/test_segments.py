@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_pic.radix_ext import RadixKey, Segment, canonicalize, pdep_namespace, segment_keys, tail_key
+from sglang_pic.radix_ext.radix_tree import RadixKey
+from sglang_pic.radix_ext.segments import Segment, canonicalize, pdep_namespace, segment_keys, tail_key
 from sglang_pic.radix_ext.segments import namespaces_before, recompute_namespaces
 
 

@@ -9,7 +9,8 @@ import sglang as sgl
 from server_utils import start_server, stop_server
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span, warm_spans
+from sglang_pic.frontend_lang.markers import span
+from sglang_pic.frontend_lang.warmup import warm_spans
 from sglang_pic.managers.io_struct import GenerateReqInput
 
 SYSTEM = "You are a helpful assistant."

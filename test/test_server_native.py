@@ -12,7 +12,7 @@ import requests
 from server_utils import start_server, stop_server
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.frontend_lang.markers import SSEP_MARKER
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was a little town"]

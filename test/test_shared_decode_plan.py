@@ -9,7 +9,8 @@ from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.managers.schedule_batch import decode_runs
 from sglang_pic.managers.shared_decode_planner import KeyRun, SharedDecodeSettings, plan_shared_decode
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
-from sglang_pic.radix_ext import RadixCache, RadixKey
+from sglang_pic.radix_ext.radix_cache import RadixCache
+from sglang_pic.radix_ext.radix_tree import RadixKey
 from sglang_pic.sampling.sampling_params import SamplingParams
 
 EVERY_STEP = SharedDecodeSettings(members=4, min_chunk=1000, target_items=1, max_read=1.0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.server_args import ServerArgs
 from test_span_policy import DOCS, PARAMS, assert_answers_as, cold_then_warm, prompts, reference, segments_layout

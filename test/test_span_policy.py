@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import pdep, span
+from sglang_pic.frontend_lang.markers import pdep, span
 from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.radix_ext import RadixKey
+from sglang_pic.radix_ext.radix_tree import RadixKey
 from sglang_pic.radix_ext.segments import SPAN_NAMESPACE, Segment, canonicalize, segment_keys
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.span_policy import SpanPolicy

@@ -19,7 +19,7 @@ import torch
 
 from probe_choices import recording
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from sglang_pic.managers import span_probe
 from sglang_pic.managers.io_struct import GenerateReqInput, wire_segments
 from sglang_pic.managers.req import ReqSegment

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 
 from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
-from sglang_pic.frontend_lang import PDEP_MARKER, SSEP_MARKER  # noqa: E402
+from sglang_pic.frontend_lang.markers import PDEP_MARKER, SSEP_MARKER  # noqa: E402
 from sglang_pic.span_quality import PromptBuilder  # noqa: E402
 from sglang_pic.span_quality_tasks import (  # noqa: E402
     LATE_AFTER,

@@ -6,7 +6,7 @@ import pytest
 import sglang as sgl
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import Span, marked_prompt, pdep, span
+from sglang_pic.frontend_lang.markers import Span, marked_prompt, pdep, span
 from sglang_pic.frontend_lang.engine_backend import EngineBackend
 
 DOCS = [

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 import bench_serving_breakdown  # noqa: E402
 
 from sglang_pic import Engine  # noqa: E402
-from sglang_pic.frontend_lang import span  # noqa: E402
+from sglang_pic.frontend_lang.markers import span  # noqa: E402
 from sglang_pic.managers.step_trace import StepTracer, for_replica  # noqa: E402
 from sglang_pic.server_args import ServerArgs  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 from tiny_models import build_tiny_model
 
 DOC = "The capital of France is Paris, the capital of Japan is Tokyo."

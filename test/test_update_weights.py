@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from server_utils import start_server, stop_server
 
 from sglang_pic import Engine
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 
 PROMPT = "Read this." + span("The capital of France is Paris, the capital of Japan is Tokyo.") + "Where is Paris?"
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

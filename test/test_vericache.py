@@ -514,7 +514,7 @@ SPAN_DOCS = [
 def test_spans_from_jobs_are_lossless(tiny_llama, full_kv):
     """Anchored spans with recomputed seams (span_policy.py): the drafts and the verification read the same rows
     as plain decoding, whose greedy tokens they keep."""
-    from sglang_pic.frontend_lang import span
+    from sglang_pic.frontend_lang.markers import span
 
     prompts = [f"Reader {i} asks." + span(SPAN_DOCS[i % 2]) + span(SPAN_DOCS[1 - i % 2]) + " Answer:" for i in range(3)]
     settings = dict(span_anchor="auto", span_head_tokens=2, span_tail_tokens=2)

@@ -66,7 +66,7 @@ def _engine_outputs(backends: dict[str, dict], prompts: list[str]) -> tuple[dict
 
 def _span_prompts() -> list[str]:
     """Requests holding the same two cached spans at different offsets (other prefaces, the spans swapped)."""
-    from sglang_pic.frontend_lang import pdep, span
+    from sglang_pic.frontend_lang.markers import pdep, span
 
     docs = ["The capital of France is Paris, the capital of Japan is Tokyo. " * 2,
             "A serving engine batches requests and streams tokens back to each client. " * 2]
@@ -152,7 +152,7 @@ def span_attention_engine_case() -> dict:
     """APE's span scaling (server flags, and spans with factors of their own: several groups in a request) through
     the Triton backend, alone and with tensor parallelism 2: greedy tokens equal torch_native's, and differ from
     plain attention's."""
-    from sglang_pic.frontend_lang import pdep, span
+    from sglang_pic.frontend_lang.markers import pdep, span
 
     ape = dict(span_attention_temperature=0.6, span_attention_scale=1.4)
     own = [span("Tokyo is large. " * 4, attention_temperature=0.5, attention_scale=1.8) + span("Lima is far. " * 4)

@@ -1,12 +1,6 @@
 """sglang_pic: an SGLang-shaped serving engine whose KV cache is position-free, so spans are reused anywhere."""
 
-import sys
-
-from sglang_pic.import_path import drop_checkout_roots
-
-drop_checkout_roots(sys.path)  # first: the checkout's top-level folders must not shadow installed packages
-
-from sglang_pic.server_args import ServerArgs  # noqa: E402
+from sglang_pic.server_args import ServerArgs
 
 __all__ = ["Engine", "ServerArgs"]
 

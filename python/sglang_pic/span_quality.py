@@ -44,7 +44,7 @@ from sglang_pic.engine import Engine
 from sglang_pic.entrypoints.chat_template import load_chat_template, render_chat
 from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest
 from sglang_pic.entrypoints.tool_calls import tool_call_parser
-from sglang_pic.frontend_lang import strip_markers
+from sglang_pic.frontend_lang.markers import strip_markers
 from sglang_pic.managers.request_builder import RequestBuilder
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.server_args import ServerArgs

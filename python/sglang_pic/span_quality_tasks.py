@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sglang_pic.entrypoints.tool_calls import ToolCall
-from sglang_pic.frontend_lang import span
+from sglang_pic.frontend_lang.markers import span
 
 CountTokens = Callable[[str], int]  # the model tokenizer's length of a text, without special tokens
 

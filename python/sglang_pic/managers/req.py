@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sglang_pic.managers.io_struct import TokenizedGenerateReq, TokenizedSegment
-from sglang_pic.radix_ext import RadixKey
+from sglang_pic.radix_ext.radix_tree import RadixKey
 from sglang_pic.radix_ext.segments import Segment
 from sglang_pic.sampling.sampling_params import SamplingParams
 

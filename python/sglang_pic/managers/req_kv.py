@@ -18,7 +18,8 @@ import torch
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import ReqToTokenPool
-from sglang_pic.radix_ext import RadixCache, RadixKey
+from sglang_pic.radix_ext.radix_cache import RadixCache
+from sglang_pic.radix_ext.radix_tree import RadixKey
 from sglang_pic.utils_tensor import to_device, upload
 
 # A waiting request waits for a request in prefill that computes at least this many of its next prompt tokens.

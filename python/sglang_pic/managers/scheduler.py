@@ -27,7 +27,7 @@ from sglang_pic.managers.spec_worker import SchedulerForSpec, SpecWorker, SpecWo
 from sglang_pic.managers.step_trace import StepTracer
 from sglang_pic.mem_cache.host_pool import HostKVPool
 from sglang_pic.model_executor.step_sampler import SampleRows, StepSampling
-from sglang_pic.radix_ext import RadixCache
+from sglang_pic.radix_ext.radix_cache import RadixCache
 from sglang_pic.sampling.grammar import GrammarBackend, grammar_backend
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.tokenizer import fast_decode

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sglang_pic.managers.isps import SpanPrefillPlanner
 from sglang_pic.managers.req import Req
-from sglang_pic.radix_ext import RadixCache
+from sglang_pic.radix_ext.radix_cache import RadixCache
 from sglang_pic.server_args import ServerArgs
 
 
