@@ -158,7 +158,9 @@ def test_server_tool_spans_serve_unchanged_clients(model_and_template):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
 
         def cached(tools: list[dict]) -> int:
-            reply = client.chat.completions.create(model="m", messages=USER, tools=tools, max_tokens=2, temperature=0)
+            reply = client.chat.completions.create(
+                model="default", messages=USER, tools=tools, max_tokens=2, temperature=0
+            )
             return reply.usage.prompt_tokens_details.cached_tokens
 
         cached(TOOLS)
@@ -198,7 +200,7 @@ def test_openai_client_assembles_streamed_call_deltas(server):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    kwargs = {"model": "m", "messages": USER, "tools": FORECAST, "tool_choice": "required", "max_tokens": 64,
+    kwargs = {"model": "default", "messages": USER, "tools": FORECAST, "tool_choice": "required", "max_tokens": 64,
               "temperature": 0}
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
     with client.chat.completions.stream(**kwargs) as stream:

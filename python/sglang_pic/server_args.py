@@ -322,7 +322,21 @@ class ServerArgs:
     api_key: str | None = _arg(
         None, "Require `Authorization: Bearer <key>` on every route but /health; default: no key, every route open."
     )
-    log_level: str = _arg("info", "Logging level: debug, info, warning or error.")
+    log_level: str = _arg(
+        "info",
+        "Logging level: debug, info, warning or error. At info the server logs one line per HTTP request: route, "
+        "status, latency and a generation's rid and prompt, span, cached and completion tokens, or a refusal's error.",
+    )
+    log_requests: bool = _arg(
+        False,
+        "Server: also log each request's contents on its line, in the detail of --log-requests-level (off by "
+        "default, as in SGLang: prompts and outputs stay out of the log).",
+    )
+    log_requests_level: int = _arg(
+        2,
+        "With --log-requests: 0 nothing more, 1 the sampling params, 2 also the prompt and output cut to 2048 "
+        "characters each, 3 them whole (SGLang's levels).",
+    )
     step_trace: str | None = _arg(
         None,
         "Append one JSON line per forward step to this file: its kind, requests and tokens, whether a CUDA graph "
@@ -357,6 +371,8 @@ class ServerArgs:
             self.schedule_policy = "fcfs" if self.disable_pic else "isps"
         if self.schedule_policy not in ("fcfs", "lpm", "isps"):
             raise ValueError(f"schedule_policy must be fcfs, lpm or isps, got {self.schedule_policy!r}")
+        if self.log_requests_level not in (0, 1, 2, 3):
+            raise ValueError(f"log_requests_level must be 0, 1, 2 or 3, got {self.log_requests_level}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.priority_scheduling_preemption_threshold < 0:

@@ -22,6 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sglang_pic.entrypoints.errors import error_response, install_error_handlers, native_error
 from sglang_pic.entrypoints.openai_api import OpenAIServing
+from sglang_pic.entrypoints.request_body import read_json
+from sglang_pic.entrypoints.request_log import RequestLogMiddleware, request_record
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sglang_pic.managers.profiler import PROFILE_FIELDS
@@ -45,14 +47,6 @@ PUBLIC_PATHS = frozenset({"/health"})
 
 def json_response(content: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS), status, media_type="application/json")
-
-
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise ValueError(f"malformed JSON body: {e}") from None
 
 
 async def read_fields(request: Request, known: Collection[str], ignored: Mapping[str, Ignored]) -> dict[str, Any]:
@@ -97,6 +91,7 @@ def create_app(manager: ServerTokenizerManager) -> FastAPI:
     app = FastAPI(lifespan=lifespan)
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(RequestLogMiddleware, detail=args.log_requests_level if args.log_requests else None)
     install_error_handlers(app)
     app.include_router(openai.router())
 
@@ -110,6 +105,8 @@ def create_app(manager: ServerTokenizerManager) -> FastAPI:
             return native_error(str(e))
         except ServerBusy as e:
             return native_error(str(e), 503)
+        record = request_record(request)
+        record.note_prepared(obj, reqs)
         multi = obj.is_batch or len(reqs) > 1
         with_text = obj.return_text_in_logprobs
         if obj.stream:
@@ -118,6 +115,8 @@ def create_app(manager: ServerTokenizerManager) -> FastAPI:
                 try:
                     async with aclosing(manager.stream(reqs, with_text, request)) as outputs:
                         async for i, out in outputs:
+                            if out["meta_info"]["finish_reason"] is not None:
+                                record.note_finished([out])
                             if multi:
                                 out = {**out, "index": i}
                             yield b"data: " + orjson.dumps(out, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
@@ -130,6 +129,7 @@ def create_app(manager: ServerTokenizerManager) -> FastAPI:
             outs = await manager.collect(reqs, with_text, request)
         except ClientDisconnected:
             return Response(status_code=499)
+        record.note_finished(outs)
         return json_response(outs if multi else outs[0])
 
     @app.post("/abort_request")

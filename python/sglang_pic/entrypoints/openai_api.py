@@ -11,9 +11,10 @@ from fastapi.responses import Response
 
 from sglang_pic.entrypoints.openai_chat import ChatHandler
 from sglang_pic.entrypoints.openai_completions import CompletionsHandler
-from sglang_pic.entrypoints.openai_handler import refusal
+from sglang_pic.entrypoints.openai_handler import refusal, unknown_model
 from sglang_pic.entrypoints.openai_protocol import DetokenizeRequest, TokenizeRequest
 from sglang_pic.entrypoints.openai_responses import ModelCard, ModelList
+from sglang_pic.entrypoints.request_body import read_object
 from sglang_pic.managers.server_tokenizer_manager import ServerTokenizerManager
 
 
@@ -47,7 +48,10 @@ class OpenAIServing:
         them, its segments (prefix, span, pdep) with their lengths: what a client counts before sending, and how
         its markers cut the prompt."""
         try:
-            body = TokenizeRequest.model_validate_json(await request.body())
+            body = TokenizeRequest.model_validate(await read_object(request))
+            refused = unknown_model(request, self.manager, body.model)
+            if refused is not None:
+                return refused
             single = body.messages is not None or isinstance(body.prompt, str)
             if body.messages is not None:
                 prompts = [self.chat.render_chat(body.chat())]
@@ -72,7 +76,10 @@ class OpenAIServing:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            body = DetokenizeRequest.model_validate_json(await request.body())
+            body = DetokenizeRequest.model_validate(await read_object(request))
+            refused = unknown_model(request, self.manager, body.model)
+            if refused is not None:
+                return refused
             single = not body.tokens or isinstance(body.tokens[0], int)
             texts = [
                 self.manager.request_builder.detokenize(ids, body.skip_special_tokens)

@@ -57,7 +57,7 @@ class ChatHandler(GenerationHandler):
         if isinstance(parsed, Response):
             return parsed
         body, rid, reqs = parsed
-        model = body.model or self.manager.served_model_name
+        model = self.manager.served_model_name
         outs = await self.replies(reqs, request, self._stream(body, reqs, rid, model, request) if body.stream else None)
         if isinstance(outs, Response):
             return outs
@@ -139,6 +139,13 @@ class ChatHandler(GenerationHandler):
         )
 
     def render_chat(self, body: ChatCompletionRequest) -> str:
+        """The prompt text; markers in message content are honored, so a broken one is refused with its position in
+        that content (in the rendered prompt it would mean nothing to the client)."""
+        for i, message in enumerate(body.messages):
+            try:
+                self.manager.request_builder.segmenter.check_markers(message.text())
+            except ValueError as e:
+                raise ValueError(f"messages[{i}].content: {e}") from None
         return render_chat(body, self.tokenizer, self.chat_template, self.manager.server_args)
 
     def _stream(

@@ -34,7 +34,7 @@ class CompletionsHandler(GenerationHandler):
         if isinstance(parsed, Response):
             return parsed
         body, rid, reqs = parsed
-        model = body.model or self.manager.served_model_name
+        model = self.manager.served_model_name
         echoes = self._echo_texts(body) if body.echo else None
         stream = self._stream(body, reqs, rid, model, echoes, request) if body.stream else None
         outs = await self.replies(reqs, request, stream)

@@ -21,10 +21,14 @@ from sglang_pic.entrypoints.errors import error_response
 from sglang_pic.entrypoints.openai_output import STREAM_END, StreamCursor, finish_of, usage_of
 from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, describe_errors
 from sglang_pic.entrypoints.openai_responses import UsageInfo
+from sglang_pic.entrypoints.request_body import read_object
+from sglang_pic.entrypoints.request_log import request_record
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.managers.request_builder import ContextOverflow
 from sglang_pic.managers.server_tokenizer_manager import ClientDisconnected, ServerBusy, ServerTokenizerManager
 
+# The model name SGLang's documentation and examples send; it means the served model, as an omitted name does.
+DEFAULT_MODEL_ALIAS = "default"
 # OpenAI's defaults, used when neither the request nor the model's generation_config.json sets a value.
 CHAT_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
@@ -42,6 +46,16 @@ def refusal(request: Request, exc: ValueError) -> Response:
         message, param = describe_errors(exc.errors())
         return error_response(request.url.path, message, 400, param)
     return error_response(request.url.path, str(exc))
+
+
+def unknown_model(request: Request, manager: ServerTokenizerManager, name: str | None) -> Response | None:
+    """OpenAI's and vLLM's 404 for a model this server does not serve, so a client that meant another deployment
+    hears so instead of getting this model's answer under that name. Served: the served name, the model path and
+    DEFAULT_MODEL_ALIAS; an omitted or empty name means the served model."""
+    if not name or name in (manager.served_model_name, manager.server_args.model_path, DEFAULT_MODEL_ALIAS):
+        return None
+    message = f"The model `{name}` does not exist. This server serves `{manager.served_model_name}`."
+    return error_response(request.url.path, message, 404, "model")
 
 
 class GenerationHandler(ABC):
@@ -69,11 +83,16 @@ class GenerationHandler(ABC):
         return "max_tokens"
 
     async def prepare(self, request: Request) -> Any:
-        """Parse a body into requests: (body, rid, reqs), or a 400/503 response naming the problem."""
+        """Parse a body into requests: (body, rid, reqs), or a 400/404/503 response naming the problem."""
         try:
-            body = self.body_model.model_validate_json(await request.body())
+            body = self.body_model.model_validate(await read_object(request))
+            refused = unknown_model(request, self.manager, body.model)
+            if refused is not None:
+                return refused
             rid = body.rid or f"{self.rid_prefix}-{uuid.uuid4().hex}"
-            reqs = self.manager.prepare(self.to_input(body, rid), default_max_new_tokens=self.default_max_tokens())
+            obj = self.to_input(body, rid)
+            reqs = self.manager.prepare(obj, default_max_new_tokens=self.default_max_tokens())
+            request_record(request).note_prepared(obj, reqs)
             return body, rid, reqs
         except ContextOverflow as e:
             param = self.prompt_field if e.max_new_tokens is None else self.limit_field(body)
@@ -89,9 +108,11 @@ class GenerationHandler(ABC):
         if stream is not None:
             return StreamingResponse(stream, media_type="text/event-stream")
         try:
-            return await self.manager.collect(reqs, True, request)
+            outs = await self.manager.collect(reqs, True, request)
         except ClientDisconnected:
             return Response(status_code=499)
+        request_record(request).note_finished(outs)
+        return outs
 
     async def stream_events(
         self,
@@ -113,6 +134,7 @@ class GenerationHandler(ABC):
                         yield event
                     if finish_of(out)[0] is not None:
                         finals[i] = out
+            request_record(request).note_finished([finals[i] for i in sorted(finals)])
             if body.stream_options and body.stream_options.include_usage:
                 yield usage_chunk(usage_of([finals[i] for i in sorted(finals)], body.n))
         except ClientDisconnected:

@@ -251,8 +251,6 @@ def describe_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
             params.append(loc)
         if e["type"] == "extra_forbidden":
             parts.setdefault(loc, f"unknown field {loc!r}")
-        elif e["type"] == "json_invalid":
-            parts.setdefault("", f"malformed JSON: {msg.removeprefix('Invalid JSON: ')}")
         else:
             named = not loc or msg.startswith(f"{loc} ")  # our own checks name their field
             parts.setdefault(loc, msg if named else f"{loc}: {msg}")

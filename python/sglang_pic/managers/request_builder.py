@@ -208,6 +208,10 @@ class RequestBuilder:
         for i, text in enumerate(spans):
             if not isinstance(text, str) or not text:
                 raise ValueError(f"span {i} must be a non-empty string")
+            try:
+                self.segmenter.check_markers(text)  # positions in the span's own text
+            except ValueError as e:
+                raise ValueError(f"span {i}: {e}") from None
             if self.segmenter.has_markers(text):
                 raise ValueError(f"span {i} contains a span marker; markers are structure, not text")
             tokens = self.segmenter.from_text(self.server_args.ssep_marker + text)[-1].token_ids

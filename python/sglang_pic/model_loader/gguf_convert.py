@@ -4,16 +4,21 @@ Transformers dequantizes the GGUF (weights, config and tokenizer); we save the r
 <cache>/gguf/<key>, where key hashes the file's absolute path and size. A lock file serializes concurrent
 converters and a marker file tells a finished folder from one a crash left half written. A GGUF names one EOS token;
 the folder's generation config lists every end-of-generation token of the vocabulary, as llama.cpp stops on
-(Qwen's <|endoftext|> beside <|im_end|>, as its own HF release lists).
+(Qwen's <|endoftext|> beside <|im_end|>, as its own HF release lists). The conversion's progress bars show only
+when stderr is a terminal: in a log file every redraw is one more line of noise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,11 +50,36 @@ def convert_gguf(gguf_file: Path, cache_root: Path) -> Path:
             tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             try:
-                _dequantize_to(gguf_file.resolve(), tmp)
+                with progress_bars_on_terminal():
+                    _dequantize_to(gguf_file.resolve(), tmp)
                 os.replace(tmp, out)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def progress_bars_on_terminal() -> Iterator[None]:
+    """Transformers' progress bars only if stderr is a terminal. Its own bars follow its switch; its GGUF reader
+    calls tqdm directly, so that module's tqdm is swapped for one that is off, for the duration."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    reader_tqdm = getattr(gguf_reader, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if reader_tqdm is not None:
+        gguf_reader.tqdm = functools.partial(reader_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if reader_tqdm is not None:
+            gguf_reader.tqdm = reader_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _dequantize_kwargs() -> dict:
