@@ -15,6 +15,8 @@ on a fresh Engine of the same build and device:
 
 Usage: python benchmark/bench_rag_spans.py --quick            (tiny CPU run)
        python benchmark/bench_rag_spans.py --model-path CFG_DIR --load-format dummy --dtype bfloat16
+Long documents (about 23.6K prompt tokens a sample; a corpus of 100 keeps the ~220K tokens of distinct passages
+inside an H100's KV pool): add --num-samples 64 --corpus-size 100 --passage-tokens 1000,4000 --hf-subset 0
 """
 
 from __future__ import annotations
@@ -128,8 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int)
     p.add_argument("--num-passages", type=int, help="passages per sample")
     p.add_argument("--corpus-size", type=int)
-    p.add_argument("--passage-tokens", help="min,max tokens of a passage")
-    p.add_argument("--max-question-tokens", type=int)
+    p.add_argument("--passage-tokens", help="MIN,MAX tokens of a passage, each drawn in the range (e.g. 1000,4000; "
+                   "a range the tokenizer can't land in is refused)")
+    p.add_argument("--max-question-tokens", type=int,
+                   help="questions get their answer instruction only within this many tokens (never cut)")
     p.add_argument("--zipf", type=float, default=1.0, help="passage popularity skew (0: uniform)")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
@@ -157,9 +161,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.modes) - set(MODES))
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {MODES}")
-    args.passage_tokens = tuple(int(x) for x in args.passage_tokens.split(","))
+    bounds = args.passage_tokens.split(",")
+    if len(bounds) != 2 or not all(b.strip().isdigit() for b in bounds):
+        p.error(f"--passage-tokens takes MIN,MAX, got {args.passage_tokens!r}")
+    args.passage_tokens = tuple(int(b) for b in bounds)
+    try:
+        workload_config(args)
+    except ValueError as e:
+        p.error(str(e))
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x]
     return args
+
+
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    """The workload the flags ask for (its constructor refuses impossible sizes)."""
+    return WorkloadConfig(
+        num_samples=args.num_samples, num_passages=args.num_passages, corpus_size=args.corpus_size, zipf=args.zipf,
+        passage_tokens=args.passage_tokens, max_question_tokens=args.max_question_tokens, seed=args.seed,
+    )
 
 
 # ---- shared with bench_span_ttft.py ------------------------------------------------------------------------------
@@ -497,11 +516,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     model_dir, tokenizer_dir = resolve_paths(args)
     tokenizer = load_tokenizer(tokenizer_dir)
-    cfg = WorkloadConfig(
-        num_samples=args.num_samples, num_passages=args.num_passages, corpus_size=args.corpus_size, zipf=args.zipf,
-        passage_tokens=args.passage_tokens, max_question_tokens=args.max_question_tokens, seed=args.seed,
-    )
-    workload = build_workload(cfg, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    workload = build_workload(workload_config(args),
+                              lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    print(workload.describe())
     common = engine_kwargs(args, model_dir, tokenizer_dir)
     rounds = [(r, mode) for r in range(args.repeats) for mode in args.modes]
     runs: dict[str, list[ModeResult]] = {mode: [] for mode in args.modes}

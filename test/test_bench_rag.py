@@ -18,7 +18,7 @@ import bench_rag_spans  # noqa: E402
 import bench_span_ttft  # noqa: E402
 from rag_workload import WorkloadConfig, build_workload, rag_prompt  # noqa: E402
 
-from sglang_pic.frontend_lang import SSEP_MARKER  # noqa: E402
+from sglang_pic.frontend_lang.markers import SSEP_MARKER  # noqa: E402
 
 QUICK_SAMPLES = bench_rag_spans.PRESETS["quick"]["num_samples"]
 QUICK_NEW_TOKENS = bench_rag_spans.PRESETS["quick"]["max_new_tokens"]
@@ -79,7 +79,7 @@ def test_workload_is_deterministic_and_skewed(tiny_count):
     assert first == again
     assert build_workload(WorkloadConfig(**{**cfg.__dict__, "seed": 4}), tiny_count).samples != first.samples
     for p in first.corpus:
-        assert p.num_tokens == tiny_count(p.text) and p.num_tokens <= 60
+        assert p.num_tokens == tiny_count(p.text) and 30 <= p.num_tokens <= 60
         assert p.title in p.text
     uses = [pid for s in first.samples for pid in s.passage_ids]
     assert all(len(set(s.passage_ids)) == 4 for s in first.samples)
@@ -88,6 +88,44 @@ def test_workload_is_deterministic_and_skewed(tiny_count):
     prompt = first.prompt(sample)
     assert prompt.count(SSEP_MARKER) == 4 and sample.question in prompt
     assert SSEP_MARKER not in first.plain_prompt(sample)
+
+
+def test_long_passages_honor_the_range(tiny_count):
+    """Issue 54: passages stopped where their dozen facts ran out (about 250 tokens) whatever range was asked for."""
+    cfg = WorkloadConfig(num_samples=4, num_passages=3, corpus_size=6, passage_tokens=(1000, 4000))
+    work = build_workload(cfg, tiny_count)
+    assert {p.kind for p in work.corpus} == {"town", "person", "film"}
+    for p in work.corpus:
+        assert 1000 <= p.num_tokens <= 4000 and p.num_tokens == tiny_count(p.text), p.title
+        assert p.text.startswith(f"{p.title}\n")
+    summary = work.summary()
+    assert summary["passage_tokens_requested"] == [1000, 4000]
+    assert 1000 <= summary["passage_tokens_min"] <= summary["passage_tokens_max"] <= 4000
+    assert "requested 1000,4000" in work.describe()
+
+
+@pytest.mark.parametrize(
+    "passage_tokens, message",
+    [((3, 3), r"passage_tokens 3,3: .* needs \d+ tokens for its title line and one word"),
+     ((400, 100), r"passage_tokens 400,100: need 1 <= min <= max"),
+     ((0, 10), r"passage_tokens 0,10: need 1 <= min <= max")],
+)
+def test_unhonorable_passage_ranges_are_refused(tiny_count, passage_tokens, message):
+    with pytest.raises(ValueError, match=message):
+        build_workload(WorkloadConfig(num_samples=2, num_passages=2, corpus_size=4, passage_tokens=passage_tokens),
+                       tiny_count)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--passage-tokens", "800"], "--passage-tokens takes MIN,MAX, got '800'"),
+     (["--passage-tokens", "2000,800"], "passage_tokens 2000,800: need 1 <= min <= max"),
+     (["--num-passages", "12", "--corpus-size", "10"], "num_passages 12: need 1 <= num_passages <= corpus_size")],
+)
+def test_the_benchmark_refuses_impossible_sizes(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        bench_rag_spans.parse_args(flags)
+    assert message in capsys.readouterr().err
 
 
 def test_sglang_program_renders_the_plain_prompt():
@@ -134,6 +172,10 @@ def test_poisson_arrivals_serve_every_sample(tiny_llama, tmp_path):
         assert mode["samples"] == QUICK_SAMPLES, name
         assert mode["completion_tokens"] == QUICK_SAMPLES * QUICK_NEW_TOKENS, name
         assert 0 < mode["ttft_p50_s"] <= mode["ttft_p99_s"] <= mode["wall_s"], name
+    lo, hi = (int(b) for b in bench_rag_spans.PRESETS["quick"]["passage_tokens"].split(","))
+    workload = result["workload"]  # the lengths the run really used, next to the ones asked for
+    assert workload["passage_tokens_requested"] == [lo, hi]
+    assert lo <= workload["passage_tokens_min"] <= workload["passage_tokens_max"] <= hi
     barrier, isps = result["modes"]["pic_barrier"], result["modes"]["pic_isps"]
     # Every prompt of the barrier mode found all of its spans cached; ISPS reused spans too.
     assert barrier["cached_span_tokens"] > 0 and isps["cached_span_tokens"] > 0
