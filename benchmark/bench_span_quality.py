@@ -2,10 +2,10 @@
 attention, per task and mode, written as JSON and a PNG (the frontier: accuracy against the share of span tokens
 recomputed, a line per task and their mean; then each task's accuracy against prefill tokens computed).
 
-The modes, the runner and the scoring are sglang_pic/span_quality.py (its docstring says what each mode and each
-reported field means); `python -m sglang_pic.check_span_quality` is the quick version of this run for a user's
-model. The tasks are span_quality_tasks.py: the package's plus rag_two_hop over rag_workload.py. Choose settings
-on `--split tuning`, report them on `--split heldout` (the default): the two draw from disjoint seeds.
+The modes, the runner and the scoring are sglang_pic/span_quality/ (modes.py says what each mode means, scoring.py
+what each reported field means); `python -m sglang_pic.check_span_quality` is the quick version of this run for a
+user's model. The tasks are span_quality_tasks.py: the package's plus rag_two_hop over rag_workload.py. Choose
+settings on `--split tuning`, report them on `--split heldout` (the default): the two draw from disjoint seeds.
 
 Usage: python benchmark/bench_span_quality.py --samples 30 --split tuning
        python benchmark/bench_span_quality.py --device cuda --dtype bfloat16 --samples 300
@@ -27,24 +27,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
 from sglang_pic.model_loader.loader import model_dirs  # noqa: E402
-from sglang_pic.span_quality import (  # noqa: E402
-    BASELINE,
-    MODES,
-    REFERENCE,
-    ModeRun,
-    Progress,
-    PromptBuilder,
-    RunConfig,
+from sglang_pic.span_quality.items import SPLITS  # noqa: E402
+from sglang_pic.span_quality.modes import BASELINE, MODES, REFERENCE  # noqa: E402
+from sglang_pic.span_quality.prompts import PromptBuilder, Workload  # noqa: E402
+from sglang_pic.span_quality.runner import ModeRun, Progress, RunConfig, run_modes  # noqa: E402
+from sglang_pic.span_quality.scoring import (  # noqa: E402
     TaskModeResult,
-    Workload,
-    add_size_flags,
     mean_over_tasks,
     reference_topk_mass,
     results,
-    run_modes,
-    sizes_from_flags,
 )
-from sglang_pic.span_quality_tasks import SPLITS  # noqa: E402
+from sglang_pic.span_quality.sizes import add_size_flags, sizes_from_flags  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_MODES = ("dense", "naive", "anchor", "head8", "anchor+head8", "anchor+head32", "anchor+seams16")

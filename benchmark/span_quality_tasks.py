@@ -1,4 +1,4 @@
-"""The span-quality benchmark's tasks: the package's (sglang_pic/span_quality_tasks.py: factual_qa, tool_selection,
+"""The span-quality benchmark's tasks: the package's (sglang_pic/span_quality/tasks.py: factual_qa, tool_selection,
 needle, late_records, code_retrieval, long_spans, multi_turn) plus rag_two_hop, which needs this folder's RAG
 workload:
   rag_two_hop     rag_workload.py's 2WikiMultihopQA-shaped passages and questions, with its gold answers.
@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 from rag_workload import WorkloadConfig, build_workload
 
-from sglang_pic.span_quality_tasks import TASKS as PACKAGE_TASKS
-from sglang_pic.span_quality_tasks import CountTokens, Gold, Item, Task, TaskSizes, question_block, spans
+from sglang_pic.span_quality.items import CountTokens, Gold, Item, question_block, spans
+from sglang_pic.span_quality.sizes import TaskSizes
+from sglang_pic.span_quality.tasks import TASKS as PACKAGE_TASKS
+from sglang_pic.span_quality.tasks import Task
 
 
 @dataclass(frozen=True)

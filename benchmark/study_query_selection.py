@@ -31,8 +31,10 @@ from sglang_pic.engine import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.model_loader.loader import model_dirs
 from sglang_pic.radix_ext.segments import normalize_runs
-from sglang_pic.span_quality import PromptBuilder, add_size_flags, sizes_from_flags
-from sglang_pic.span_quality_tasks import SPLITS, item_seed, judge
+from sglang_pic.span_quality.items import SPLITS, item_seed
+from sglang_pic.span_quality.judging import judge
+from sglang_pic.span_quality.prompts import PromptBuilder
+from sglang_pic.span_quality.sizes import add_size_flags, sizes_from_flags
 
 
 # ---- the probe: attention mass of the question's queries on span keys --------------------------------------

@@ -20,9 +20,12 @@ from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
 from sglang_pic.entrypoints.tool_calls import ToolCall  # noqa: E402
 from sglang_pic.frontend_lang.markers import SSEP_MARKER, strip_markers  # noqa: E402
-from sglang_pic.span_quality import MODES as ALL_MODES  # noqa: E402
-from sglang_pic.span_quality import Mode, PromptBuilder, Workload, span_mode, span_mode_name  # noqa: E402
-from sglang_pic.span_quality_tasks import Gold, TaskSizes, ToolGold, judge  # noqa: E402
+from sglang_pic.span_quality.items import Gold, ToolGold  # noqa: E402
+from sglang_pic.span_quality.judging import judge  # noqa: E402
+from sglang_pic.span_quality.modes import MODES as ALL_MODES  # noqa: E402
+from sglang_pic.span_quality.modes import Mode, span_mode, span_mode_name  # noqa: E402
+from sglang_pic.span_quality.prompts import PromptBuilder, Workload  # noqa: E402
+from sglang_pic.span_quality.sizes import TaskSizes  # noqa: E402
 
 # The Hermes layout Qwen2.5's template uses: one JSON line per tool inside <tools>, then the system message.
 TOOLS_TEMPLATE = (

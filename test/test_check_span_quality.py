@@ -2,20 +2,25 @@
 setting and a mean per setting on the tuning items, recommends one of the settings it ran by the rule it states,
 then reports that setting (with dense and isolated spans) on the held-out items; and that rule on hand-made
 numbers. A random tiny model answers nothing right, so only the report's shape and the recommendation's
-consistency are checked, not its choice."""
+consistency are checked, not its choice. Its --help reads as plain text and shows every default."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from test_bench_span_quality import qwen2_with_tools
 
-from sglang_pic import check_span_quality as check
-from sglang_pic.span_quality import span_mode
-from sglang_pic.span_quality_tasks import TASKS
+from sglang_pic.span_quality import check
+from sglang_pic.span_quality.modes import span_mode
+from sglang_pic.span_quality.recommend import SettingScore, recommend
+from sglang_pic.span_quality.tasks import TASKS
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--qa-docs", "2", "--qa-pool", "3", "--num-tools", "2", "--needle-spans", "3", "--needle-pool", "3",
          "--depth-buckets", "2"]
 SETTINGS = ("naive", "anchor", "anchor+head16", "anchor+seams8")
@@ -63,8 +68,8 @@ def test_prints_the_table_and_recommends_a_setting_it_ran(model_and_template, ca
     assert lines[-1].startswith("server flags: --span-anchor ")
 
 
-def _score(name: str, anchor: str, head: int, agreement: float, extra: float, gap: float) -> check.SettingScore:
-    return check.SettingScore(name, span_mode(anchor, head), agreement, agreement, extra, agreement, 0.0, gap)
+def _score(name: str, anchor: str, head: int, agreement: float, extra: float, gap: float) -> SettingScore:
+    return SettingScore(name, span_mode(anchor, head), agreement, agreement, extra, agreement, 0.0, gap)
 
 
 SCORES = [
@@ -77,12 +82,12 @@ SCORES = [
 
 
 def test_recommendation_is_the_cheapest_setting_near_dense_on_every_task():
-    assert check.recommend(SCORES, 0.05).name == "anchor+head16"  # costlier than spans alone; 0.05 below at worst
-    assert check.recommend(SCORES, 0.02).name == "anchor+head32"
-    assert check.recommend(SCORES, 0.0).name == "anchor+head64"
-    assert check.recommend(SCORES, 1.0).name == "anchor"  # as cheap as naive, and closer to dense
-    assert check.recommend(SCORES[:2], 0.05).name == "anchor"  # none fits: the one whose worst task is closest
-    assert check.recommend(SCORES[2:], 0.05).mode.server_flags() == "--span-anchor auto --span-head-tokens 16"
+    assert recommend(SCORES, 0.05).name == "anchor+head16"  # costlier than spans alone; 0.05 below at worst
+    assert recommend(SCORES, 0.02).name == "anchor+head32"
+    assert recommend(SCORES, 0.0).name == "anchor+head64"
+    assert recommend(SCORES, 1.0).name == "anchor"  # as cheap as naive, and closer to dense
+    assert recommend(SCORES[:2], 0.05).name == "anchor"  # none fits: the one whose worst task is closest
+    assert recommend(SCORES[2:], 0.05).mode.server_flags() == "--span-anchor auto --span-head-tokens 16"
 
 
 @pytest.mark.parametrize("flags", [["--head-tokens", "16,16"], ["--head-tokens", "-1"], ["--head-tokens", "x"],
@@ -93,3 +98,19 @@ def test_bad_flags_are_refused(flags, capsys):
     with pytest.raises(SystemExit):
         check.parse_args(flags)
     assert "error" in capsys.readouterr().err
+
+
+def test_help_is_plain_text_with_every_default():
+    """The documented command's --help: no markup in the description, each flag's default beside it (flags without
+    one say what happens instead)."""
+    run = subprocess.run([sys.executable, "-m", "sglang_pic.check_span_quality", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    usage, description, options = run.stdout.split("\n\n", 2)
+    assert usage.startswith("usage: python -m sglang_pic.check_span_quality ")
+    assert description.startswith("A quick span-quality run on your own model") and "`" not in run.stdout
+    entries = re.split(r"\n  (?=-)", options.split("options:\n", 1)[1])
+    for entry in entries[1:]:  # the first is -h
+        assert "(default: " in " ".join(entry.split()), entry
+    flat = " ".join(run.stdout.split())
+    assert "--samples SAMPLES items per task in each split (default: 8)" in flat
+    assert "(default: 0,16,32,64,128)" in flat and "(default: 1024,4096)" in flat

@@ -21,17 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
 from sglang_pic.frontend_lang.markers import PDEP_MARKER, SSEP_MARKER  # noqa: E402
-from sglang_pic.span_quality import PromptBuilder  # noqa: E402
-from sglang_pic.span_quality_tasks import (  # noqa: E402
-    LATE_AFTER,
-    SPLITS,
-    Gold,
-    Item,
-    TaskSizes,
-    item_seed,
-    says,
-    stdlib_functions,
-)
+from sglang_pic.span_quality.code_retrieval import stdlib_functions  # noqa: E402
+from sglang_pic.span_quality.items import SPLITS, Gold, Item, item_seed  # noqa: E402
+from sglang_pic.span_quality.judging import says  # noqa: E402
+from sglang_pic.span_quality.late_records import LATE_AFTER  # noqa: E402
+from sglang_pic.span_quality.prompts import PromptBuilder  # noqa: E402
+from sglang_pic.span_quality.sizes import TaskSizes  # noqa: E402
 
 SAMPLES = 12
 SIZES = BenchTaskSizes()
@@ -84,8 +79,8 @@ def _digest(model_dir: Path, hash_seed: str) -> str:
         "import hashlib, sys\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'benchmark')!r})\n"
         "from span_quality_tasks import TASKS, BenchTaskSizes\n"
-        "from sglang_pic.span_quality import PromptBuilder\n"
-        "from sglang_pic.span_quality_tasks import item_seed\n"
+        "from sglang_pic.span_quality.items import item_seed\n"
+        "from sglang_pic.span_quality.prompts import PromptBuilder\n"
         f"count = PromptBuilder({str(model_dir)!r}, {str(model_dir)!r}, None).count\n"
         "items = {n: t.make(3, item_seed(0, n, 'tuning'), BenchTaskSizes(), count) for n, t in TASKS.items()}\n"
         "print(hashlib.sha256(repr(items).encode()).hexdigest())\n"
