@@ -4,7 +4,12 @@ Only imports at a module's top level count (those inside functions or under `if 
 never, so they cannot make an import cycle). A package here is `sglang_pic.<name>` for a subpackage and the
 module itself for a top-level module. Exit status 1 when there is a cycle, so CI can run it.
 
-Usage: python scripts/import_graph.py [--dot]
+--modules PREFIX... prints instead the module graph of the modules under those prefixes, with every module cycle.
+There imports inside functions count too: deferred, they cannot fail at import time, but two modules that import
+each other that way still depend on each other (an attention backend's base that imports the backends it picks
+from). Imports under `if TYPE_CHECKING:` still do not count: they never run.
+
+Usage: python scripts/import_graph.py [--dot] [--modules PREFIX [PREFIX ...]]
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import ast
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 from package_tree import package_files
@@ -27,12 +33,31 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def top_imports(path: Path, module: str) -> set[str]:
-    """Modules named by the file's top-level imports (absolute, or relative resolved against `module`)."""
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.Module, deferred: bool) -> Iterator[ast.AST]:
+    """The module's top-level statements; with `deferred`, every statement below them too (function bodies), except
+    under `if TYPE_CHECKING:`."""
+    if not deferred:
+        yield from tree.body
+        return
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not _is_type_checking(node):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def top_imports(path: Path, module: str, deferred: bool = False) -> set[str]:
+    """Modules named by the file's top-level imports (absolute, or relative resolved against `module`); with
+    `deferred`, by the imports inside its functions too."""
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
     found = set()
-    for node in tree.body:
+    for node in _import_nodes(tree, deferred):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -64,8 +89,14 @@ def graph() -> dict[str, set[str]]:
     return edges
 
 
+def module_graph(prefixes: list[str]) -> dict[str, set[str]]:
+    """Each module under `prefixes` -> the modules under them that it imports, at its top or inside functions."""
+    mods = {m: p for m, p in modules().items() if any(m == x or m.startswith(f"{x}.") for x in prefixes)}
+    return {m: {n for n in top_imports(path, m, deferred=True) if n in mods and n != m} for m, path in mods.items()}
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one package (Tarjan)."""
+    """Strongly connected components of more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -103,8 +134,11 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dot", action="store_true", help="print the graph in Graphviz dot")
+    p.add_argument("--modules", nargs="+", metavar="PREFIX",
+                   help="the module graph under these prefixes (e.g. sglang_pic.layers), deferred imports included")
     args = p.parse_args()
-    edges = graph()
+    edges = module_graph(args.modules) if args.modules else graph()
+    unit = "module" if args.modules else "package"
     short = {name: name.removeprefix("sglang_pic.") for name in edges}
     if args.dot:
         print("digraph imports {")
@@ -113,13 +147,14 @@ def main() -> int:
                 print(f'  "{short[src]}" -> "{short.get(dst, dst)}";')
         print("}")
     else:
+        width = max(22, *map(len, short.values()))
         for src in sorted(edges):
-            print(f"{short[src]:<22} -> {', '.join(short.get(d, d) for d in sorted(edges[src])) or '-'}")
+            print(f"{short[src]:<{width}} -> {', '.join(short.get(d, d) for d in sorted(edges[src])) or '-'}")
     found = cycles(edges)
     for comp in found:
         print(f"cycle: {', '.join(short.get(c, c) for c in comp)}")
     if not found:
-        print("no package cycle")
+        print(f"no {unit} cycle")
     return 1 if found else 0
 
 

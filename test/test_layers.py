@@ -1,6 +1,7 @@
 """The package's layering: no import runs from a lower layer to a higher one (the import-linter contract in
-pyproject.toml, checked over the package as installed) and no two packages import each other at module top
-(scripts/import_graph.py). Either failure names the offending imports."""
+pyproject.toml, checked over the package as installed), no two packages import each other at module top, and no
+modules of the forward's attention import each other even inside functions (scripts/import_graph.py). Each failure
+names the offending imports."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def test_no_package_import_cycle() -> None:
     result = run_script("import_graph.py")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.rstrip().endswith("no package cycle"), result.stdout
+
+
+def test_no_module_import_cycle_among_the_attention_layers() -> None:
+    """layers/ and the ForwardBatch they read: the backends import their base and the base imports no backend back
+    (the factory that picks one is layers/attention_registry.py, which nothing there imports)."""
+    result = run_script("import_graph.py", "--modules", "sglang_pic.layers", "sglang_pic.forward_batch")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.rstrip().endswith("no module cycle"), result.stdout

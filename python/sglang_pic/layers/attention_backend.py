@@ -118,18 +118,3 @@ def scale_values(out: torch.Tensor, v_scale: float) -> torch.Tensor:
     """Attention output over values stored as v / v_scale (MHATokenToKVPool), in the model's units."""
     return out if v_scale == 1.0 else out.mul_(v_scale)
 
-
-def create_attention_backend(name: str, layer: "RadixAttention", model_config, speculative: bool) -> AttentionBackend:
-    """The backend `name` for a model whose attention layers look like `layer` (FlashInfer plans with its shape
-    and refuses what it cannot run: see check_flashinfer_support)."""
-    if name == "torch_native":
-        return TorchNativeAttnBackend()
-    if name == "triton":
-        from sglang_pic.layers.triton_backend import TritonAttnBackend
-
-        return TritonAttnBackend()
-    if name == "flashinfer":
-        from sglang_pic.layers.flashinfer_backend import create_flashinfer_backend
-
-        return create_flashinfer_backend(layer, model_config, speculative)
-    raise ValueError(f"unknown attention backend {name!r}")

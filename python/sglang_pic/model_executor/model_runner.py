@@ -18,7 +18,7 @@ from sglang_pic.distributed.parallel_state import get_tp_group, min_over_ranks
 from sglang_pic.distributed.sharding import kv_head_shard
 from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
 from sglang_pic.kv_cache_dtype import FP8_DTYPES, kv_storage_dtype
-from sglang_pic.layers.attention_backend import create_attention_backend
+from sglang_pic.layers.attention_registry import create_attention_backend
 from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.mem_cache.allocator import TokenToKVPoolAllocator
 from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
