@@ -74,7 +74,7 @@ def grouped_reference(model, segments) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and log-probabilities of the reference for a request's segments (each span piece carries its
     factors)."""
     flat = segments_layout(segments)
-    SpanGroups.factors = [None if s is None else segments[s].attention for s in flat[2]]
+    SpanGroups.factors = [None if s is None else segments[s].attention for s in flat.scope]
     return reference(model, flat, PARAMS["max_new_tokens"])
 
 

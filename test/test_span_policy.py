@@ -19,6 +19,7 @@ from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.radix_ext.radix_tree import RadixKey
 from sglang_pic.radix_ext.segments import SPAN_NAMESPACE, Segment, canonicalize, segment_keys
 from sglang_pic.server_args import ServerArgs
+from sglang_pic.span_adapter.layout import SpanLayout, segments_layout
 from sglang_pic.span_policy import SpanPolicy
 
 DOCS = [
@@ -52,60 +53,25 @@ def setup(tiny_llama):
     engine.shutdown()
 
 
-def layout(engine: Engine, text: str, given: dict) -> tuple[list[int], list[int], list, list[bool]]:
+def layout(engine: Engine, text: str, given: dict) -> SpanLayout:
     """The reference's flat sequence for a prompt (segments_layout of the request the engine makes of it)."""
     return segments_layout(engine.make_reqs(GenerateReqInput(text=text, **given))[0].segments)
 
 
-def segments_layout(segments) -> tuple[list[int], list[int], list, list[bool]]:
-    """A request's segments as the reference's flat sequence: ids, positions, each token's scope (None: it sees
-    every visible token before it; a span's number: it sees that span's hidden copy and tail) and whether later
-    tokens see it."""
-    ids, pos, scope, visible = [], [], [], []
-
-    def add(tokens, first: int, sc, vis: bool) -> None:
-        ids.extend(tokens)
-        pos.extend(range(first, first + len(tokens)))
-        scope.extend([sc] * len(tokens))
-        visible.extend([vis] * len(tokens))
-
-    for n, seg in enumerate(segments):
-        if seg.kind == "span":
-            hidden = list(seg.key_lead)  # the span's anchor and head, as its job computed them
-            add(hidden, seg.start - len(hidden), n, False)
-            add(seg.tokens, seg.start, n, True)
-        else:
-            add(seg.tokens, seg.start, None, True)
-    return ids, pos, scope, visible
-
-
-def layout_mask(scope: list, visible: list[bool]) -> torch.Tensor:
-    """[L, L] boolean: token i attends to token j (causal; a span's tokens see their span and its hidden copy, other
-    tokens every visible token)."""
-    j = torch.arange(len(scope))
-    sc = torch.tensor([-1 if s is None else s for s in scope])
-    vis = torch.tensor(visible)
-    same_span = (sc[:, None] == sc[None, :]) & (sc[:, None] >= 0)
-    full = (sc[:, None] < 0) & vis[None, :]
-    return (j[None, :] <= j[:, None]) & (same_span | full)
-
-
-def reference(model, flat, n: int) -> tuple[list[int], list[torch.Tensor]]:
-    ids, pos, scope, visible = (list(x) for x in flat)
+def reference(model, layout: SpanLayout, n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and log-probabilities of the HF model run on the layout (a copy grows with the output)."""
+    flat = SpanLayout(list(layout.ids), list(layout.positions), list(layout.scope), list(layout.visible))
     out, logps = [], []
     for _ in range(n):
-        mask = layout_mask(scope, visible)
         with torch.no_grad():
             logits = model(
-                torch.tensor([ids]), attention_mask=mask[None, None], position_ids=torch.tensor([pos])
+                torch.tensor([flat.ids]), attention_mask=flat.mask()[None, None],
+                position_ids=torch.tensor([flat.positions]),
             ).logits[0, -1].float()
         tok = int(logits.argmax())
         logps.append(torch.log_softmax(logits, -1))
         out.append(tok)
-        ids.append(tok)
-        pos.append(pos[-1] + 1)
-        scope.append(None)
-        visible.append(True)
+        flat.append_output([tok])
     return out, logps
 
 

@@ -25,7 +25,7 @@ from sglang_pic.managers.io_struct import GenerateReqInput, wire_segments
 from sglang_pic.managers.req import ReqSegment
 from sglang_pic.server_args import ServerArgs
 from test_span_policy import (
-    DOCS, NEW, PARAMS, _assert_accounting, assert_answers_as, assert_span_kv_unchanged, cold_then_warm, layout_mask,
+    DOCS, NEW, PARAMS, _assert_accounting, assert_answers_as, assert_span_kv_unchanged, cold_then_warm,
     prompts, reference, segments_layout, span_kv,
 )
 
@@ -64,8 +64,8 @@ def additive(mask: torch.Tensor) -> torch.Tensor:
 
 def reference_choice(model, req) -> set[int]:
     """The prompt positions the reference probe recomputes (see the module doc)."""
-    ids, pos, scope, visible = segments_layout(req.segments)
-    mask = layout_mask(scope, visible)
+    flat = segments_layout(req.segments)
+    ids, pos, visible, mask = flat.ids, flat.positions, flat.visible, flat.mask()
     with torch.no_grad():
         out = model(torch.tensor([ids]), attention_mask=additive(mask)[None, None], position_ids=torch.tensor([pos]),
                     output_attentions=True)

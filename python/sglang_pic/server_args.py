@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sglang_pic.kv_cache_dtype import KV_CACHE_DTYPES
 from sglang_pic.parser_names import REASONING_PARSER_NAMES as REASONING_PARSERS
 from sglang_pic.parser_names import TOOL_CALL_PARSER_NAMES as TOOL_CALL_PARSERS
 from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, check_settings
+
+
+# The span adapter trained for the embedded default model (`--span-adapter auto`; docs/results.md: how it was made).
+SHIPPED_SPAN_ADAPTER = Path(__file__).resolve().parent / "span_adapters" / "qwen2.5-coder-0.5b-instruct"
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -238,17 +244,25 @@ class ServerArgs:
         "span_attention_temperature, span_attention_scale and/or span_recompute (what span(doc, anchor=..., "
         "head_tokens=...) writes).",
     )
-    span_anchor: str = _arg(
-        "auto",
+    span_adapter: str | None = _arg(
+        None,
+        "A span adapter folder (made by python -m sglang_pic.train_span_adapter, or any PEFT LoRA of the model), "
+        "merged into the weights at load, so it costs nothing per token; its recorded span settings become the "
+        "defaults of --span-anchor and --span-head-tokens. auto: the adapter shipped for the embedded default "
+        "model. default: none.",
+    )
+    span_anchor: str | None = _arg(
+        None,
         "Tokens every span is prefilled behind, so its first token is no attention sink: auto (the chat "
         "template's opening, else BOS), none (isolated spans, for block-attention fine-tuned models), prefix (the "
         "prompt's own text before its first marker) or the text itself. Needs the radix cache and --page-size 1; "
-        "auto turns into none without them.",
+        "auto turns into none without them. default: the span adapter's recorded anchor, else auto.",
     )
     span_head_tokens: int | None = _arg(
         None,
         "Leading tokens of every span each request recomputes with full attention over the prompt before it "
-        "(0: none); default: the recommended value where the radix cache and --page-size 1 allow it, else 0.",
+        "(0: none); default: the span adapter's recorded head, else the recommended value where the radix cache "
+        "and --page-size 1 allow it, else 0.",
     )
     span_tail_tokens: int = _arg(
         0,
@@ -415,6 +429,7 @@ class ServerArgs:
             raise ValueError(
                 f"load_balance_method must be round_robin or shortest_queue, got {self.load_balance_method!r}"
             )
+        self._take_adapter_settings()
         for name in ("span_head_tokens", "span_tail_tokens"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -437,6 +452,23 @@ class ServerArgs:
             )
         if self.tokenizer_path is None:
             self.tokenizer_path = self.model_path
+
+    def _take_adapter_settings(self) -> None:
+        """Resolve --span-adapter (auto: the shipped one) and fill the span settings left unset from its record."""
+        recorded: dict[str, Any] = {}
+        if self.span_adapter is not None:
+            if self.span_adapter == "auto":
+                self.span_adapter = str(SHIPPED_SPAN_ADAPTER)
+            folder = Path(self.span_adapter).expanduser()
+            if not (folder / "adapter_config.json").is_file():
+                raise ValueError(f"span_adapter {self.span_adapter!r} is no adapter folder (no adapter_config.json)")
+            self.span_adapter = str(folder.resolve())
+            record = folder / "span_adapter.json"
+            recorded = json.loads(record.read_text()).get("span_settings", {}) if record.is_file() else {}
+        if self.span_anchor is None:
+            self.span_anchor = recorded.get("span_anchor", "auto")
+        if self.span_head_tokens is None:
+            self.span_head_tokens = recorded.get("span_head_tokens")
 
     def spans_from_jobs(self) -> bool:
         """Whether anchored spans and recomputed heads can be served (span_policy.py): their KV lives only in the

@@ -25,7 +25,9 @@ from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_executor.batch_broadcast import BatchBroadcaster
 from sglang_pic.model_executor.step_sampler import SampledOutput, StepSampler, StepSampling
-from sglang_pic.model_loader.loader import init_dummy_weights, iter_safetensors, load_model, resolve_model_path
+from sglang_pic.model_loader.loader import (
+    checkpoint_weights, init_dummy_weights, iter_safetensors, load_model, resolve_model_path,
+)
 from sglang_pic.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -55,12 +57,15 @@ class ModelRunner:
         start = time.perf_counter()
         logger.info("loading the model from %s onto %s (%s)", model_config.model_path, self.device, self.dtype)
         self.model = load_model(
-            model_config, server_args.load_format, self.device, self.dtype, server_args.random_seed
+            model_config, server_args.load_format, self.device, self.dtype, server_args.random_seed,
+            server_args.span_adapter,
         )
         self.model.eval()
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
-        # Where the served weights come from (None: random dummy weights): updates that fail load them back.
+        # Where the served weights come from (None: random dummy weights) and the span adapter merged into them:
+        # updates that fail load them back. Weights loaded by an update are served as they are.
         self._weights_folder = None if server_args.load_format == "dummy" else model_config.model_path
+        self._weights_adapter = server_args.span_adapter
         self._init_memory_pools()
         self.sampler = StepSampler(model_config.vocab_size, self.device, self.req_to_token_pool.req_to_token.shape[0])
         self.attn_backend = create_attention_backend(
@@ -219,13 +224,13 @@ class ModelRunner:
             self._load_previous_weights()
             why = error or "on another tensor-parallel rank"
             raise ValueError(f"loading {folder!r} failed ({why}); the previous weights are back") from None
-        self._weights_folder = folder
+        self._weights_folder, self._weights_adapter = folder, None
 
     def _load_previous_weights(self) -> None:
         if self._weights_folder is None:
             init_dummy_weights(self.model, self.server_args.random_seed)
         else:
-            self.model.load_weights(iter_safetensors(self._weights_folder))
+            self.model.load_weights(checkpoint_weights(self._weights_folder, self._weights_adapter))
 
     def shutdown(self) -> None:
         """Release the tensor-parallel followers (they leave their receive loop)."""

@@ -15,6 +15,7 @@ from torch import nn
 from sglang_pic.layers.layernorm import RMSNorm
 from sglang_pic.model_config import ModelConfig, resolve_dtype
 from sglang_pic.model_loader.gguf_convert import convert_gguf
+from sglang_pic.model_loader.span_adapter import load_adapter, merged_weights
 from sglang_pic.models.registry import get_model_class
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.utils_process import ModelFiles
@@ -120,8 +121,10 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     seed: int = 0,
+    span_adapter: str | None = None,
 ) -> nn.Module:
-    """Instantiate `config.architecture` on `device` in `dtype` (default config.dtype) and load its weights."""
+    """Instantiate `config.architecture` on `device` in `dtype` (default config.dtype) and load its weights, with a
+    span adapter's LoRA merged into them (model_loader/span_adapter.py)."""
     if load_format not in ("auto", "dummy", "gguf"):
         raise ValueError(f"unknown load_format {load_format!r}")
     device = torch.device(device)
@@ -129,7 +132,15 @@ def load_model(
     with _default_dtype(dtype), device:
         model = get_model_class(config.architecture)(config)
     if load_format == "dummy":
+        if span_adapter is not None:
+            raise ValueError("a span adapter is trained for real weights; it cannot be merged into dummy ones")
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(iter_safetensors(resolve_model_path(config.model_path, load_format)))
+        model.load_weights(checkpoint_weights(resolve_model_path(config.model_path, load_format), span_adapter))
     return model.eval().requires_grad_(False)
+
+
+def checkpoint_weights(folder: str, span_adapter: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's HF-named tensors, with the span adapter (a folder; None: none) merged in."""
+    weights = iter_safetensors(folder)
+    return weights if span_adapter is None else merged_weights(weights, load_adapter(span_adapter))

@@ -1,0 +1,84 @@
+"""Training text from what ships with the installed Python: the long descriptions of installed distributions (their
+READMEs, from the package metadata) and the docstrings of the standard library's modules, read with ast so that
+nothing is imported. No hub, no network, and nothing of the span-quality suite's generators or vocabularies, so that
+suite stays a fair test of an adapter trained on this.
+
+The text differs from one machine to another with what is installed; its sha256 and source counts go into the
+adapter's training record.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+MIN_CHARS = 200  # shorter paragraphs join their neighbours: a passage should read as a document
+_CODE_FENCE = re.compile(r"```.*?```", re.S)
+_MARKUP = re.compile(r"!\[[^\]]*\]\([^)]*\)|<[^>]{1,200}>|\[!\[.*?\]\(.*?\)\]\(.*?\)")
+_BLANKS = re.compile(r"\n\s*\n")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    paragraphs: tuple[str, ...]
+    sources: dict[str, int]  # source kind -> documents read
+    sha256: str
+
+    def record(self) -> dict:
+        return {"paragraphs": len(self.paragraphs), "sources": self.sources, "sha256": self.sha256,
+                "made_of": "installed distributions' long descriptions and the standard library's docstrings"}
+
+
+def _paragraphs(text: str) -> list[str]:
+    text = _MARKUP.sub("", _CODE_FENCE.sub("", text))
+    out, run = [], ""
+    for block in _BLANKS.split(text):
+        block = " ".join(block.split())
+        if not block or block.startswith(("|", "===", "---", ".. ")) or sum(c.isalpha() for c in block) < len(block) / 2:
+            continue
+        run = f"{run}\n{block}" if run else block
+        if len(run) >= MIN_CHARS:
+            out.append(run)
+            run = ""
+    return out
+
+
+def _descriptions() -> list[str]:
+    seen, out = set(), []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        name = (dist.metadata["Name"] or "").lower()
+        body = dist.metadata.get_payload() or dist.metadata["Description"] or ""
+        if name in seen or len(body) < MIN_CHARS:
+            continue
+        seen.add(name)
+        out.append(body)
+    return out
+
+
+def _stdlib_docstrings() -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(root.glob("*.py")) + sorted(root.glob("*/__init__.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        docs = [ast.get_docstring(tree) or ""]
+        docs += [ast.get_docstring(node) or "" for node in tree.body
+                 if isinstance(node, (ast.ClassDef, ast.FunctionDef))]
+        text = "\n\n".join(d for d in docs if d)
+        if len(text) >= MIN_CHARS:
+            out.append(text)
+    return out
+
+
+def build_corpus() -> Corpus:
+    descriptions, docstrings = _descriptions(), _stdlib_docstrings()
+    paragraphs = tuple(p for text in descriptions + docstrings for p in _paragraphs(text))
+    digest = hashlib.sha256("\n\0".join(paragraphs).encode()).hexdigest()
+    return Corpus(paragraphs, {"distributions": len(descriptions), "stdlib_modules": len(docstrings)}, digest)

@@ -1,0 +1,110 @@
+"""Training prompts: a chat turn whose user message holds a few passages of the corpus as spans and a question about
+them, rendered and tokenized exactly as the server does (chat template, markers, span settings), then laid out as
+the engine attends to it (layout.py). The questions are generic (summarize, locate, quote, explain a term): the
+teacher's own answer is the target, so no question needs a gold answer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from sglang_pic.entrypoints.chat_template import load_chat_template, render_chat
+from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest
+from sglang_pic.frontend_lang.markers import span
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.req import Req
+from sglang_pic.managers.request_builder import RequestBuilder
+from sglang_pic.model_config import ModelConfig
+from sglang_pic.server_args import ServerArgs
+from sglang_pic.span_adapter.corpus import Corpus
+from sglang_pic.span_adapter.layout import SpanLayout, segments_layout
+from sglang_pic.tokenizer import load_tokenizer
+
+SYSTEMS = (
+    "You are a helpful assistant.",
+    "Answer from the documents. Be brief.",
+    "You answer questions about the provided texts in one or two sentences.",
+    "Use only the information in the documents below.",
+)
+QUESTIONS = (
+    "What does the text say about {word}?",
+    "Which of the texts mentions {word}? Say what it says about it.",
+    "Summarize the text that mentions {word} in one sentence.",
+    "Quote the sentence that contains \"{word}\".",
+    "Is \"{word}\" mentioned above? Answer yes or no, then explain in one sentence.",
+    "What is the main topic of each text? One line per text.",
+    "Explain {word} as the texts describe it.",
+    "List three terms that appear in the text about {word}.",
+)
+PREFACES = ("", "", "Here are some documents.\n", "Read the following texts.\n")
+
+
+@dataclass(frozen=True)
+class ExampleSizes:
+    min_docs: int = 2
+    max_docs: int = 6
+    min_passage_tokens: int = 48
+    max_passage_tokens: int = 400
+
+
+@dataclass
+class Example:
+    layout: SpanLayout  # the prompt as the engine attends to it under the example's span setting
+    loss_rows: list[int]  # layout rows whose next-token distribution is trained: the text after the first span
+    span_rows: list[int]  # layout rows of span tokens
+    setting: dict  # span_anchor / span_head_tokens, or {} for a dense turn
+
+
+class ExampleMaker:
+    """Builds examples without a model: the server's chat rendering, segmenter and span settings."""
+
+    def __init__(self, model_dir: str, corpus: Corpus, sizes: ExampleSizes) -> None:
+        self.args = ServerArgs.from_kwargs(model_path=model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        config = ModelConfig.from_server_args(model_dir, self.args, device="cpu")
+        self.builder = RequestBuilder(self.args, self.tokenizer, config)
+        self.chat_template = load_chat_template(None, self.tokenizer)
+        self.corpus = corpus
+        self.sizes = sizes
+        self.eos_token_ids = sorted(config.eos_token_ids)
+
+    def _passage(self, rng: random.Random) -> str:
+        target = rng.randint(self.sizes.min_passage_tokens, self.sizes.max_passage_tokens)
+        i = rng.randrange(len(self.corpus.paragraphs))
+        parts, tokens = [], 0
+        while tokens < target and i < len(self.corpus.paragraphs):
+            para = self.corpus.paragraphs[i]
+            parts.append(para)
+            tokens += len(self.tokenizer.encode(para, add_special_tokens=False))
+            i += 1
+        ids = self.tokenizer.encode("\n".join(parts), add_special_tokens=False)[:target]
+        return self.tokenizer.decode(ids).strip()
+
+    def prompt(self, rng: random.Random) -> str:
+        docs = [self._passage(rng) for _ in range(rng.randint(self.sizes.min_docs, self.sizes.max_docs))]
+        words = [w.strip(".,;:()\"'`") for w in rng.choice(docs).split()]
+        words = [w for w in words if len(w) >= 5 and w.isalpha()] or ["the first text"]
+        question = rng.choice(QUESTIONS).format(word=rng.choice(words))
+        user = rng.choice(PREFACES) + "".join(span(d + "\n") for d in docs) + question
+        body = ChatCompletionRequest(messages=[{"role": "system", "content": rng.choice(SYSTEMS)},
+                                               {"role": "user", "content": user}])
+        return render_chat(body, self.tokenizer, self.chat_template, self.args)
+
+    def example(self, rng: random.Random, setting: dict) -> Example:
+        """An example under `setting` (span_anchor, span_head_tokens); an empty setting is a dense turn: the same
+        prompt with full attention, trained on the same rows."""
+        marked = self.prompt(rng)
+        given = setting or {"span_anchor": "none", "span_head_tokens": 0}
+        msg = self.builder.build(GenerateReqInput(text=marked, sampling_params={"max_new_tokens": 1}, **given))[0]
+        layout = segments_layout(Req.from_wire(msg).segments)
+        first_span = next(i for i, s in enumerate(layout.scope) if s is not None)
+        loss_rows = [i for i in range(first_span, len(layout.ids)) if layout.scope[i] is None]
+        span_rows = [i for i, s in enumerate(layout.scope) if s is not None and layout.visible[i]]
+        if not setting:
+            index = layout.dense_index()
+            loss_rows, span_rows = [index[i] for i in loss_rows], [index[i] for i in span_rows]
+            ids = layout.dense_ids()
+            layout = SpanLayout()
+            layout.add(ids, 0, None, True)
+        return Example(layout, loss_rows, span_rows, dict(setting))

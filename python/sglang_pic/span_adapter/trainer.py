@@ -1,0 +1,274 @@
+"""Self-distillation of a span adapter: the teacher is the model with full causal attention, the student the same
+model plus LoRA under the attention the engine gives span prompts (layout.py). The loss is KL(teacher || student) of
+the next-token distributions on the text after the first span (the question and the teacher's own greedy answer),
+optionally also on the span tokens; a share of turns runs the student with full attention, so dense requests keep
+their answers once the adapter is merged.
+
+Examples are drawn from a generator seeded by (seed, step), so a run resumed from its checkpoint sees the examples
+the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sglang_pic.model_loader.span_adapter import save_adapter
+from sglang_pic.span_adapter.corpus import build_corpus
+from sglang_pic.span_adapter.examples import Example, ExampleMaker, ExampleSizes
+from sglang_pic.span_adapter.layout import SpanLayout
+from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
+
+logger = logging.getLogger(__name__)
+CHECKPOINT = "checkpoint.pt"
+KL_ROWS = 512  # rows per chunk of the loss: a [rows, vocab] float32 block at a time
+
+
+@dataclass
+class TrainConfig:
+    model_path: str
+    out: str
+    steps: int = 300
+    batch_size: int = 8
+    micro_batch: int = 2  # examples per forward and backward (the step's gradient is accumulated over them)
+    lr: float = 2e-4
+    rank: int = 16
+    alpha: float = 32.0
+    seed: int = 0
+    dense_share: float = 0.2
+    settings: list[dict] = field(default_factory=lambda: [{"span_anchor": "auto", "span_head_tokens": 0},
+                                                          {"span_anchor": "none", "span_head_tokens": 0},
+                                                          {"span_anchor": "auto", "span_head_tokens": 16}])
+    serve_settings: dict = field(default_factory=lambda: {"span_anchor": "auto", "span_head_tokens": 0})
+    span_token_weight: float = 0.0
+    answer_tokens: int = 48
+    sizes: ExampleSizes = field(default_factory=ExampleSizes)
+    warmup_steps: int = 20
+    checkpoint_every: int = 50
+    max_minutes: float = 0.0  # 0: no limit; else checkpoint and stop after this long (a device call is bounded)
+    device: str = "auto"
+
+
+def _device(name: str) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+
+
+def _pad_batch(layouts: list[SpanLayout], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, positions and a [B, 1, L, L] boolean mask; padding rows see only themselves (no row is all masked)."""
+    length = max(len(lay.ids) for lay in layouts)
+    ids = torch.zeros(len(layouts), length, dtype=torch.long)
+    pos = torch.zeros(len(layouts), length, dtype=torch.long)
+    mask = torch.eye(length, dtype=torch.bool).repeat(len(layouts), 1, 1)
+    for b, lay in enumerate(layouts):
+        n = len(lay.ids)
+        ids[b, :n] = torch.tensor(lay.ids)
+        pos[b, :n] = torch.tensor(lay.positions)
+        mask[b, :n, :n] = lay.mask()
+    return ids.to(device), pos.to(device), mask[:, None].to(device)
+
+
+def hidden_states(model, layouts: list[SpanLayout]) -> torch.Tensor:
+    """The decoder's last hidden states [B, L, H] for each layout as the engine attends to it."""
+    device = next(model.parameters()).device
+    ids, pos, mask = _pad_batch(layouts, device)
+    return model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+
+
+def layout_logits(model, layouts: list[SpanLayout]) -> list[torch.Tensor]:
+    """Each layout's next-token logits [L, vocab] (float32): what the engine's logits for the same prompt are."""
+    hidden = hidden_states(model, layouts)
+    return [model.lm_head(hidden[b, : len(lay.ids)]).float() for b, lay in enumerate(layouts)]
+
+
+@torch.no_grad()
+def teacher_answers(model, prompts: list[list[int]], max_new: int, eos: list[int]) -> list[list[int]]:
+    """The teacher's greedy continuation of each dense prompt, cut after its first end token."""
+    device = next(model.parameters()).device
+    length = max(map(len, prompts))
+    ids = torch.full((len(prompts), length), eos[0], dtype=torch.long)
+    attn = torch.zeros(len(prompts), length, dtype=torch.long)
+    for b, p in enumerate(prompts):  # left padding
+        ids[b, length - len(p):] = torch.tensor(p)
+        attn[b, length - len(p):] = 1
+    out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new,
+                         do_sample=False, pad_token_id=eos[0], eos_token_id=eos)[:, length:].tolist()
+    answers = []
+    for row in out:
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+def kl_sum(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, lm_head) -> torch.Tensor:
+    """Weighted sum over rows of KL(teacher || student), from hidden rows [N, H], in chunks of KL_ROWS."""
+    total = student.new_zeros((), dtype=torch.float32)
+    for start in range(0, student.shape[0], KL_ROWS):
+        s = torch.log_softmax(lm_head(student[start: start + KL_ROWS]).float(), -1)
+        with torch.no_grad():
+            t = torch.log_softmax(lm_head(teacher[start: start + KL_ROWS]).float(), -1)
+        kl = (t.exp() * (t - s)).sum(-1)
+        total = total + (kl * weights[start: start + KL_ROWS]).sum()
+    return total
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, model=None) -> None:
+        """`model`: an HF causal LM already loaded (tests); else loaded from config.model_path."""
+        from transformers import AutoModelForCausalLM
+
+        from sglang_pic.model_loader.loader import resolve_model_path
+
+        self.config = config
+        self.device = _device(config.device)
+        self.model_dir = resolve_model_path(config.model_path)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=dtype, attn_implementation="sdpa").to(self.device)
+        self.model.eval()  # no dropout: the student differs from the teacher by the adapter only
+        self.layers = add_lora(self.model, config.rank, config.alpha)
+        self.params = [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
+        self.corpus = build_corpus()
+        self.maker = ExampleMaker(self.model_dir, self.corpus, config.sizes)
+        self.step = 0
+        self.history: list[dict] = []
+        self._resume()
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------
+    def _resume(self) -> None:
+        path = Path(self.config.out) / CHECKPOINT
+        if not path.is_file():
+            return
+        state = torch.load(path, map_location=self.device, weights_only=False)
+        for name, layer in self.layers.items():
+            layer.lora_A.data.copy_(state["lora"][name][0])
+            layer.lora_B.data.copy_(state["lora"][name][1])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.history = state["step"], state["history"]
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    def _checkpoint(self) -> None:
+        Path(self.config.out).mkdir(parents=True, exist_ok=True)
+        state = {"lora": {n: (l.lora_A.data, l.lora_B.data) for n, l in self.layers.items()},
+                 "optimizer": self.optimizer.state_dict(), "step": self.step, "history": self.history}
+        tmp = Path(self.config.out) / (CHECKPOINT + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(Path(self.config.out) / CHECKPOINT)
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def _examples(self, step: int) -> list[Example]:
+        rng = random.Random(self.config.seed * 1_000_003 + step)
+        return [self.maker.example(rng, {} if rng.random() < self.config.dense_share else rng.choice(
+            self.config.settings)) for _ in range(self.config.batch_size)]
+
+    def _lr(self, step: int) -> float:
+        c = self.config
+        if step < c.warmup_steps:
+            return c.lr * (step + 1) / c.warmup_steps
+        return c.lr * 0.5 * (1 + math.cos(math.pi * (step - c.warmup_steps) / max(c.steps - c.warmup_steps, 1)))
+
+    def train_step(self) -> dict:
+        c = self.config
+        examples = self._examples(self.step)
+        dense = [e.layout.dense_ids() for e in examples]
+        self.model.eval()
+        with lora_off(self.layers):
+            answers = teacher_answers(self.model, dense, c.answer_tokens, self.maker.eos_token_ids)
+        for e, answer in zip(examples, answers):
+            start = len(e.layout.ids)
+            e.layout.append_output(answer)
+            e.loss_rows.extend(range(start, start + len(answer) - 1))
+        rows = [self._rows(e) for e in examples]
+        total = sum(w for r in rows for _, w in r)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = 0.0
+        for first in range(0, len(examples), c.micro_batch):
+            part = slice(first, first + c.micro_batch)
+            loss += float(self._backward(examples[part], dense[part], answers[part], rows[part], total))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr(self.step)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.step += 1
+        entry = {"step": self.step, "loss": loss, "rows": sum(map(len, rows)),
+                 "tokens": sum(len(e.layout.ids) for e in examples)}
+        self.history.append(entry)
+        return entry
+
+    def _rows(self, e: Example) -> list[tuple[int, float]]:
+        """The layout rows the loss is taken on, with their weights."""
+        rows = [(r, 1.0) for r in e.loss_rows]
+        if self.config.span_token_weight > 0:
+            rows += [(r, self.config.span_token_weight) for r in e.span_rows]
+        return rows
+
+    def _backward(self, examples: list[Example], dense: list[list[int]], answers: list[list[int]],
+                  rows: list[list[tuple[int, float]]], total: float) -> torch.Tensor:
+        """Back-propagate these examples' share of the step's mean KL (their weighted sum over the step's weight)."""
+        teachers = []
+        for d, answer in zip(dense, answers):
+            lay = SpanLayout()
+            lay.add(d + answer, 0, None, True)
+            teachers.append(lay)
+        with torch.no_grad(), lora_off(self.layers):
+            t_hidden = hidden_states(self.model, teachers)
+        s_hidden = hidden_states(self.model, [e.layout for e in examples])
+        s_rows, t_rows, weights = [], [], []
+        for b, (e, r) in enumerate(zip(examples, rows)):
+            index = e.layout.dense_index()
+            s_rows.append(s_hidden[b, [i for i, _ in r]])
+            t_rows.append(t_hidden[b, [index[i] for i, _ in r]])
+            weights += [w for _, w in r]
+        loss = kl_sum(torch.cat(s_rows), torch.cat(t_rows), torch.tensor(weights, device=s_hidden.device),
+                      self.model.lm_head) / total
+        loss.backward()
+        return loss.detach()
+
+    # ---- the run ----------------------------------------------------------------------------------------------
+    def train(self) -> bool:
+        """Train until config.steps (True) or config.max_minutes (False: checkpointed; run again to resume)."""
+        c = self.config
+        begin = time.monotonic()
+        bar = tqdm(total=c.steps, initial=self.step, desc="span adapter", disable=not sys.stderr.isatty())
+        while self.step < c.steps:
+            entry = self.train_step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{entry['loss']:.4f}")
+            if self.step % 10 == 0 or self.step == c.steps:
+                logger.info("step %d/%d loss %.4f (%d rows, %d tokens)", self.step, c.steps, entry["loss"],
+                            entry["rows"], entry["tokens"])
+            if self.step % c.checkpoint_every == 0:
+                self._checkpoint()
+            if c.max_minutes and time.monotonic() - begin > 60 * c.max_minutes and self.step < c.steps:
+                self._checkpoint()
+                logger.info("stopped at step %d after %.1f min; run the same command again to resume",
+                            self.step, (time.monotonic() - begin) / 60)
+                return False
+        bar.close()
+        self._checkpoint()
+        self.save()
+        return True
+
+    def save(self) -> None:
+        record = {
+            "span_settings": self.config.serve_settings,
+            "training": {**{k: v for k, v in asdict(self.config).items() if k not in ("out", "device")},
+                         "corpus": self.corpus.record(), "steps_done": self.step,
+                         "final_loss": self.history[-1]["loss"] if self.history else None,
+                         "loss_every_10": [h["loss"] for h in self.history[9::10]]},
+            "base_model": {"model_path": self.config.model_path,
+                           "architecture": json.loads((Path(self.model_dir) / "config.json").read_text())
+                           .get("architectures", [None])[0]},
+        }
+        save_adapter(self.config.out, to_adapter(self.layers, self.config.rank, self.config.alpha, record),
+                     self.config.model_path)
+

@@ -1,0 +1,166 @@
+"""Span adapters (span_adapter/, model_loader/span_adapter.py, train_span_adapter.py) on a tiny model.
+
+The central check: the student that training runs (the HF model plus LoRA, on the span layout with its mask and
+positions) gives the logits the engine serves for the same span prompt with the adapter merged (`span_adapter`),
+under every span setting training draws from and under full attention. So what the adapter learns is what the
+engine will run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_pic import Engine
+from sglang_pic.frontend_lang.markers import span
+from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.model_loader.span_adapter import SpanAdapter, load_adapter, merged_weights, save_adapter
+from sglang_pic.server_args import ServerArgs
+from sglang_pic.span_adapter.layout import SpanLayout, segments_layout
+from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
+from sglang_pic.span_adapter.trainer import layout_logits
+
+DOCS = [
+    "The capital of France is Paris, the capital of Japan is Tokyo.",
+    "A serving engine batches requests and streams tokens back to each client.",
+    "In the morning we walked to the market and bought fresh bread and apples.",
+]
+PROMPT = "Answer the question." + span(DOCS[0]) + span(DOCS[1]) + span(DOCS[2]) + "Where is Paris?"
+NEW = 5
+SETTINGS = {
+    "anchor": {"span_anchor": "auto", "span_head_tokens": 0},
+    "isolated": {"span_anchor": "none", "span_head_tokens": 0},
+    "anchor+head": {"span_anchor": "auto", "span_head_tokens": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_qwen2, tmp_path_factory):
+    """The tiny model with LoRA factors drawn at random (B nonzero, so the adapter changes every answer), that
+    adapter saved, and an engine serving it merged."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    layers = add_lora(model, rank=4, alpha=8.0)
+    gen = torch.Generator().manual_seed(0)
+    for layer in layers.values():
+        layer.lora_B.data.normal_(0.0, 0.05, generator=gen)
+    folder = tmp_path_factory.mktemp("adapter")
+    save_adapter(folder, to_adapter(layers, 4, 8.0, {"span_settings": SETTINGS["anchor+head"]}), str(tiny_qwen2))
+    engine = Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096, span_adapter=str(folder))
+    yield model, layers, folder, engine
+    engine.shutdown()
+
+
+def student_greedy(model, layout: SpanLayout, n: int) -> tuple[list[int], list[float]]:
+    flat = SpanLayout(list(layout.ids), list(layout.positions), list(layout.scope), list(layout.visible))
+    tokens, logps = [], []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = layout_logits(model, [flat])[0][-1]
+        tok = int(logits.argmax())
+        tokens.append(tok)
+        logps.append(float(torch.log_softmax(logits, -1)[tok]))
+        flat.append_output([tok])
+    return tokens, logps
+
+
+def served(engine: Engine, prompt, given: dict) -> tuple[list[int], list[float]]:
+    params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    kwargs = {"input_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
+    out = engine.generate(**kwargs, sampling_params=params, return_logprob=True, **given)
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_training_layout_equals_the_engine_with_the_adapter_merged(adapted, name):
+    model, _, _, engine = adapted
+    given = SETTINGS[name]
+    layout = segments_layout(engine.make_reqs(GenerateReqInput(text=PROMPT, **given))[0].segments)
+    want_tokens, want_logps = student_greedy(model, layout, NEW)
+    for _ in range(2):  # cold, then with every span cached
+        tokens, logps = served(engine, PROMPT, given)
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logps), torch.tensor(want_logps), atol=2e-4, rtol=1e-4)
+
+
+def test_dense_turns_equal_the_engine_with_the_adapter_merged(adapted):
+    model, _, _, engine = adapted
+    layout = segments_layout(engine.make_reqs(GenerateReqInput(text=PROMPT, **SETTINGS["isolated"]))[0].segments)
+    dense = SpanLayout()
+    dense.add(layout.dense_ids(), 0, None, True)
+    want_tokens, want_logps = student_greedy(model, dense, NEW)
+    tokens, logps = served(engine, dense.ids, {})
+    assert tokens == want_tokens
+    torch.testing.assert_close(torch.tensor(logps), torch.tensor(want_logps), atol=2e-4, rtol=1e-4)
+
+
+def test_the_adapter_changes_answers_and_lora_off_is_the_base_model(adapted, tiny_qwen2):
+    """Guards the two tests above against an adapter that merged to nothing: the base engine answers otherwise."""
+    model, layers, _, _ = adapted
+    base = Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096)
+    try:
+        layout = segments_layout(base.make_reqs(GenerateReqInput(text=PROMPT, **SETTINGS["anchor"]))[0].segments)
+        with lora_off(layers):
+            want = student_greedy(model, layout, NEW)
+        got = served(base, PROMPT, SETTINGS["anchor"])
+    finally:
+        base.shutdown()
+    assert got[0] == want[0]
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), atol=2e-4, rtol=1e-4)
+    assert student_greedy(model, layout, NEW)[1] != pytest.approx(want[1], abs=1e-3)
+
+
+def test_adapter_files_round_trip_and_merge_checks_shapes(adapted, tmp_path):
+    _, layers, folder, _ = adapted
+    adapter = load_adapter(folder)
+    assert set(adapter.factors) == set(layers) and adapter.rank == 4 and adapter.scale == 2.0
+    name = next(iter(adapter.factors))
+    a, b = adapter.factors[name]
+    torch.testing.assert_close(a, layers[name].lora_A.detach())
+    weight = torch.zeros(b.shape[0], a.shape[1])
+    (merged_name, merged), = list(merged_weights(iter([(f"{name}.weight", weight)]), SpanAdapter(4, 8.0, {name: (a, b)})))
+    torch.testing.assert_close(merged, 2.0 * b @ a)
+    with pytest.raises(ValueError, match="trained for another model"):
+        list(merged_weights(iter([(f"{name}.weight", weight.t())]), SpanAdapter(4, 8.0, {name: (a, b)})))
+    with pytest.raises(ValueError, match="lacks"):
+        list(merged_weights(iter([]), SpanAdapter(4, 8.0, {name: (a, b)})))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        ServerArgs.from_kwargs(model_path="m", span_adapter=str(tmp_path))
+
+
+def test_recorded_span_settings_are_defaults_that_flags_override(adapted):
+    _, _, folder, _ = adapted
+    args = ServerArgs.from_kwargs(model_path="m", span_adapter=str(folder))
+    assert (args.span_anchor, args.span_head_tokens) == ("auto", 3)
+    args = ServerArgs.from_kwargs(model_path="m", span_adapter=str(folder), span_anchor="none", span_head_tokens=0)
+    assert (args.span_anchor, args.span_head_tokens) == ("none", 0)
+    assert ServerArgs.from_kwargs(model_path="m").span_anchor == "auto"
+
+
+def test_train_command_runs_and_resumes_on_a_tiny_model(tiny_qwen2, tmp_path):
+    out = tmp_path / "adapter"
+    base = [sys.executable, "-m", "sglang_pic.train_span_adapter", "--model-path", str(tiny_qwen2), "--out", str(out),
+            "--batch-size", "2", "--docs", "2,3", "--passage-tokens", "16,48", "--answer-tokens", "4",
+            "--device", "cpu", "--checkpoint-every", "1", "--seed", "3"]
+    first = subprocess.run([*base, "--steps", "2"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    record = json.loads((out / "span_adapter.json").read_text())
+    assert record["training"]["steps_done"] == 2 and record["training"]["seed"] == 3
+    assert record["training"]["corpus"]["paragraphs"] > 100 and len(record["training"]["corpus"]["sha256"]) == 64
+    assert record["span_settings"] == {"span_anchor": "auto", "span_head_tokens": 0}
+    second = subprocess.run([*base, "--steps", "3"], capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "at step 2" in second.stderr
+    assert json.loads((out / "span_adapter.json").read_text())["training"]["steps_done"] == 3
+    assert load_adapter(out).rank == 16
+
+
+def test_train_command_refuses_bad_ranges(tiny_qwen2, tmp_path):
+    run = subprocess.run([sys.executable, "-m", "sglang_pic.train_span_adapter", "--model-path", str(tiny_qwen2),
+                          "--out", str(tmp_path), "--docs", "3,2"], capture_output=True, text=True)
+    assert run.returncode == 2 and "MIN <= MAX" in run.stderr
