@@ -28,7 +28,7 @@ from span_quality_tasks import TASKS, BenchTaskSizes  # noqa: E402
 
 from sglang_pic.model_loader.loader import model_dirs  # noqa: E402
 from sglang_pic.span_quality.items import SPLITS  # noqa: E402
-from sglang_pic.span_quality.modes import BASELINE, MODES, REFERENCE  # noqa: E402
+from sglang_pic.span_quality.modes import BASELINE, MODES, REFERENCE, with_adapter  # noqa: E402
 from sglang_pic.span_quality.prompts import PromptBuilder, Workload  # noqa: E402
 from sglang_pic.span_quality.runner import ModeRun, Progress, RunConfig, run_modes  # noqa: E402
 from sglang_pic.span_quality.scoring import (  # noqa: E402
@@ -150,6 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
     p.add_argument("--chat-template", help="as the server's --chat-template (default: the tokenizer's)")
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
+    p.add_argument("--span-adapter", help="span adapter folder for the +adapter modes (default: the shipped one)")
     p.add_argument("--samples", type=int, default=8, help="samples per task")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -204,13 +205,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = Workload.build({t: TASKS[t] for t in args.tasks}, args.samples, args.seed, args.sizes, builder,
                               args.split)
     progress = BarProgress(len(args.modes) * workload.requests())
-    runs = run_modes({m: MODES[m] for m in args.modes}, workload, builder,
+    runs = run_modes({m: with_adapter(MODES[m], args.span_adapter) for m in args.modes}, workload, builder,
                      engine_kwargs(args, model_dir, tokenizer_dir), RunConfig(args.batch_size, args.kl_top_k), progress)
     progress.bar.close()
     scores = results(runs, workload, args.examples)
     out = {
         "config": {
-            "model_path": model_dir, "device": args.device, "dtype": args.dtype, "samples": args.samples,
+            "model_path": model_dir, "span_adapter": args.span_adapter, "device": args.device, "dtype": args.dtype,
+            "samples": args.samples,
             "seed": args.seed, "split": workload.split, "batch_size": args.batch_size, "kl_top_k": args.kl_top_k,
             "sizes": asdict(args.sizes), "reference": REFERENCE, "baseline": BASELINE,
         },

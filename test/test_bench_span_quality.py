@@ -184,3 +184,26 @@ def test_a_task_draws_the_same_items_whatever_else_runs(setup):
     alone = Workload.build({"needle": TASKS["needle"]}, 3, 5, sizes, builder, "heldout")
     together = Workload.build(TASKS, 2, 5, sizes, builder, "heldout")
     assert alone.items["needle"][:2] == together.items["needle"]
+
+
+def test_adapter_modes_serve_the_named_adapter(setup, tmp_path):
+    """+adapter modes merge the adapter `--span-adapter` names; one whose factors multiply to zero answers as the base
+    model does, to the last bit of its first-token distribution."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from sglang_pic.model_loader.span_adapter import save_adapter
+    from sglang_pic.span_adapter.lora import add_lora, to_adapter
+
+    model, template, _ = setup
+    layers = add_lora(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), rank=2, alpha=2.0)
+    save_adapter(tmp_path / "zero", to_adapter(layers, 2, 2.0, {}), str(model))  # B starts at zero
+    output = tmp_path / "adapter.json"
+    bench.main(["--model-path", str(model), "--chat-template", str(template), "--samples", "2", "--batch-size", "2",
+                "--modes", "dense,dense+adapter,anchor+adapter", "--tasks", "needle", "--output", str(output),
+                "--split", "tuning", "--span-adapter", str(tmp_path / "zero"), *SIZES])
+    run = json.loads(output.read_text())
+    assert run["config"]["span_adapter"] == str(tmp_path / "zero")
+    assert run["modes"]["anchor+adapter"]["engine_kwargs"]["span_anchor"] == "auto"
+    same = run["results"]["needle"]["dense+adapter"]
+    assert same["agreement_with_dense"] == 1.0 and same["first_token_kl"] == pytest.approx(0.0, abs=1e-5)
