@@ -16,6 +16,9 @@ case $stage in
     shift 2
     python3 -m sglang_pic.train_span_adapter --model-path build/qwen.gguf --out "$adapter" --steps "$steps" \
       --max-minutes "$minutes" "$@"
+    if [ -n "${OUT:-}" ] && [ -f "$adapter/adapter_model.safetensors" ]; then
+      mkdir -p "$OUT/span_adapter" && cp "$adapter"/adapter_* "$adapter"/span_adapter.json "$OUT/span_adapter/"
+    fi
     ;;
   eval)
     out=$1 samples=$2 modes=$3

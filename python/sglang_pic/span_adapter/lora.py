@@ -62,6 +62,9 @@ def lora_off(layers: dict[str, LoRALinear]) -> Iterator[None]:
             layer.enabled = True
 
 
-def to_adapter(layers: dict[str, LoRALinear], rank: int, alpha: float, record: dict) -> SpanAdapter:
-    factors = {name: (l.lora_A.detach().cpu(), l.lora_B.detach().cpu()) for name, l in layers.items()}
+def to_adapter(layers: dict[str, LoRALinear], rank: int, alpha: float, record: dict,
+               dtype: torch.dtype = torch.float32) -> SpanAdapter:
+    """The trained factors as an adapter, stored in `dtype` (bfloat16 halves the files; the merge adds in float32)."""
+    factors = {name: (l.lora_A.detach().to("cpu", dtype), l.lora_B.detach().to("cpu", dtype))
+               for name, l in layers.items()}
     return SpanAdapter(rank, alpha, factors, record)

@@ -269,6 +269,6 @@ class Trainer:
                            "architecture": json.loads((Path(self.model_dir) / "config.json").read_text())
                            .get("architectures", [None])[0]},
         }
-        save_adapter(self.config.out, to_adapter(self.layers, self.config.rank, self.config.alpha, record),
-                     self.config.model_path)
+        adapter = to_adapter(self.layers, self.config.rank, self.config.alpha, record, torch.bfloat16)
+        save_adapter(self.config.out, adapter, self.config.model_path)
 
