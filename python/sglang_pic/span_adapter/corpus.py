@@ -1,5 +1,6 @@
 """Training text from what ships with the installed Python: the long descriptions of installed distributions (their
-READMEs, from the package metadata) and the docstrings of the standard library's modules, read with ast so that
+READMEs, from the package metadata), the docstrings of the standard library's modules and the source of its
+documented functions (code passages, and tool descriptions made from their signatures), read with ast so that
 nothing is imported. No hub, no network, and nothing of the span-quality suite's generators or vocabularies, so that
 suite stays a fair test of an adapter trained on this.
 
@@ -24,14 +25,27 @@ _BLANKS = re.compile(r"\n\s*\n")
 
 
 @dataclass(frozen=True)
+class Function:
+    """A documented standard-library function: its source, and what a tool description of it says."""
+
+    name: str
+    params: tuple[str, ...]
+    summary: str  # the docstring's first line
+    source: str
+
+
+@dataclass(frozen=True)
 class Corpus:
     paragraphs: tuple[str, ...]
+    functions: tuple[Function, ...]
     sources: dict[str, int]  # source kind -> documents read
     sha256: str
 
     def record(self) -> dict:
-        return {"paragraphs": len(self.paragraphs), "sources": self.sources, "sha256": self.sha256,
-                "made_of": "installed distributions' long descriptions and the standard library's docstrings"}
+        return {"paragraphs": len(self.paragraphs), "functions": len(self.functions), "sources": self.sources,
+                "sha256": self.sha256,
+                "made_of": "installed distributions' long descriptions; the standard library's docstrings and the "
+                           "source of its documented functions"}
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -60,14 +74,21 @@ def _descriptions() -> list[str]:
     return out
 
 
-def _stdlib_docstrings() -> list[str]:
+def _stdlib_modules() -> list[tuple[str, ast.Module]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in sorted(root.glob("*.py")) + sorted(root.glob("*/__init__.py")):
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            out.append((text, ast.parse(text)))
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
+    return out
+
+
+def _docstrings(modules: list[tuple[str, ast.Module]]) -> list[str]:
+    out = []
+    for _, tree in modules:
         docs = [ast.get_docstring(tree) or ""]
         docs += [ast.get_docstring(node) or "" for node in tree.body
                  if isinstance(node, (ast.ClassDef, ast.FunctionDef))]
@@ -77,8 +98,24 @@ def _stdlib_docstrings() -> list[str]:
     return out
 
 
+def _functions(modules: list[tuple[str, ast.Module]]) -> list[Function]:
+    """Public module-level functions with a docstring and a body of 4 to 60 lines."""
+    out = []
+    for text, tree in modules:
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if not doc or node.name.startswith("_") or not 4 <= node.end_lineno - node.lineno <= 60:
+                continue
+            params = tuple(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
+            out.append(Function(node.name, params, doc.strip().splitlines()[0],
+                                ast.get_source_segment(text, node) or ""))
+    return [f for f in out if f.source]
+
+
 def build_corpus() -> Corpus:
-    descriptions, docstrings = _descriptions(), _stdlib_docstrings()
+    modules = _stdlib_modules()
+    descriptions, docstrings, functions = _descriptions(), _docstrings(modules), _functions(modules)
     paragraphs = tuple(p for text in descriptions + docstrings for p in _paragraphs(text))
-    digest = hashlib.sha256("\n\0".join(paragraphs).encode()).hexdigest()
-    return Corpus(paragraphs, {"distributions": len(descriptions), "stdlib_modules": len(docstrings)}, digest)
+    digest = hashlib.sha256("\n\0".join([*paragraphs, *(f.source for f in functions)]).encode()).hexdigest()
+    sources = {"distributions": len(descriptions), "stdlib_modules": len(docstrings), "stdlib_functions": len(functions)}
+    return Corpus(paragraphs, tuple(functions), sources, digest)

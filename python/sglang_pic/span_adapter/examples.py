@@ -1,7 +1,8 @@
-"""Training prompts: a chat turn whose user message holds a few passages of the corpus as spans and a question about
-them, rendered and tokenized exactly as the server does (chat template, markers, span settings), then laid out as
-the engine attends to it (layout.py). The questions are generic (summarize, locate, quote, explain a term): the
-teacher's own answer is the target, so no question needs a gold answer.
+"""Training prompts, rendered and tokenized exactly as the server does (chat template, markers, span settings), then
+laid out as the engine attends to it (layout.py). Three kinds of turn: a user message holding passages of the corpus
+as spans and a question about them; the same with standard-library functions as code passages; and a request for
+one of several tools whose descriptions are spans (`tool_spans`, as agents send them). The questions are generic
+(summarize, locate, quote, explain): the teacher's own answer is the target, so no question needs a gold answer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sglang_pic.managers.req import Req
 from sglang_pic.managers.request_builder import RequestBuilder
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.span_adapter.corpus import Corpus
+from sglang_pic.span_adapter.corpus import Corpus, Function
 from sglang_pic.span_adapter.layout import SpanLayout, segments_layout
 from sglang_pic.tokenizer import load_tokenizer
 
@@ -37,7 +38,15 @@ QUESTIONS = (
     "Explain {word} as the texts describe it.",
     "List three terms that appear in the text about {word}.",
 )
+CODE_QUESTIONS = (
+    "What does the function {name} return?",
+    "Which of these functions would you call to {summary}?",
+    "Explain what {name} does, step by step.",
+    "What arguments does {name} take, and what are they for?",
+    "Write a one-line example that calls {name}.",
+)
 PREFACES = ("", "", "Here are some documents.\n", "Read the following texts.\n")
+KINDS = (("docs", 0.6), ("code", 0.2), ("tools", 0.2))
 
 
 @dataclass(frozen=True)
@@ -82,13 +91,25 @@ class ExampleMaker:
         return self.tokenizer.decode(ids).strip()
 
     def prompt(self, rng: random.Random) -> str:
-        docs = [self._passage(rng) for _ in range(rng.randint(self.sizes.min_docs, self.sizes.max_docs))]
-        words = [w.strip(".,;:()\"'`") for w in rng.choice(docs).split()]
-        words = [w for w in words if len(w) >= 5 and w.isalpha()] or ["the first text"]
-        question = rng.choice(QUESTIONS).format(word=rng.choice(words))
-        user = rng.choice(PREFACES) + "".join(span(d + "\n") for d in docs) + question
-        body = ChatCompletionRequest(messages=[{"role": "system", "content": rng.choice(SYSTEMS)},
-                                               {"role": "user", "content": user}])
+        kind = rng.choices([k for k, _ in KINDS], [w for _, w in KINDS])[0]
+        system = {"role": "system", "content": rng.choice(SYSTEMS)}
+        if kind == "tools":
+            funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs + 1, self.sizes.max_docs + 2))
+            target = rng.choice(funcs)
+            body = ChatCompletionRequest(messages=[system, {"role": "user", "content": f"Please {target.summary}"}],
+                                         tools=[_tool(f) for f in funcs], tool_spans=True)
+        else:
+            if kind == "code":
+                funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs, self.sizes.max_docs))
+                docs, target = [f.source for f in funcs], rng.choice(funcs)
+                question = rng.choice(CODE_QUESTIONS).format(name=target.name, summary=target.summary)
+            else:
+                docs = [self._passage(rng) for _ in range(rng.randint(self.sizes.min_docs, self.sizes.max_docs))]
+                words = [w.strip(".,;:()\"'`") for w in rng.choice(docs).split()]
+                words = [w for w in words if len(w) >= 5 and w.isalpha()] or ["the first text"]
+                question = rng.choice(QUESTIONS).format(word=rng.choice(words))
+            user = rng.choice(PREFACES) + "".join(span(d + "\n") for d in docs) + question
+            body = ChatCompletionRequest(messages=[system, {"role": "user", "content": user}])
         return render_chat(body, self.tokenizer, self.chat_template, self.args)
 
     def example(self, rng: random.Random, setting: dict) -> Example:
@@ -108,3 +129,11 @@ class ExampleMaker:
             layout = SpanLayout()
             layout.add(ids, 0, None, True)
         return Example(layout, loss_rows, span_rows, dict(setting))
+
+
+def _tool(f: Function) -> dict:
+    """An OpenAI tool description of a function (every parameter a string)."""
+    params = {p: {"type": "string", "description": p.replace("_", " ")} for p in f.params}
+    return {"type": "function", "function": {"name": f.name, "description": f.summary,
+                                             "parameters": {"type": "object", "properties": params,
+                                                            "required": list(f.params)}}}
