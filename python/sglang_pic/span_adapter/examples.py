@@ -77,6 +77,17 @@ class ExampleMaker:
         self.corpus = corpus
         self.sizes = sizes
         self.eos_token_ids = sorted(config.eos_token_ids)
+        self.kinds = dict(KINDS) if self._renders_tools() else {k: w for k, w in KINDS if k != "tools"}
+
+    def _renders_tools(self) -> bool:
+        """Whether the chat template shows tools (tool turns need it to mark their descriptions as spans)."""
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                     tools=[_tool(self.corpus.functions[0])], tool_spans=True)
+        try:
+            render_chat(body, self.tokenizer, self.chat_template, self.args)
+        except ValueError:
+            return False
+        return True
 
     def _passage(self, rng: random.Random) -> str:
         target = rng.randint(self.sizes.min_passage_tokens, self.sizes.max_passage_tokens)
@@ -87,11 +98,13 @@ class ExampleMaker:
             parts.append(para)
             tokens += len(self.tokenizer.encode(para, add_special_tokens=False))
             i += 1
-        ids = self.tokenizer.encode("\n".join(parts), add_special_tokens=False)[:target]
-        return self.tokenizer.decode(ids).strip()
+        return self._cut("\n".join(parts), target)
+
+    def _cut(self, text: str, tokens: int) -> str:
+        return self.tokenizer.decode(self.tokenizer.encode(text, add_special_tokens=False)[:tokens]).strip()
 
     def prompt(self, rng: random.Random) -> str:
-        kind = rng.choices([k for k, _ in KINDS], [w for _, w in KINDS])[0]
+        kind = rng.choices(list(self.kinds), list(self.kinds.values()))[0]
         system = {"role": "system", "content": rng.choice(SYSTEMS)}
         if kind == "tools":
             funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs + 1, self.sizes.max_docs + 2))
@@ -101,7 +114,8 @@ class ExampleMaker:
         else:
             if kind == "code":
                 funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs, self.sizes.max_docs))
-                docs, target = [f.source for f in funcs], rng.choice(funcs)
+                docs = [self._cut(f.source, self.sizes.max_passage_tokens) for f in funcs]
+                target = rng.choice(funcs)
                 question = rng.choice(CODE_QUESTIONS).format(name=target.name, summary=target.summary)
             else:
                 docs = [self._passage(rng) for _ in range(rng.randint(self.sizes.min_docs, self.sizes.max_docs))]

@@ -262,7 +262,7 @@ class Trainer:
         record = {
             "span_settings": self.config.serve_settings,
             "training": {**{k: v for k, v in asdict(self.config).items() if k not in ("out", "device")},
-                         "corpus": self.corpus.record(), "steps_done": self.step,
+                         "corpus": self.corpus.record(), "turn_kinds": self.maker.kinds, "steps_done": self.step,
                          "final_loss": self.history[-1]["loss"] if self.history else None,
                          "loss_every_10": [h["loss"] for h in self.history[9::10]]},
             "base_model": {"model_path": self.config.model_path,
