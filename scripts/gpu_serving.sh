@@ -6,7 +6,8 @@
 #   bash scripts/gpu_serving.sh OUT BACKEND PHASE...
 # Phases: cold (the issue's command, then the step breakdown), rates (4, 8, 16, 32 req/s, 400 prompts each, cache
 # flushed between), gsp (generated-shared-prefix 32 x 16, 2,048-token system prompt), long (input 256, output 2,048).
-# SERVER_ARGS adds server flags (e.g. "--max-running-requests 512"); TAG names the run's files (default: BACKEND).
+# SERVER_ARGS adds server flags (e.g. "--max-running-requests 512"); TAG names the run's files (default: BACKEND);
+# BREAKDOWN_ARGS adds flags of bench_serving_breakdown.py (e.g. "--weight-bytes 1.13 --tflops 1580" for fp8 weights).
 set -u
 cd "$(dirname "$0")/.."
 out=$1 backend=$2
@@ -41,7 +42,7 @@ for phase in "$@"; do
         --num-prompts 800 --seed 1 --output-file "$res" > "$out/bench_${tag}_cold.txt" 2>&1
       stop
       python3 benchmark/bench_serving_breakdown.py "$out/steps_${tag}_cold.jsonl" --bench-result "$res" \
-        --model-config "$MODEL" --tflops 790 --hbm-tbps 4.25 \
+        --model-config "$MODEL" --tflops 790 --hbm-tbps 4.25 ${BREAKDOWN_ARGS:-} \
         --out "$out/serving_breakdown_${tag}.json" > "$out/breakdown_${tag}.txt" 2>&1
       tail -40 "$out/breakdown_${tag}.txt"
       ;;

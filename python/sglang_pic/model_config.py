@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang_pic.quant_config import resolve_quantization
+
 if TYPE_CHECKING:
     from sglang_pic.server_args import ServerArgs
 
@@ -99,7 +101,7 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: st
 SAME_MODEL_FIELDS = (
     "architecture", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
     "num_hidden_layers", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings",
-    "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "sliding_window",
+    "tie_word_embeddings", "hidden_act", "attention_bias", "mlp_bias", "sliding_window", "quantization",
 )
 
 
@@ -126,6 +128,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
+    quantization: str | None = None  # fp8: the linear layers hold fp8 weights (quant_config.py)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -151,6 +154,7 @@ class ModelConfig:
             dtype=args.dtype,
             device=device or args.resolved_device(),
             json_model_override_args=args.json_model_override_args,
+            quantization=args.quantization,
         )
 
     @classmethod
@@ -161,9 +165,11 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         device: str = "auto",
         json_model_override_args: str = "",
+        quantization: str | None = None,
     ) -> "ModelConfig":
         """Read `path`/config.json (+ generation_config.json), with `json_model_override_args` (a JSON object)
-        merged over it. For GGUF, pass `resolve_model_path`'s folder."""
+        merged over it. For GGUF, pass `resolve_model_path`'s folder. `quantization` is --quantization's; an fp8
+        checkpoint is fp8 without it."""
         folder = Path(path)
         cfg = _read_json(folder / "config.json")
         if not cfg:
@@ -214,5 +220,6 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            quantization=resolve_quantization(quantization, cfg),
             hf_config=cfg,
         )

@@ -13,6 +13,7 @@ from typing import Any
 from sglang_pic.kv_cache_dtype import KV_CACHE_DTYPES
 from sglang_pic.parser_names import REASONING_PARSER_NAMES as REASONING_PARSERS
 from sglang_pic.parser_names import TOOL_CALL_PARSER_NAMES as TOOL_CALL_PARSERS
+from sglang_pic.quant_config import check_quantization
 from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, check_settings
 
 
@@ -70,6 +71,15 @@ class ServerArgs:
         "auto",
         "Weight and activation dtype: auto (float32 on CPU, the checkpoint's dtype on GPU), float32, bfloat16 "
         "or float16.",
+    )
+    quantization: str | None = _arg(
+        None,
+        "fp8: every linear layer of the decoder (attention and MLP projections) holds float8_e4m3fn weights with "
+        "one scale per output channel, quantized at load from a bf16/fp16/fp32 checkpoint, and quantizes its "
+        "activations per token as it runs (torch._scaled_mm on GPUs of compute capability 8.9+, a matmul with the "
+        "same rounding on CPU); the LM head and embeddings keep the model's dtype. fp8 checkpoints "
+        "(compressed-tensors float-quantized, fbgemm_fp8) load as stored, scales included. default: none, unless "
+        "the checkpoint is fp8.",
     )
     device: str = _arg("auto", "auto, cpu or cuda.")
     context_length: int | None = _arg(
@@ -379,6 +389,7 @@ class ServerArgs:
             raise ValueError(f"load_format must be auto, dummy or gguf, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        check_quantization(self.quantization)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.schedule_policy is None:

@@ -28,6 +28,7 @@ from sglang_pic.model_executor.step_sampler import SampledOutput, StepSampler, S
 from sglang_pic.model_loader.loader import (
     checkpoint_weights, init_dummy_weights, iter_safetensors, load_model, resolve_model_path,
 )
+from sglang_pic.quant_config import resolve_quantization
 from sglang_pic.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,8 @@ class ModelRunner:
             config = ModelConfig.from_server_args(folder, self.server_args)
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"cannot read {model_path!r}: {e}") from None
+        # Dense weights load into fp8 layers quantized, as at start; fp8 ones need fp8 layers.
+        config.quantization = resolve_quantization(self.model_config.quantization, config.hf_config)
         differences = self.model_config.differences(config)
         if differences:
             raise ValueError(f"{model_path!r} is not the served model's architecture: {'; '.join(differences)}")

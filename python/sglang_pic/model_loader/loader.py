@@ -13,10 +13,12 @@ from safetensors import safe_open
 from torch import nn
 
 from sglang_pic.layers.layernorm import RMSNorm
+from sglang_pic.layers.quant_fp8 import FP8, quantize_rows, require_fp8_gemm
 from sglang_pic.model_config import ModelConfig, resolve_dtype
 from sglang_pic.model_loader.gguf_convert import convert_gguf
 from sglang_pic.model_loader.span_adapter import load_adapter, merged_weights
 from sglang_pic.models.registry import get_model_class
+from sglang_pic.quant_config import checkpoint_quantization
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.utils_process import ModelFiles
 
@@ -102,17 +104,27 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Seeded N(0, DUMMY_STD) weights and unit norms, drawn on the model's device so large models init fast."""
+    """Seeded N(0, DUMMY_STD) weights and unit norms, drawn on the model's device so large models init fast. An fp8
+    layer's weight is drawn as a dense one, in the same order, and quantized into it and its `weight_scale`."""
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     generator = None
     with torch.no_grad():
-        for param in model.parameters():
-            if id(param) in norms:
-                param.fill_(1.0)
-                continue
-            if generator is None:
-                generator = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, DUMMY_STD, generator=generator)
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) in norms:
+                    param.fill_(1.0)
+                    continue
+                if name == "weight_scale":
+                    continue
+                if generator is None:
+                    generator = torch.Generator(device=param.device).manual_seed(seed)
+                if param.dtype != FP8:
+                    param.normal_(0.0, DUMMY_STD, generator=generator)
+                    continue
+                dense = torch.empty(param.shape, device=param.device, dtype=torch.float32)
+                weight, scale = quantize_rows(dense.normal_(0.0, DUMMY_STD, generator=generator))
+                param.copy_(weight)
+                module.weight_scale.copy_(scale)
 
 
 def load_model(
@@ -124,10 +136,18 @@ def load_model(
     span_adapter: str | None = None,
 ) -> nn.Module:
     """Instantiate `config.architecture` on `device` in `dtype` (default config.dtype) and load its weights, with a
-    span adapter's LoRA merged into them (model_loader/span_adapter.py)."""
+    span adapter's LoRA merged into them (model_loader/span_adapter.py), then quantized if `config.quantization`
+    says so (models quantize dense weights of fp8 layers as they load them)."""
     if load_format not in ("auto", "dummy", "gguf"):
         raise ValueError(f"unknown load_format {load_format!r}")
+    if span_adapter is not None and checkpoint_quantization(config.hf_config):
+        raise ValueError(
+            "a span adapter merges into dense weights; this checkpoint stores fp8 ones. Serve its bf16 original "
+            "with --quantization fp8 instead"
+        )
     device = torch.device(device)
+    if config.quantization is not None:
+        require_fp8_gemm(device)
     dtype = config.dtype if dtype in (None, "auto") else resolve_dtype(dtype, None, device.type)
     with _default_dtype(dtype), device:
         model = get_model_class(config.architecture)(config)

@@ -17,6 +17,7 @@ from sglang_pic.forward_batch import ForwardBatch
 from sglang_pic.layers.activation import GatedAct
 from sglang_pic.layers.layernorm import RMSNorm
 from sglang_pic.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from sglang_pic.layers.quant_fp8 import ACTIVATION_SCALE_NAMES, FP8, quantize_rows
 from sglang_pic.layers.radix_attention import RadixAttention
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 from sglang_pic.layers.vocab_parallel_embedding import VocabParallelEmbedding, vocab_parallel_logits
@@ -44,10 +45,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        quant = config.quantization
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias,
+            quant=quant,
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias, quant=quant
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = RadixAttention(
@@ -67,9 +72,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear.split_evenly(
-            config.hidden_size, {"gate": inter, "up": inter}, bias=config.mlp_bias
+            config.hidden_size, {"gate": inter, "up": inter}, bias=config.mlp_bias, quant=config.quantization
         )
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias, quant=config.quantization)
         self.act = GatedAct(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +167,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors, packing q/k/v and gate/up; a layer with a `weight_loader` takes its own
-        tensor-parallel slice. Raise if any parameter (or packed part) stays unloaded."""
+        tensor-parallel slice. An fp8 layer takes an fp8 weight with its `weight_scale` as stored, or a dense weight
+        it quantizes here per output row (after any span adapter was merged into it). Raise if any parameter (or
+        packed part) stays unloaded."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         expected = {
@@ -173,23 +180,42 @@ class LlamaForCausalLM(nn.Module):
         }
         loaded: set[tuple[str, str | None]] = set()
         for hf_name, tensor in weights:
-            if "rotary_emb." in hf_name or (hf_name == "lm_head.weight" and self.lm_head is None):
-                continue
             module_name, _, leaf = hf_name.rpartition(".")
+            if (
+                "rotary_emb." in hf_name
+                or leaf in ACTIVATION_SCALE_NAMES
+                or (hf_name == "lm_head.weight" and self.lm_head is None)
+            ):
+                continue
             parent, _, proj = module_name.rpartition(".")
             merged, shard = PACKED_MODULES.get(proj, (proj, None))
             name = f"{parent}.{merged}.{leaf}" if parent else hf_name
             if name not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} matches no parameter of {type(self).__name__}")
-            module = modules[name.rpartition(".")[0]]
-            if hasattr(module, "weight_loader"):
-                module.weight_loader(params[name], tensor, shard)
-            elif params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-            else:
-                with torch.no_grad():
-                    params[name].copy_(tensor)
+            param = params[name]
+            if (param.dtype == FP8) != (tensor.dtype == FP8) and tensor.dtype.itemsize == 1:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} is {tensor.dtype}, which {name} ({param.dtype}) cannot take"
+                )
+            if param.dtype == FP8 and tensor.dtype != FP8:
+                tensor, scale = quantize_rows(tensor.to(param.device))
+                self._load_param(modules, f"{name}_scale", params[f"{name}_scale"], scale, shard)
+                loaded.add((f"{name}_scale", shard))
+            self._load_param(modules, name, param, tensor, shard)
             loaded.add((name, shard))
         missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+
+    @staticmethod
+    def _load_param(
+        modules: dict[str, nn.Module], name: str, param: torch.Tensor, tensor: torch.Tensor, shard: str | None
+    ) -> None:
+        module = modules[name.rpartition(".")[0]]
+        if hasattr(module, "weight_loader"):
+            module.weight_loader(param, tensor, shard)
+        elif param.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+        else:
+            with torch.no_grad():
+                param.copy_(tensor)

@@ -1,0 +1,98 @@
+"""FP8 (e4m3) linear math: weights per output channel, activations per token, both scaled by amax / 448.
+
+The served path (`fp8_linear`) quantizes each token's activations, multiplies the fp8 operands with fp32
+accumulation, applies both scales and rounds to bf16: on CUDA sm_89+ through `torch._scaled_mm` with row-wise
+scales, elsewhere (CPU, and shapes _scaled_mm refuses) by the same steps in fp32, whose products of fp8 values are
+exact, so CPU tests check the numbers a GPU serves up to summation order. `fp8_linear_reference` is the float
+linear over the dequantized weights, the target the fp8 error is measured against. Rounding happens in torch on
+both paths (`Tensor.to`), with values clamped first because CUDA turns overflow into NaN where the CPU saturates.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale (and quantizes to zeros)
+GEMM_OUT_DTYPE = torch.bfloat16  # row-wise _scaled_mm writes bf16 on every GPU that has it
+# _scaled_mm needs both dims of the weight to be multiples of 16.
+GEMM_ALIGN = 16
+# Checkpoint tensors of static activation scales, unused: activations are quantized per token at run time.
+ACTIVATION_SCALE_NAMES = ("input_scale", "input_scale_ub")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (fp8 [..., K], float32 scales [...]): each row over its own amax / 448. For a weight [N, K]
+    that is per output channel, for activations [M, K] per token. Written in few kernels (the amax as one inf-norm
+    reduction, the division widening x to float32 as it reads it), since it runs before every fp8 GEMM."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, dtype=torch.float32)
+    scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
+    return (x / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.unsqueeze(-1)
+
+
+def channel_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's weight_scale as one float32 scale per output row: [rows, 1] or [rows] per channel, a
+    one-element tensor per tensor (repeated, so the packed parts of q|k|v or gate|up keep their own scales)."""
+    if scale.numel() == 1:
+        return scale.float().reshape(1).expand(rows)
+    if scale.shape in ((rows,), (rows, 1)):
+        return scale.float().reshape(rows)
+    raise ValueError(f"weight_scale of shape {tuple(scale.shape)} is neither per tensor nor per channel of {rows} rows")
+
+
+@functools.cache
+def _has_fp8_gemm(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def require_fp8_gemm(device: torch.device) -> None:
+    """Refuse a GPU without fp8 tensor cores, where every fp8 linear would dequantize its whole weight."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _has_fp8_gemm(index):
+        major, minor = torch.cuda.get_device_capability(index)
+        raise ValueError(
+            f"fp8 weights need a GPU of compute capability 8.9+ (Ada, Hopper); this one is sm_{major}{minor}"
+        )
+
+
+def _uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return x.is_cuda and n % GEMM_ALIGN == 0 and k % GEMM_ALIGN == 0 and _has_fp8_gemm(x.device.index)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ the fp8 weight [N, K] (float32 scales [N]) + bias, in x's dtype, as served."""
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_rows(rows)
+    if _uses_scaled_mm(rows, weight):
+        out = torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0), out_dtype=GEMM_OUT_DTYPE
+        )
+    else:
+        acc = xq.float() @ weight.float().t()
+        out = (acc * x_scale.unsqueeze(1) * weight_scale.unsqueeze(0)).to(GEMM_OUT_DTYPE)
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float linear over the dequantized weight, activations unquantized: what fp8_linear approximates."""
+    out = x.float() @ dequantize_rows(weight, weight_scale).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
