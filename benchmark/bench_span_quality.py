@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
     p.add_argument("--chat-template", help="as the server's --chat-template (default: the tokenizer's)")
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
-    p.add_argument("--span-adapter", help="span adapter folder for the +adapter modes (default: the shipped one)")
+    p.add_argument("--span-adapter", help="span adapter folder the +adapter modes serve")
     p.add_argument("--samples", type=int, default=8, help="samples per task")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -178,6 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if REFERENCE in args.modes:  # the others ask for their logprobs of the reference's top first tokens
         args.modes.remove(REFERENCE)
         args.modes.insert(0, REFERENCE)
+    try:
+        args.run_modes = {m: with_adapter(MODES[m], args.span_adapter) for m in args.modes}
+    except ValueError as e:
+        p.error(str(e))
     args.sizes = sizes_from_flags(p, args, BenchTaskSizes)
     args.output = args.output or RESULTS / f"span_quality_{args.device}.json"
     return args
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workload = Workload.build({t: TASKS[t] for t in args.tasks}, args.samples, args.seed, args.sizes, builder,
                               args.split)
     progress = BarProgress(len(args.modes) * workload.requests())
-    runs = run_modes({m: with_adapter(MODES[m], args.span_adapter) for m in args.modes}, workload, builder,
+    runs = run_modes(args.run_modes, workload, builder,
                      engine_kwargs(args, model_dir, tokenizer_dir), RunConfig(args.batch_size, args.kl_top_k), progress)
     progress.bar.close()
     scores = results(runs, workload, args.examples)

@@ -207,3 +207,8 @@ def test_adapter_modes_serve_the_named_adapter(setup, tmp_path):
     assert run["modes"]["anchor+adapter"]["engine_kwargs"]["span_anchor"] == "auto"
     same = run["results"]["needle"]["dense+adapter"]
     assert same["agreement_with_dense"] == 1.0 and same["first_token_kl"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_adapter_modes_need_the_adapter_folder():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--modes", "dense,anchor+adapter"])

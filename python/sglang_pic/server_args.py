@@ -17,10 +17,6 @@ from sglang_pic.quant_config import check_quantization
 from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, check_settings
 
 
-# The span adapter trained for the embedded default model (`--span-adapter auto`; docs/results.md: how it was made).
-SHIPPED_SPAN_ADAPTER = Path(__file__).resolve().parent / "span_adapters" / "qwen2.5-coder-0.5b-instruct"
-
-
 def _arg(default: Any, help: str) -> Any:
     """A field whose help text `python -m sglang_pic.launch_server --help` shows. A None default means the value is
     chosen later (from the model, the device, another flag), so its help must say what happens: "default: ..."."""
@@ -258,8 +254,7 @@ class ServerArgs:
         None,
         "A span adapter folder (made by python -m sglang_pic.train_span_adapter, or any PEFT LoRA of the model), "
         "merged into the weights at load, so it costs nothing per token; its recorded span settings become the "
-        "defaults of --span-anchor and --span-head-tokens. auto: the adapter shipped for the embedded default "
-        "model. default: none.",
+        "defaults of --span-anchor and --span-head-tokens. default: none.",
     )
     span_anchor: str | None = _arg(
         None,
@@ -465,11 +460,9 @@ class ServerArgs:
             self.tokenizer_path = self.model_path
 
     def _take_adapter_settings(self) -> None:
-        """Resolve --span-adapter (auto: the shipped one) and fill the span settings left unset from its record."""
+        """Check --span-adapter's folder and fill the span settings left unset from its record."""
         recorded: dict[str, Any] = {}
         if self.span_adapter is not None:
-            if self.span_adapter == "auto":
-                self.span_adapter = str(SHIPPED_SPAN_ADAPTER)
             folder = Path(self.span_adapter).expanduser()
             if not (folder / "adapter_config.json").is_file():
                 raise ValueError(f"span_adapter {self.span_adapter!r} is no adapter folder (no adapter_config.json)")

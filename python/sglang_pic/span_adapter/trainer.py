@@ -115,7 +115,8 @@ def kl_sum(student: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, 
         s = torch.log_softmax(lm_head(student[start: start + KL_ROWS]).float(), -1)
         with torch.no_grad():
             t = torch.log_softmax(lm_head(teacher[start: start + KL_ROWS]).float(), -1)
-        kl = (t.exp() * (t - s)).sum(-1)
+        p = t.exp()
+        kl = torch.where(p > 0, p * (t - s), 0.0).sum(-1)  # a teacher probability of 0 adds nothing, even at s = -inf
         total = total + (kl * weights[start: start + KL_ROWS]).sum()
     return total
 
@@ -196,8 +197,11 @@ class Trainer:
             loss += float(self._backward(examples[part], dense[part], answers[part], rows[part], total))
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr(self.step)
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        if math.isfinite(loss) and bool(torch.isfinite(norm)):
+            self.optimizer.step()
+        else:  # one bad batch must not poison the adapter: drop its update
+            logger.warning("step %d: non-finite loss or gradient (loss %s), update skipped", self.step + 1, loss)
         self.step += 1
         entry = {"step": self.step, "loss": loss, "rows": sum(map(len, rows)),
                  "tokens": sum(len(e.layout.ids) for e in examples)}

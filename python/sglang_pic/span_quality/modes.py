@@ -14,8 +14,8 @@
                  (span_attention_temperature, span_attention_scale);
   anchor+...     the anchor with a head, tail or seams;
   ...+kvfp8e4m3  the KV cache in fp8 (kv_cache_dtype fp8_e4m3; kvfp8e5m2: fp8_e5m2), for dense and the default spans;
-  ...+adapter    the model with a span adapter merged (span_adapter: the shipped one, or the folder a benchmark names),
-                 for dense and the settings an adapter is trained for.
+  ...+adapter    the model with a span adapter merged (the folder the benchmark's --span-adapter names), for dense
+                 and the settings an adapter is trained for.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ _SPAN_SETTINGS = (
       for share in shares),
 )
 _SPAN_MODES = {span_mode_name(*setting): span_mode(*setting) for setting in _SPAN_SETTINGS}
+ADAPTER_FOLDER = "DIR"  # +adapter modes' placeholder for the folder a run names
 ADAPTER_SETTINGS = ("naive", "anchor", "anchor+head4", "anchor+head8", "anchor+head16", "anchor+head128")
 MODES: dict[str, Mode] = {
     REFERENCE: Mode("dense"),
@@ -92,13 +93,15 @@ MODES: dict[str, Mode] = {
     **{f"{name}+kv{kv.replace('_', '')}": Mode(mode.marking, {**mode.engine_kwargs, "kv_cache_dtype": kv})
        for name, mode in ((REFERENCE, Mode("dense")), ("anchor+head128", _SPAN_MODES["anchor+head128"]))
        for kv in ("fp8_e4m3", "fp8_e5m2")},
-    **{f"{name}+adapter": Mode(mode.marking, {**mode.engine_kwargs, "span_adapter": "auto"})
+    **{f"{name}+adapter": Mode(mode.marking, {**mode.engine_kwargs, "span_adapter": ADAPTER_FOLDER})
        for name, mode in ((REFERENCE, Mode("dense")), *((n, _SPAN_MODES[n]) for n in ADAPTER_SETTINGS))},
 }
 
 
 def with_adapter(mode: Mode, folder: str | None) -> Mode:
-    """The mode with its span adapter (if any) taken from `folder` instead of the shipped one (None: unchanged)."""
-    if folder is None or "span_adapter" not in mode.engine_kwargs:
+    """The mode with the adapter folder in place of its ADAPTER_FOLDER (a mode without one: unchanged)."""
+    if mode.engine_kwargs.get("span_adapter") != ADAPTER_FOLDER:
         return mode
+    if folder is None:
+        raise ValueError("+adapter modes need the span adapter's folder (bench_span_quality.py --span-adapter DIR)")
     return Mode(mode.marking, {**mode.engine_kwargs, "span_adapter": folder})
