@@ -41,7 +41,8 @@ def ask(s, docs, question):
 backend = sgl.RuntimeEndpoint(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:30000")
 sgl.set_default_backend(backend)
 warm_spans(backend, DOCS)  # optional: prefill the documents before the questions arrive
-QUESTIONS = [(DOCS, "Where was the founder of Kiroku born?"), (DOCS[::-1], "How many people work at Brightleaf?")]
+QUESTIONS = [(DOCS, "Who founded Kiroku, and where was that person born?"),
+             (DOCS[::-1], "How many people work at Brightleaf?")]
 for docs, question in QUESTIONS:  # the same spans, in another order, behind another question
     state = ask.run(docs=docs, question=question)
     print(state["answer"].strip(), "| span tokens reused:", state.get_meta_info("answer")["cached_span_tokens"])
