@@ -8,7 +8,8 @@ against one server, through sglang's own RuntimeEndpoint:
   text  SGLang's fallback (global_config.enable_parallel_encoding off): the joined text as one plain prompt,
         dense attention.
 Reported per mode: accuracy (the gold name in the answer), agreement of the two modes' answers, span tokens
-reused per request. With the default head (64 tokens) statements shorter than it are recomputed whole.
+reused per request, and the span head the server ran with (`span_head_tokens`, read from /get_server_info: the
+flag's, else span_policy.DEFAULT_HEAD_TOKENS); statements no longer than the head are recomputed whole.
 
 Usage: python benchmark/bench_parallel_encoding.py --samples 40 [--model-path M] [--dtype bfloat16]
 """
@@ -121,12 +122,14 @@ def main(argv: list[str] | None = None) -> dict:
     samples = make_samples(args.samples, args.seed, args.statements)
     proc, url = launch(args)
     try:
+        head = requests.get(url + "/get_server_info", timeout=60).json()["span_head_tokens"]
         runs = {mode: run_mode(url, samples, mode == "join") for mode in ("text", "join")}
     finally:
         proc.terminate()
         proc.wait(60)
     report = {
         "samples": args.samples, "statements": args.statements, "model_path": args.model_path or "embedded",
+        "span_head_tokens": head,
         "modes": {mode: {"accuracy": sum(r["correct"] for r in rows) / len(rows),
                          "mean_cached_span_tokens": sum(r["cached_span_tokens"] for r in rows) / len(rows),
                          "mean_prompt_tokens": sum(r["prompt_tokens"] for r in rows) / len(rows)}
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     for mode, r in report["modes"].items():
         print(f"{mode:<5} accuracy {r['accuracy']:.2f}  span tokens reused {r['mean_cached_span_tokens']:.0f} "
               f"of {r['mean_prompt_tokens']:.0f}")
-    print(f"answers equal in both modes: {report['answer_agreement']:.2f}; wrote {args.output}")
+    print(f"answers equal in both modes: {report['answer_agreement']:.2f}; span head {head} tokens; "
+          f"wrote {args.output}")
     return report
 
 
