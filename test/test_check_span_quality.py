@@ -100,9 +100,9 @@ def test_bad_flags_are_refused(flags, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_help_is_plain_text_with_every_default():
+def test_help_is_plain_text_with_every_default_and_the_cpu_run_time():
     """The documented command's --help: no markup in the description, each flag's default beside it (flags without
-    one say what happens instead)."""
+    one say what happens instead) and how long the default run takes on a CPU."""
     run = subprocess.run([sys.executable, "-m", "sglang_pic.check_span_quality", "--help"], cwd=ROOT,
                          capture_output=True, text=True, check=True)
     usage, description, options = run.stdout.split("\n\n", 2)
@@ -114,3 +114,4 @@ def test_help_is_plain_text_with_every_default():
     flat = " ".join(run.stdout.split())
     assert "--samples SAMPLES items per task in each split (default: 8)" in flat
     assert "(default: 0,16,32,64,128)" in flat and "(default: 1024,4096)" in flat
+    assert re.search(r"Run time on a CPU: .* On 2 CPU cores .* estimated \d+ to \d+ hours", flat), flat

@@ -38,6 +38,13 @@ DESCRIPTION = (
     "(else the closest one), chosen on tuning items and reported on held-out items, with the server flags that "
     "select it."
 )
+RUN_TIME = (
+    "Run time on a CPU: the defaults send 560 requests (7 tasks x 8 items through 7 settings on the tuning items "
+    "and 3 on the held-out ones). On 2 CPU cores with the embedded 0.5B model, --samples 1 took 84 minutes while "
+    "other jobs shared the cores (59 minutes of CPU time, 10 GB of memory at peak), so the defaults take an "
+    "estimated 4 to 11 hours, about half of it long_spans' prompts of 6-10K tokens. For a first look use --samples "
+    "1 or 2 and leave long_spans out of --tasks."
+)
 
 
 class _Printer(Progress):
@@ -104,7 +111,8 @@ def _lengths(p: argparse.ArgumentParser, flag: str, text: str, minimum: int) -> 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m sglang_pic.check_span_quality", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m sglang_pic.check_span_quality", description=DESCRIPTION,
+                                epilog=RUN_TIME)
     p.add_argument("--model-path", help="HF folder or .gguf (default: the embedded Qwen2.5-Coder-0.5B-Instruct)")
     p.add_argument("--tokenizer-path", help="tokenizer folder (default: the model's)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy", "gguf"),
