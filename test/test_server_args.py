@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from sglang_pic.launch_server import build_parser
-from sglang_pic.server_args import ServerArgs, _arg, flag_sections
+from sglang_pic.server_args import ServerArgs, _arg
+from sglang_pic.server_flags import flag_sections
 
 
 def flag_helps() -> dict[str, str]:
@@ -37,7 +38,7 @@ def test_a_none_default_must_say_what_happens():
 
 
 def test_help_groups_flags_by_section():
-    """`--help` shows the sections of docs/server.md's flag table (both come from server_args.flag_sections)."""
+    """`--help` shows the sections of docs/server.md's flag table (both come from server_flags.flag_sections)."""
     sections = flag_sections()
     groups = {g.title: [a.dest for a in g._group_actions] for g in build_parser()._action_groups[2:]}
     assert list(groups) == list(dict.fromkeys(sections.values()))

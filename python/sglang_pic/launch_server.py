@@ -22,7 +22,8 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from sglang_pic.distributed.launch import Follower, ReplicaPlacement, free_init_method
-from sglang_pic.server_args import ServerArgs, flag_help, flag_sections
+from sglang_pic.server_args import ServerArgs
+from sglang_pic.server_flags import flag_help, flag_sections
 from sglang_pic.utils_process import ModelFiles, configure_logging, exit_status
 
 logger = logging.getLogger("sglang_pic.launch_server")
