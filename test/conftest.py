@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny offline checkpoints, built once per test session (a few seconds in all)."""
+"""Shared fixtures: tiny offline checkpoints, built once per test session (a few seconds in all); and Ctrl-C stops
+a run however it was started."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +12,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import ARCHS, build_tiny_model  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Make Ctrl-C and `kill -INT` stop the run however it was started. A shell without job control (a script
+    running `python -m pytest test &`) starts background jobs with SIGINT ignored, and Python keeps it ignored:
+    the run then went on to its end, and only SIGTERM stopped it, skipping the teardown that stops its servers."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

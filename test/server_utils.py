@@ -71,20 +71,26 @@ def spawn_server(model_path: str | Path, *extra_args: str, api_key: str | None =
 
 
 def wait_healthy(server: ServerProcess) -> ServerProcess:
-    """Wait for /health; raise with the server's log (after stopping it) if it dies or never gets healthy."""
+    """Wait for /health; raise with the server's log (stopping it) if it dies or never gets healthy.
+
+    Interrupted (Ctrl-C), it stops the server too: the server runs in its own session, which Ctrl-C does not
+    reach, and no fixture teardown knows of it yet, so it would outlive the test run."""
     proc = server.proc
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if requests.get(server.url + "/health", timeout=1).status_code == 200:
-                return server
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.25)
-    stop_server(server)
-    raise RuntimeError(f"server did not become healthy in {START_TIMEOUT_S}s:\n{server.log_tail()}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {proc.returncode}:\n{server.log_tail()}")
+            try:
+                if requests.get(server.url + "/health", timeout=1).status_code == 200:
+                    return server
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server did not become healthy in {START_TIMEOUT_S}s:\n{server.log_tail()}")
+    except BaseException:
+        stop_server(server)
+        raise
 
 
 def child_pids(pid: int) -> list[int]:
