@@ -19,7 +19,8 @@ from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     d = TrainConfig(model_path="", out="")
-    parser = argparse.ArgumentParser(prog="python -m sglang_pic.train_span_adapter", description=__doc__.split("\n\n")[1],
+    parser = argparse.ArgumentParser(prog="python -m sglang_pic.train_span_adapter",
+                                     description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model-path", required=True, help="HF model folder or .gguf file, as the server takes it")
     parser.add_argument("--out", required=True, help="folder for the adapter, its record and the checkpoint")
@@ -61,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if not 0 <= a.dense_share <= 1:
         parser.error("--dense-share must be in [0, 1]")
     return TrainConfig(
-        model_path=a.model_path, out=a.out, steps=a.steps, batch_size=a.batch_size, micro_batch=a.micro_batch, lr=a.lr, rank=a.rank,
+        model_path=a.model_path, out=a.out, steps=a.steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
+        lr=a.lr, rank=a.rank,
         alpha=a.alpha, seed=a.seed, dense_share=a.dense_share, settings=settings, serve_settings=serve,
         span_token_weight=a.span_token_weight, answer_tokens=a.answer_tokens,
         sizes=ExampleSizes(docs[0], docs[1], passage[0], passage[1]), checkpoint_every=a.checkpoint_every,

@@ -107,10 +107,13 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Seeded N(0, DUMMY_STD) weights and unit norms, drawn on the model's device so large models init fast. An fp8
     layer's weight is drawn as a dense one, in the same order, and quantized into it and its `weight_scale`."""
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    generator = None
+    generator, seen = None, set()
     with torch.no_grad():
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:  # a tied weight is drawn once, as model.parameters() yields it once
+                    continue
+                seen.add(id(param))
                 if id(param) in norms:
                     param.fill_(1.0)
                     continue

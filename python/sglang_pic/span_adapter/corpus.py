@@ -53,7 +53,8 @@ def _paragraphs(text: str) -> list[str]:
     out, run = [], ""
     for block in _BLANKS.split(text):
         block = " ".join(block.split())
-        if not block or block.startswith(("|", "===", "---", ".. ")) or sum(c.isalpha() for c in block) < len(block) / 2:
+        markup = block.startswith(("|", "===", "---", ".. "))
+        if not block or markup or sum(c.isalpha() for c in block) < len(block) / 2:
             continue
         run = f"{run}\n{block}" if run else block
         if len(run) >= MIN_CHARS:
@@ -117,5 +118,6 @@ def build_corpus() -> Corpus:
     descriptions, docstrings, functions = _descriptions(), _docstrings(modules), _functions(modules)
     paragraphs = tuple(p for text in descriptions + docstrings for p in _paragraphs(text))
     digest = hashlib.sha256("\n\0".join([*paragraphs, *(f.source for f in functions)]).encode()).hexdigest()
-    sources = {"distributions": len(descriptions), "stdlib_modules": len(docstrings), "stdlib_functions": len(functions)}
+    sources = {"distributions": len(descriptions), "stdlib_modules": len(docstrings),
+               "stdlib_functions": len(functions)}
     return Corpus(paragraphs, tuple(functions), sources, digest)

@@ -62,7 +62,6 @@ class Example:
     layout: SpanLayout  # the prompt as the engine attends to it under the example's span setting
     loss_rows: list[int]  # layout rows whose next-token distribution is trained: the text after the first span
     span_rows: list[int]  # layout rows of span tokens
-    setting: dict  # span_anchor / span_head_tokens, or {} for a dense turn
 
 
 class ExampleMaker:
@@ -142,7 +141,7 @@ class ExampleMaker:
             ids = layout.dense_ids()
             layout = SpanLayout()
             layout.add(ids, 0, None, True)
-        return Example(layout, loss_rows, span_rows, dict(setting))
+        return Example(layout, loss_rows, span_rows)
 
 
 def _tool(f: Function) -> dict:
