@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--span-token-weight", type=float, default=d.span_token_weight,
                         help="weight of the span tokens' own next-token KL beside the text after the spans")
     parser.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="teacher answer length limit")
+    parser.add_argument("--teacher-batch", type=int, default=d.teacher_batch,
+                        help="prompts the teacher answers per generate call, over this and the next steps")
     parser.add_argument("--docs", default=f"{d.sizes.min_docs},{d.sizes.max_docs}", help="spans per prompt: MIN,MAX")
     parser.add_argument("--passage-tokens", default=f"{d.sizes.min_passage_tokens},{d.sizes.max_passage_tokens}",
                         help="tokens per span: MIN,MAX")
@@ -57,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         parser.error(f"--docs, --passage-tokens, --settings and --serve-settings: {e}")
     if len(docs) != 2 or len(passage) != 2 or not 1 <= docs[0] <= docs[1] or not 1 <= passage[0] <= passage[1]:
         parser.error("--docs and --passage-tokens take MIN,MAX with 1 <= MIN <= MAX")
-    if a.steps < 1 or a.batch_size < 1 or a.micro_batch < 1 or a.rank < 1:
-        parser.error("--steps, --batch-size, --micro-batch and --rank must be positive")
+    if min(a.steps, a.batch_size, a.micro_batch, a.rank, a.teacher_batch) < 1:
+        parser.error("--steps, --batch-size, --micro-batch, --rank and --teacher-batch must be positive")
     if not 0 <= a.dense_share <= 1:
         parser.error("--dense-share must be in [0, 1]")
     return TrainConfig(
@@ -66,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         lr=a.lr, rank=a.rank,
         alpha=a.alpha, seed=a.seed, dense_share=a.dense_share, settings=settings, serve_settings=serve,
         span_token_weight=a.span_token_weight, answer_tokens=a.answer_tokens,
+        teacher_batch=a.teacher_batch,
         sizes=ExampleSizes(docs[0], docs[1], passage[0], passage[1]), checkpoint_every=a.checkpoint_every,
         max_minutes=a.max_minutes, device=a.device,
     )

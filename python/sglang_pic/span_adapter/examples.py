@@ -2,7 +2,9 @@
 laid out as the engine attends to it (layout.py). Three kinds of turn: a user message holding passages of the corpus
 as spans and a question about them; the same with standard-library functions as code passages; and a request for
 one of several tools whose descriptions are spans (`tool_spans`, as agents send them). The questions are generic
-(summarize, locate, quote, explain): the teacher's own answer is the target, so no question needs a gold answer.
+(summarize, locate, quote, continue a sentence, explain): the teacher's own answer is the target, so no question
+needs a gold answer. Quoting and continuing make the answer copy a span's exact words, which span attention loses
+first.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ QUESTIONS = (
     "What is the main topic of each text? One line per text.",
     "Explain {word} as the texts describe it.",
     "List three terms that appear in the text about {word}.",
+    "Continue this sentence from the texts with its next words: \"{opening}\"",
+    "Which text, counting from the first, mentions {word}? Answer with its number.",
+    "Copy the first sentence of the text that mentions {word}.",
 )
 CODE_QUESTIONS = (
     "What does the function {name} return?",
@@ -107,6 +112,7 @@ class ExampleMaker:
         system = {"role": "system", "content": rng.choice(SYSTEMS)}
         if kind == "tools":
             funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs + 1, self.sizes.max_docs + 2))
+            funcs = list({f.name: f for f in funcs}.values())  # tool names must be distinct
             target = rng.choice(funcs)
             body = ChatCompletionRequest(messages=[system, {"role": "user", "content": f"Please {target.summary}"}],
                                          tools=[_tool(f) for f in funcs], tool_spans=True)
@@ -118,9 +124,12 @@ class ExampleMaker:
                 question = rng.choice(CODE_QUESTIONS).format(name=target.name, summary=target.summary)
             else:
                 docs = [self._passage(rng) for _ in range(rng.randint(self.sizes.min_docs, self.sizes.max_docs))]
-                words = [w.strip(".,;:()\"'`") for w in rng.choice(docs).split()]
+                chosen = rng.choice(docs).split()
+                words = [w.strip(".,;:()\"'`") for w in chosen]
                 words = [w for w in words if len(w) >= 5 and w.isalpha()] or ["the first text"]
-                question = rng.choice(QUESTIONS).format(word=rng.choice(words))
+                start = rng.randrange(max(1, len(chosen) - 12))
+                opening = " ".join(chosen[start: start + rng.randint(5, 9)])
+                question = rng.choice(QUESTIONS).format(word=rng.choice(words), opening=opening)
             user = rng.choice(PREFACES) + "".join(span(d + "\n") for d in docs) + question
             body = ChatCompletionRequest(messages=[system, {"role": "user", "content": user}])
         return render_chat(body, self.tokenizer, self.chat_template, self.args)

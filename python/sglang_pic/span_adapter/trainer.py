@@ -5,7 +5,8 @@ optionally also on the span tokens; a share of turns runs the student with full 
 their answers once the adapter is merged.
 
 Examples are drawn from a generator seeded by (seed, step), so a run resumed from its checkpoint sees the examples
-the uninterrupted run would have seen.
+the uninterrupted run would have seen. The teacher answers the prompts of several steps in one generate call: greedy
+decoding is bound by its step count, not its batch, and answering 8 prompts a step took most of the step's time.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ class TrainConfig:
     rank: int = 16
     alpha: float = 32.0
     seed: int = 0
-    dense_share: float = 0.2
+    dense_share: float = 0.3
     settings: list[dict] = field(default_factory=lambda: [{"span_anchor": "auto", "span_head_tokens": 0},
                                                           {"span_anchor": "none", "span_head_tokens": 0},
                                                           {"span_anchor": "auto", "span_head_tokens": 16}])
     serve_settings: dict = field(default_factory=lambda: {"span_anchor": "auto", "span_head_tokens": 0})
     span_token_weight: float = 0.0
     answer_tokens: int = 48
+    teacher_batch: int = 64  # prompts the teacher answers per generate call (steps ahead = teacher_batch // batch)
     sizes: ExampleSizes = field(default_factory=ExampleSizes)
     warmup_steps: int = 20
     checkpoint_every: int = 50
@@ -142,6 +144,7 @@ class Trainer:
         self.maker = ExampleMaker(self.model_dir, self.corpus, config.sizes)
         self.step = 0
         self.history: list[dict] = []
+        self._ahead: dict[int, tuple[list[Example], list[list[int]]]] = {}  # step -> its examples, answered
         self._resume()
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
@@ -177,13 +180,24 @@ class Trainer:
             return c.lr * (step + 1) / c.warmup_steps
         return c.lr * 0.5 * (1 + math.cos(math.pi * (step - c.warmup_steps) / max(c.steps - c.warmup_steps, 1)))
 
+    def _answered(self, step: int) -> tuple[list[Example], list[list[int]]]:
+        """The step's examples with the teacher's answers, generated for this and the next steps at once."""
+        if step not in self._ahead:
+            c = self.config
+            steps = range(step, min(step + max(1, c.teacher_batch // c.batch_size), c.steps))
+            examples = {s: self._examples(s) for s in steps}
+            prompts = [e.layout.dense_ids() for s in steps for e in examples[s]]
+            self.model.eval()
+            with lora_off(self.layers):
+                answers = teacher_answers(self.model, prompts, c.answer_tokens, self.maker.eos_token_ids)
+            for k, s in enumerate(steps):
+                self._ahead[s] = (examples[s], answers[k * c.batch_size: (k + 1) * c.batch_size])
+        return self._ahead.pop(step)
+
     def train_step(self) -> dict:
         c = self.config
-        examples = self._examples(self.step)
+        examples, answers = self._answered(self.step)
         dense = [e.layout.dense_ids() for e in examples]
-        self.model.eval()
-        with lora_off(self.layers):
-            answers = teacher_answers(self.model, dense, c.answer_tokens, self.maker.eos_token_ids)
         for e, answer in zip(examples, answers):
             start = len(e.layout.ids)
             e.layout.append_output(answer)
@@ -198,12 +212,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr(self.step)
         norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        if math.isfinite(loss) and bool(torch.isfinite(norm)):
+        applied = math.isfinite(loss) and bool(torch.isfinite(norm))
+        if applied:
             self.optimizer.step()
         else:  # one bad batch must not poison the adapter: drop its update
             logger.warning("step %d: non-finite loss or gradient (loss %s), update skipped", self.step + 1, loss)
         self.step += 1
-        entry = {"step": self.step, "loss": loss, "rows": sum(map(len, rows)),
+        entry = {"step": self.step, "loss": loss, "applied": applied, "rows": sum(map(len, rows)),
                  "tokens": sum(len(e.layout.ids) for e in examples)}
         self.history.append(entry)
         return entry
@@ -239,7 +254,8 @@ class Trainer:
 
     # ---- the run ----------------------------------------------------------------------------------------------
     def train(self) -> bool:
-        """Train until config.steps (True) or config.max_minutes (False: checkpointed; run again to resume)."""
+        """Train until config.steps (True) or config.max_minutes (False: checkpointed, and the adapter so far saved
+        with its steps_done in the record, so a cut run can still be served; run again to resume)."""
         c = self.config
         begin = time.monotonic()
         bar = tqdm(total=c.steps, initial=self.step, desc="span adapter", disable=not sys.stderr.isatty())
@@ -254,6 +270,7 @@ class Trainer:
                 self._checkpoint()
             if c.max_minutes and time.monotonic() - begin > 60 * c.max_minutes and self.step < c.steps:
                 self._checkpoint()
+                self.save()
                 logger.info("stopped at step %d after %.1f min; run the same command again to resume",
                             self.step, (time.monotonic() - begin) / 60)
                 return False
@@ -268,6 +285,7 @@ class Trainer:
             "training": {**{k: v for k, v in asdict(self.config).items() if k not in ("out", "device")},
                          "corpus": self.corpus.record(), "turn_kinds": self.maker.kinds, "steps_done": self.step,
                          "final_loss": self.history[-1]["loss"] if self.history else None,
+                         "skipped_updates": sum(not h["applied"] for h in self.history),
                          "loss_every_10": [h["loss"] for h in self.history[9::10]]},
             "base_model": {"model_path": self.config.model_path,
                            "architecture": json.loads((Path(self.model_dir) / "config.json").read_text())
