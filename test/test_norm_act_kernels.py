@@ -6,14 +6,12 @@ process that prints one JSON report.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from interpreted_child import interpreted_report
 
 # Rounding to bf16/fp16 happens at the same steps in both; what differs is the order of the float32 sum of squares,
 # so a value may land one unit of the last place apart. The interpreter rounds to bf16 by truncation at each of the
@@ -72,15 +70,7 @@ def _child_main() -> None:
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    if importlib.util.find_spec("triton") is None:  # find_spec, not import: triton must stay out of this process
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child"], env=env, capture_output=True, text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_report(__file__)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))

@@ -4,8 +4,10 @@ The served path (`fp8_linear`) quantizes each token's activations, multiplies th
 accumulation, applies both scales and rounds to bf16: on CUDA sm_89+ through `torch._scaled_mm` with row-wise
 scales, elsewhere (CPU, and shapes _scaled_mm refuses) by the same steps in fp32, whose products of fp8 values are
 exact, so CPU tests check the numbers a GPU serves up to summation order. `fp8_linear_reference` is the float
-linear over the dequantized weights, the target the fp8 error is measured against. Rounding happens in torch on
-both paths (`Tensor.to`), with values clamped first because CUDA turns overflow into NaN where the CPU saturates.
+linear over the dequantized weights, the target the fp8 error is measured against. Activations are quantized by
+`quantize_rows` on CPU and, before _scaled_mm, by one Triton kernel (kernels/quant_fp8.py) that gives the same fp8
+values and scales bit for bit in one kernel instead of four or five. Values are clamped before the rounding to fp8
+because CUDA turns overflow into NaN where the CPU saturates.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ ACTIVATION_SCALE_NAMES = ("input_scale", "input_scale_ub")
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (fp8 [..., K], float32 scales [...]): each row over its own amax / 448. For a weight [N, K]
-    that is per output channel, for activations [M, K] per token. Written in few kernels (the amax as one inf-norm
-    reduction, the division widening x to float32 as it reads it), since it runs before every fp8 GEMM."""
+    that is per output channel, for activations [M, K] per token. The activations' CPU path and the reference of
+    the CUDA kernel (kernels/quant_fp8.py); weights on any device at load. Its division amax / 448 is a true one on
+    CPU, while torch on CUDA multiplies by a rounded 1/448 (a scale may then be one unit of the last place apart)."""
     amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, dtype=torch.float32)
     scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
     return (x / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
@@ -74,12 +77,15 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] @ the fp8 weight [N, K] (float32 scales [N]) + bias, in x's dtype, as served."""
     rows = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantize_rows(rows)
     if _uses_scaled_mm(rows, weight):
+        from sglang_pic.kernels.quant_fp8 import quantize_rows_fp8
+
+        xq, x_scale = quantize_rows_fp8(rows, MIN_AMAX)
         out = torch._scaled_mm(
             xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0), out_dtype=GEMM_OUT_DTYPE
         )
     else:
+        xq, x_scale = quantize_rows(rows)
         acc = xq.float() @ weight.float().t()
         out = (acc * x_scale.unsqueeze(1) * weight_scale.unsqueeze(0)).to(GEMM_OUT_DTYPE)
     out = out.to(x.dtype)
