@@ -3,11 +3,12 @@
 #   train  STEPS MINUTES [TRAIN FLAGS...]   train (or resume) the span adapter in build/span_adapter
 #   eval   OUT_JSON SAMPLES MODES [BENCH FLAGS...]   benchmark/bench_span_quality.py with that adapter for +adapter modes
 # A warm machine keeps build/ between calls, so a training run cut by --max-minutes resumes in the next call.
+# ADAPTER names the adapter folder (default build/span_adapter), so variants train and evaluate side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SGLANG_PIC_CACHE=$PWD/build/picache
 [ -f build/qwen.gguf ] || cat build/qp/q?? > build/qwen.gguf
-adapter=build/span_adapter
+adapter=${ADAPTER:-build/span_adapter}
 stage=$1
 shift
 case $stage in
@@ -17,7 +18,7 @@ case $stage in
     python3 -m sglang_pic.train_span_adapter --model-path build/qwen.gguf --out "$adapter" --steps "$steps" \
       --max-minutes "$minutes" "$@"
     if [ -n "${OUT:-}" ] && [ -f "$adapter/adapter_model.safetensors" ]; then
-      mkdir -p "$OUT/span_adapter" && cp "$adapter"/adapter_* "$adapter"/span_adapter.json "$OUT/span_adapter/"
+      mkdir -p "$OUT/${adapter##*/}" && cp "$adapter"/adapter_* "$adapter"/span_adapter.json "$OUT/${adapter##*/}/"
     fi
     ;;
   eval)
