@@ -161,6 +161,27 @@ def test_train_command_runs_and_resumes_on_a_tiny_model(tiny_qwen2, tmp_path):
     assert load_adapter(out).rank == 16
 
 
+def test_training_starts_from_a_saved_adapter(adapted, tiny_qwen2, tmp_path):
+    """--init-adapter: the run's LoRA factors start as the saved ones (at lr 0 the adapter it writes is the same), and
+    the record names where it started."""
+    from sglang_pic.span_adapter.examples import ExampleSizes
+    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
+
+    _, _, folder, _ = adapted
+    config = TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "next"), steps=1, batch_size=1, lr=0.0,
+                         rank=4, alpha=8.0, answer_tokens=2, sizes=ExampleSizes(2, 2, 16, 32), device="cpu",
+                         init_adapter=str(folder))
+    Trainer(config).train()
+    before, after = load_adapter(folder), load_adapter(config.out)
+    for name, (a, b) in before.factors.items():
+        assert torch.equal(after.factors[name][0], a.to(torch.bfloat16)) and bool(b.abs().sum() > 0)
+        assert torch.equal(after.factors[name][1], b.to(torch.bfloat16))
+    assert after.record["training"]["init_adapter"]["folder"] == str(folder)
+    with pytest.raises(ValueError, match="rank 4"):
+        Trainer(TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "other"), rank=8, alpha=8.0,
+                            device="cpu", init_adapter=str(folder)))
+
+
 def test_train_command_refuses_bad_ranges(tiny_qwen2, tmp_path):
     run = subprocess.run([sys.executable, "-m", "sglang_pic.train_span_adapter", "--model-path", str(tiny_qwen2),
                           "--out", str(tmp_path), "--docs", "3,2"], capture_output=True, text=True)

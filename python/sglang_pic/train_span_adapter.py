@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     parser.add_argument("--max-minutes", type=float, default=d.max_minutes,
                         help="checkpoint and stop after this long (0: no limit); run again to resume")
+    parser.add_argument("--init-adapter", help="a saved adapter folder (same --rank and --alpha) to start from, e.g. "
+                        "to go on training it with other settings; ignored when --out holds a checkpoint")
     parser.add_argument("--device", default=d.device, help="auto, cuda or cpu")
     a = parser.parse_args(argv)
     try:
@@ -70,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         span_token_weight=a.span_token_weight, answer_tokens=a.answer_tokens,
         teacher_batch=a.teacher_batch,
         sizes=ExampleSizes(docs[0], docs[1], passage[0], passage[1]), checkpoint_every=a.checkpoint_every,
-        max_minutes=a.max_minutes, device=a.device,
+        max_minutes=a.max_minutes, init_adapter=a.init_adapter, device=a.device,
     )
 
 

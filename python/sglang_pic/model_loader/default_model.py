@@ -51,7 +51,7 @@ def _part_file(index: int) -> Path:
     raise FileNotFoundError(f"package {package} is installed but holds no {suffix}; reinstall it")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -78,7 +78,7 @@ def assemble_gguf() -> Path:
         if size != GGUF_SIZE:
             raise ValueError(f"assembled default model is {size} bytes, expected {GGUF_SIZE}; reinstall the parts")
         logger.info("first start: verifying the embedded model's sha256")
-        digest = _sha256(tmp)
+        digest = file_sha256(tmp)
         if digest != GGUF_SHA256:
             raise ValueError(f"assembled default model has sha256 {digest}, expected {GGUF_SHA256}")
         os.replace(tmp, target)

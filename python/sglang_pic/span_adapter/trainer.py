@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sglang_pic.model_loader.span_adapter import save_adapter
+from sglang_pic.model_loader.default_model import file_sha256
+from sglang_pic.model_loader.span_adapter import WEIGHTS, load_adapter, save_adapter
 from sglang_pic.span_adapter.corpus import build_corpus
 from sglang_pic.span_adapter.examples import Example, ExampleMaker, ExampleSizes
 from sglang_pic.span_adapter.layout import SpanLayout
@@ -57,6 +58,7 @@ class TrainConfig:
     warmup_steps: int = 20
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # 0: no limit; else checkpoint and stop after this long (a device call is bounded)
+    init_adapter: str | None = None  # a saved adapter folder to start from (same rank and alpha) instead of B = 0
     device: str = "auto"
 
 
@@ -144,26 +146,47 @@ class Trainer:
         self.maker = ExampleMaker(self.model_dir, self.corpus, config.sizes)
         self.step = 0
         self.history: list[dict] = []
+        self.init_record: dict | None = None  # the adapter this run started from, as the record names it
         self._ahead: dict[int, tuple[list[Example], list[list[int]]]] = {}  # step -> its examples, answered
-        self._resume()
+        if not self._resume() and config.init_adapter:
+            self._start_from(config.init_adapter)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
-    def _resume(self) -> None:
+    def _start_from(self, folder: str) -> None:
+        """Continue training a saved adapter (e.g. with other settings): its factors replace the fresh ones."""
+        adapter = load_adapter(folder)
+        if (adapter.rank, adapter.alpha) != (self.config.rank, self.config.alpha):
+            raise ValueError(f"--init-adapter {folder!r} has rank {adapter.rank} and alpha {adapter.alpha}; "
+                             f"this run trains rank {self.config.rank}, alpha {self.config.alpha}")
+        if set(adapter.factors) != set(self.layers):
+            raise ValueError(f"--init-adapter {folder!r} targets other modules than this model's LoRA layers")
+        for name, layer in self.layers.items():
+            a, b = adapter.factors[name]
+            layer.lora_A.data.copy_(a.float())
+            layer.lora_B.data.copy_(b.float())
+        self.init_record = {"folder": folder, "sha256": file_sha256(Path(folder) / WEIGHTS),
+                            "steps_done": adapter.record.get("training", {}).get("steps_done")}
+        logger.info("starting from the adapter in %s", folder)
+
+    def _resume(self) -> bool:
         path = Path(self.config.out) / CHECKPOINT
         if not path.is_file():
-            return
+            return False
         state = torch.load(path, map_location=self.device, weights_only=False)
         for name, layer in self.layers.items():
             layer.lora_A.data.copy_(state["lora"][name][0])
             layer.lora_B.data.copy_(state["lora"][name][1])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.history = state["step"], state["history"]
+        self.init_record = state.get("init_adapter")
         logger.info("resumed from %s at step %d", path, self.step)
+        return True
 
     def _checkpoint(self) -> None:
         Path(self.config.out).mkdir(parents=True, exist_ok=True)
         state = {"lora": {n: (l.lora_A.data, l.lora_B.data) for n, l in self.layers.items()},
-                 "optimizer": self.optimizer.state_dict(), "step": self.step, "history": self.history}
+                 "optimizer": self.optimizer.state_dict(), "step": self.step, "history": self.history,
+                 "init_adapter": self.init_record}
         tmp = Path(self.config.out) / (CHECKPOINT + ".tmp")
         torch.save(state, tmp)
         tmp.replace(Path(self.config.out) / CHECKPOINT)
@@ -286,6 +309,7 @@ class Trainer:
                          "corpus": self.corpus.record(), "turn_kinds": self.maker.kinds, "steps_done": self.step,
                          "final_loss": self.history[-1]["loss"] if self.history else None,
                          "skipped_updates": sum(not h["applied"] for h in self.history),
+                         "init_adapter": self.init_record,
                          "loss_every_10": [h["loss"] for h in self.history[9::10]]},
             "base_model": {"model_path": self.config.model_path,
                            "architecture": json.loads((Path(self.model_dir) / "config.json").read_text())
