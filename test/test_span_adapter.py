@@ -182,6 +182,31 @@ def test_training_starts_from_a_saved_adapter(adapted, tiny_qwen2, tmp_path):
                             device="cpu", init_adapter=str(folder)))
 
 
+def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):
+    """Records turns: installed packages' metadata as spans of one shape, and a question (sometimes the second of
+    a conversation, after the first one's answer) about a package among them."""
+    import random
+
+    from sglang_pic.frontend_lang.markers import SSEP_MARKER
+    from sglang_pic.span_adapter.corpus import build_corpus
+    from sglang_pic.span_adapter.examples import RECORD_QUESTIONS, ExampleMaker, ExampleSizes
+
+    corpus = build_corpus()
+    maker = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(2, 4, 16, 64))
+    maker.kinds = {"records": 1.0}
+    openings = [q.partition("{name}")[0] for q in RECORD_QUESTIONS.values()]
+    questions_asked = []
+    for seed in range(16):
+        prompt = maker.prompt(random.Random(seed))
+        records, after = prompt.split(SSEP_MARKER, 1)[1], prompt.rpartition(SSEP_MARKER)[2]
+        assert 2 <= prompt.count(SSEP_MARKER) <= 4
+        asked = [p.name for p in corpus.packages if any(f"{o}{p.name} " in after or f"{o}{p.name}?" in after
+                                                        for o in openings)]
+        assert asked and all(name in records for name in asked)
+        questions_asked.append(sum(after.count(o) for o in openings))
+    assert set(questions_asked) == {1, 2}  # single questions and conversations both occur
+
+
 def test_train_command_refuses_bad_ranges(tiny_qwen2, tmp_path):
     run = subprocess.run([sys.executable, "-m", "sglang_pic.train_span_adapter", "--model-path", str(tiny_qwen2),
                           "--out", str(tmp_path), "--docs", "3,2"], capture_output=True, text=True)

@@ -1,7 +1,8 @@
 """Training text from what ships with the installed Python: the long descriptions of installed distributions (their
 READMEs, from the package metadata), the docstrings of the standard library's modules and the source of its
 documented functions (code passages, and tool descriptions made from their signatures), read with ast so that
-nothing is imported. No hub, no network, and nothing of the span-quality suite's generators or vocabularies, so that
+nothing is imported, and the distributions' metadata fields as facts (version, licence, author...): records of one
+shape whose values rival each other across packages, the case where span attention mixes up documents. No hub, no network, and nothing of the span-quality suite's generators or vocabularies, so that
 suite stays a fair test of an adapter trained on this.
 
 The text differs from one machine to another with what is installed; its sha256 and source counts go into the
@@ -35,17 +36,30 @@ class Function:
 
 
 @dataclass(frozen=True)
+class Package:
+    """An installed distribution's metadata fields as facts, by label (see FACT_LABELS)."""
+
+    name: str
+    facts: tuple[tuple[str, str], ...]
+
+
+FACT_LABELS = ("version", "summary", "license", "author", "python", "dependencies", "home page")
+MIN_FACTS = 4  # a package with fewer reads as no record
+
+
+@dataclass(frozen=True)
 class Corpus:
     paragraphs: tuple[str, ...]
     functions: tuple[Function, ...]
+    packages: tuple[Package, ...]
     sources: dict[str, int]  # source kind -> documents read
     sha256: str
 
     def record(self) -> dict:
-        return {"paragraphs": len(self.paragraphs), "functions": len(self.functions), "sources": self.sources,
-                "sha256": self.sha256,
-                "made_of": "installed distributions' long descriptions; the standard library's docstrings and the "
-                           "source of its documented functions"}
+        return {"paragraphs": len(self.paragraphs), "functions": len(self.functions), "packages": len(self.packages),
+                "sources": self.sources, "sha256": self.sha256,
+                "made_of": "installed distributions' long descriptions and metadata fields; the standard library's "
+                           "docstrings and the source of its documented functions"}
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -72,6 +86,39 @@ def _descriptions() -> list[str]:
             continue
         seen.add(name)
         out.append(body)
+    return out
+
+
+def _license(meta) -> str | None:
+    text = meta["License-Expression"] or meta["License"] or ""
+    if not text or len(text) > 40 or "\n" in text:
+        classifiers = [c for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+        text = classifiers[0].rpartition(" :: ")[2] if classifiers else ""
+    return text.strip() or None
+
+
+def _author(meta) -> str | None:
+    text = meta["Author"] or (meta["Author-email"] or "").partition("<")[0]
+    return text.strip().strip('"') or None
+
+
+def _packages() -> list[Package]:
+    """Installed distributions with at least MIN_FACTS of FACT_LABELS, one per name."""
+    seen, out = set(), []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        meta = dist.metadata
+        name = meta["Name"] or ""
+        if not name or name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        urls = [u.partition(",")[2].strip() for u in meta.get_all("Project-URL") or []]
+        facts = {"version": meta["Version"], "summary": (meta["Summary"] or "").strip() or None,
+                 "license": _license(meta), "author": _author(meta), "python": meta["Requires-Python"],
+                 "dependencies": str(len(meta.get_all("Requires-Dist") or [])),
+                 "home page": meta["Home-page"] or (urls[0] if urls else None)}
+        kept = tuple((k, str(v)) for k, v in facts.items() if v)
+        if len(kept) >= MIN_FACTS:
+            out.append(Package(name, kept))
     return out
 
 
@@ -116,8 +163,10 @@ def _functions(modules: list[tuple[str, ast.Module]]) -> list[Function]:
 def build_corpus() -> Corpus:
     modules = _stdlib_modules()
     descriptions, docstrings, functions = _descriptions(), _docstrings(modules), _functions(modules)
+    packages = _packages()
     paragraphs = tuple(p for text in descriptions + docstrings for p in _paragraphs(text))
-    digest = hashlib.sha256("\n\0".join([*paragraphs, *(f.source for f in functions)]).encode()).hexdigest()
+    facts = [f"{p.name}: {p.facts}" for p in packages]
+    digest = hashlib.sha256("\n\0".join([*paragraphs, *(f.source for f in functions), *facts]).encode()).hexdigest()
     sources = {"distributions": len(descriptions), "stdlib_modules": len(docstrings),
-               "stdlib_functions": len(functions)}
-    return Corpus(paragraphs, tuple(functions), sources, digest)
+               "stdlib_functions": len(functions), "package_metadata": len(packages)}
+    return Corpus(paragraphs, tuple(functions), tuple(packages), sources, digest)

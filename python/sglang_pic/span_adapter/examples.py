@@ -1,7 +1,9 @@
 """Training prompts, rendered and tokenized exactly as the server does (chat template, markers, span settings), then
-laid out as the engine attends to it (layout.py). Three kinds of turn: a user message holding passages of the corpus
-as spans and a question about them; the same with standard-library functions as code passages; and a request for
-one of several tools whose descriptions are spans (`tool_spans`, as agents send them). The questions are generic
+laid out as the engine attends to it (layout.py). Four kinds of turn: a user message holding passages of the corpus
+as spans and a question about them; the same with standard-library functions as code passages; a request for one
+of several tools whose descriptions are spans (`tool_spans`, as agents send them); and package records (metadata
+fields of installed distributions, one shape, rival values) as spans with a question about one field of one record,
+sometimes as the second question of a conversation whose first one the assistant answered. The questions are generic
 (summarize, locate, quote, continue a sentence, explain): the teacher's own answer is the target, so no question
 needs a gold answer. Quoting and continuing make the answer copy a span's exact words, which span attention loses
 first.
@@ -20,7 +22,7 @@ from sglang_pic.managers.req import Req
 from sglang_pic.managers.request_builder import RequestBuilder
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.server_args import ServerArgs
-from sglang_pic.span_adapter.corpus import Corpus, Function
+from sglang_pic.span_adapter.corpus import Corpus, Function, Package
 from sglang_pic.span_adapter.layout import SpanLayout, segments_layout
 from sglang_pic.tokenizer import load_tokenizer
 
@@ -50,8 +52,27 @@ CODE_QUESTIONS = (
     "What arguments does {name} take, and what are they for?",
     "Write a one-line example that calls {name}.",
 )
+RECORD_QUESTIONS = {
+    "version": "Which version of {name} do the records give?",
+    "summary": "What is {name} for, according to its record?",
+    "license": "Under which licence is {name} released?",
+    "author": "Who is the author of {name}?",
+    "python": "Which Python versions does {name} require?",
+    "dependencies": "How many dependencies does {name} list?",
+    "home page": "What is the home page of {name}?",
+}
+RECORD_SENTENCES = {
+    "version": "The version described is {value}.",
+    "summary": "It is described as: {value}",
+    "license": "It is released under the {value} licence.",
+    "author": "It was written by {value}.",
+    "python": "It needs Python {value}.",
+    "dependencies": "It lists {value} dependencies.",
+    "home page": "Its home page is {value}.",
+}
 PREFACES = ("", "", "Here are some documents.\n", "Read the following texts.\n")
-KINDS = (("docs", 0.6), ("code", 0.2), ("tools", 0.2))
+KINDS = (("docs", 0.45), ("code", 0.15), ("tools", 0.2), ("records", 0.2))
+SECOND_QUESTION_SHARE = 0.35  # records turns asked as a conversation's second question
 
 
 @dataclass(frozen=True)
@@ -81,7 +102,11 @@ class ExampleMaker:
         self.corpus = corpus
         self.sizes = sizes
         self.eos_token_ids = sorted(config.eos_token_ids)
-        self.kinds = dict(KINDS) if self._renders_tools() else {k: w for k, w in KINDS if k != "tools"}
+        left_out = {"tools"} if not self._renders_tools() else set()
+        if len(corpus.packages) < sizes.max_docs:
+            left_out.add("records")
+        self.kinds = {k: w for k, w in KINDS if k not in left_out}
+        self.turns = {"docs": self._docs, "code": self._code, "tools": self._tools, "records": self._records}
 
     def _renders_tools(self) -> bool:
         """Whether the chat template shows tools (tool turns need it to mark their descriptions as spans)."""
@@ -110,29 +135,39 @@ class ExampleMaker:
     def prompt(self, rng: random.Random) -> str:
         kind = rng.choices(list(self.kinds), list(self.kinds.values()))[0]
         system = {"role": "system", "content": rng.choice(SYSTEMS)}
-        if kind == "tools":
-            funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs + 1, self.sizes.max_docs + 2))
-            funcs = list({f.name: f for f in funcs}.values())  # tool names must be distinct
-            target = rng.choice(funcs)
-            body = ChatCompletionRequest(messages=[system, {"role": "user", "content": f"Please {target.summary}"}],
-                                         tools=[_tool(f) for f in funcs], tool_spans=True)
-        else:
-            if kind == "code":
-                funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs, self.sizes.max_docs))
-                docs = [self._cut(f.source, self.sizes.max_passage_tokens) for f in funcs]
-                target = rng.choice(funcs)
-                question = rng.choice(CODE_QUESTIONS).format(name=target.name, summary=target.summary)
-            else:
-                docs = [self._passage(rng) for _ in range(rng.randint(self.sizes.min_docs, self.sizes.max_docs))]
-                chosen = rng.choice(docs).split()
-                words = [w.strip(".,;:()\"'`") for w in chosen]
-                words = [w for w in words if len(w) >= 5 and w.isalpha()] or ["the first text"]
-                start = rng.randrange(max(1, len(chosen) - 12))
-                opening = " ".join(chosen[start: start + rng.randint(5, 9)])
-                question = rng.choice(QUESTIONS).format(word=rng.choice(words), opening=opening)
-            user = rng.choice(PREFACES) + "".join(span(d + "\n") for d in docs) + question
-            body = ChatCompletionRequest(messages=[system, {"role": "user", "content": user}])
-        return render_chat(body, self.tokenizer, self.chat_template, self.args)
+        return render_chat(self.turns[kind](rng, system), self.tokenizer, self.chat_template, self.args)
+
+    def _tools(self, rng: random.Random, system: dict) -> ChatCompletionRequest:
+        funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs + 1, self.sizes.max_docs + 2))
+        funcs = list({f.name: f for f in funcs}.values())  # tool names must be distinct
+        target = rng.choice(funcs)
+        return ChatCompletionRequest(messages=[system, {"role": "user", "content": f"Please {target.summary}"}],
+                                     tools=[_tool(f) for f in funcs], tool_spans=True)
+
+    def _code(self, rng: random.Random, system: dict) -> ChatCompletionRequest:
+        funcs = rng.sample(self.corpus.functions, rng.randint(self.sizes.min_docs, self.sizes.max_docs))
+        docs = [self._cut(f.source, self.sizes.max_passage_tokens) for f in funcs]
+        target = rng.choice(funcs)
+        question = rng.choice(CODE_QUESTIONS).format(name=target.name, summary=target.summary)
+        return _ask(rng, system, docs, question)
+
+    def _docs(self, rng: random.Random, system: dict) -> ChatCompletionRequest:
+        docs = [self._passage(rng) for _ in range(rng.randint(self.sizes.min_docs, self.sizes.max_docs))]
+        chosen = rng.choice(docs).split()
+        words = [w.strip(".,;:()\"'`") for w in chosen]
+        words = [w for w in words if len(w) >= 5 and w.isalpha()] or ["the first text"]
+        start = rng.randrange(max(1, len(chosen) - 12))
+        opening = " ".join(chosen[start: start + rng.randint(5, 9)])
+        return _ask(rng, system, docs, rng.choice(QUESTIONS).format(word=rng.choice(words), opening=opening))
+
+    def _records(self, rng: random.Random, system: dict) -> ChatCompletionRequest:
+        packages = rng.sample(self.corpus.packages, rng.randint(max(2, self.sizes.min_docs), self.sizes.max_docs))
+        docs = [self._cut(_record_text(p, rng), self.sizes.max_passage_tokens) for p in packages]
+        (first, answer), (second, _) = (_record_question(rng.choice(packages), rng) for _ in range(2))
+        if rng.random() >= SECOND_QUESTION_SHARE:
+            return _ask(rng, system, docs, first)
+        return _ask(rng, system, docs, first, [{"role": "assistant", "content": answer},
+                                               {"role": "user", "content": second}])
 
     def example(self, rng: random.Random, setting: dict) -> Example:
         """An example under `setting` (span_anchor, span_head_tokens); an empty setting is a dense turn: the same
@@ -151,6 +186,29 @@ class ExampleMaker:
             layout = SpanLayout()
             layout.add(ids, 0, None, True)
         return Example(layout, loss_rows, span_rows)
+
+
+def _ask(rng: random.Random, system: dict, docs: list[str], question: str, later: list[dict] | None = None
+         ) -> ChatCompletionRequest:
+    """A user turn holding the documents as spans, then the question (and the `later` turns of the conversation)."""
+    user = rng.choice(PREFACES) + "".join(span(d + "\n") for d in docs) + question
+    return ChatCompletionRequest(messages=[system, {"role": "user", "content": user}, *(later or [])])
+
+
+def _record_text(package: Package, rng: random.Random) -> str:
+    """The package's facts in a shuffled order (a fact sits at a different offset in each record), as labelled
+    lines or as sentences."""
+    facts = list(package.facts)
+    rng.shuffle(facts)
+    if rng.random() < 0.5:
+        return "\n".join([f"Package: {package.name}", *(f"{label.capitalize()}: {value}" for label, value in facts)])
+    return f"About {package.name}. " + " ".join(RECORD_SENTENCES[label].format(value=value) for label, value in facts)
+
+
+def _record_question(package: Package, rng: random.Random) -> tuple[str, str]:
+    """A question about one fact of the package, and a short answer to it."""
+    label, value = rng.choice(package.facts)
+    return RECORD_QUESTIONS[label].format(name=package.name), f"{value}."
 
 
 def _tool(f: Function) -> dict:
