@@ -27,8 +27,8 @@ from server_utils import start_server, stop_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    srv = start_server(tiny_llama)
+def server():
+    srv = start_server(os.environ["TINY_LLAMA"])
     yield srv
     stop_server(srv)
 
@@ -41,11 +41,11 @@ EXIT_S = 300.0  # generous: teardown stops the server, then the interpreter exit
 
 
 @pytest.mark.slow
-def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path: Path):
+def test_sigint_stops_a_run_started_with_sigint_ignored(tmp_path: Path, tiny_llama: Path):
     case = tmp_path / "test_case.py"
     case.write_text(SERVER_CASE)
     pid_file = tmp_path / "server.pid"
-    env = {**os.environ, "SERVER_PID_FILE": str(pid_file),
+    env = {**os.environ, "SERVER_PID_FILE": str(pid_file), "TINY_LLAMA": str(tiny_llama),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TEST_DIR), os.environ.get("PYTHONPATH")]))}
     run = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", str(case)],

@@ -1,14 +1,16 @@
 """Triton attention kernels on CPU, under the Triton interpreter, against a float64 reference and torch_native.
 
-Each test asks one long-lived interpreter worker (triton_worker.py, started once per module with TRITON_INTERPRET=1
-before triton is imported) for its own case from triton_cases.py and asserts on the JSON it gets back, so a case runs,
-fails and times out alone without each test paying a fresh torch and triton import.
+Each test asks long-lived interpreter workers (triton_worker.py, started once per module with TRITON_INTERPRET=1
+before triton is imported, one per core) for its own case from triton_cases.py and asserts on the JSON it gets back,
+so a case runs, fails and times out alone without each test paying a fresh torch and triton import. The module's
+selected cases are queued when it starts, so every core runs one while the tests wait for theirs in turn.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_worker import LIST_CASES, InterpreterWorker
+from triton_worker import LIST_CASES, WorkerPool
 
 HANG_TIMEOUT_S = 900  # per case; only catches a hang (the slowest case takes a minute or two on 2 busy cores)
 # bf16 is loose because the interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest).
@@ -25,12 +27,22 @@ ROW_SLACK = 4.0  # the worst (token, head) row may be this much further off than
 
 
 @pytest.fixture(scope="module")
-def worker() -> Iterator[InterpreterWorker]:
+def worker(request: pytest.FixtureRequest) -> Iterator[WorkerPool]:
+    """One interpreter worker per core (up to 4), with the cases of this module's selected tests queued, the engine
+    cases (a minute or less each) first so that no worker is left with a long one at the end."""
     if importlib.util.find_spec("triton") is None:  # only the worker and the sm_90 build import triton
         pytest.skip("triton is not installed")
-    handle = InterpreterWorker(HANG_TIMEOUT_S)
-    yield handle
-    handle.close()
+    pool = WorkerPool(HANG_TIMEOUT_S, max(1, min(4, len(os.sched_getaffinity(0)))))
+    names = [_case_of(item) for item in request.session.items if item.module is request.module]
+    pool.prefetch(sorted(filter(None, names), key=lambda name: name not in SLOW_CASES))
+    yield pool
+    pool.close()
+
+
+def _case_of(item: pytest.Item) -> str | None:
+    """The case a test asks for: its `name` parameter."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("name") if callspec else None
 
 
 ATTENTION_CASES = [
@@ -63,7 +75,7 @@ ATTENTION_CASES = [
 ]
 
 
-def _entry(worker: InterpreterWorker, name: str) -> dict:
+def _entry(worker: WorkerPool, name: str) -> dict:
     entry = worker.run(name)
     assert "exception" not in entry, entry.get("exception")
     assert not entry["nan"], f"{name}: output has NaN (unwritten rows or a read of a poisoned slot)"
@@ -76,7 +88,7 @@ def _assert_close(name: str, what: str, errs: list[float], tol: float) -> None:
 
 
 @pytest.mark.parametrize("name", ATTENTION_CASES)
-def test_attention_kernel(worker: InterpreterWorker, name: str) -> None:
+def test_attention_kernel(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     tol = TOLERANCE[entry["dtype"]]
     _assert_close(name, "vs float64 reference", entry["vs_reference"], tol)
@@ -108,22 +120,23 @@ ENGINE_CASES = [
     "span_attention_engine",
     "fp8_kv_engine",
 ]
+SLOW_CASES = {*ENGINE_CASES, *KIVI_ENGINE_CASES, *WARM_UP_CASES} - {"shared_decode_static_plan"}
 
 
-def test_every_case_is_checked(worker: InterpreterWorker) -> None:
+def test_every_case_is_checked(worker: WorkerPool) -> None:
     kivi = KIVI_CASES + KIVI_ENGINE_CASES
     cases = ATTENTION_CASES + STORE_CASES + STORE_ROTATED_CASES + BACKEND_CASES + GRAPH_CASES + WARM_UP_CASES
     assert set(worker.run(LIST_CASES)["cases"]) == set(cases + kivi + ENGINE_CASES)
 
 
 @pytest.mark.parametrize("name", STORE_CASES)
-def test_store_kv_exact(worker: InterpreterWorker, name: str) -> None:
+def test_store_kv_exact(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     assert entry["others_untouched"] and entry["k_exact"] and entry["v_exact"]
 
 
 @pytest.mark.parametrize("name", STORE_ROTATED_CASES)
-def test_store_kv_rotated(worker: InterpreterWorker, name: str) -> None:
+def test_store_kv_rotated(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     assert entry["others_untouched"] and entry["v_exact"]
     # fp32 rotation vs float64: one rounding step of the pool dtype apart (the interpreter truncates to bf16).
@@ -131,21 +144,22 @@ def test_store_kv_rotated(worker: InterpreterWorker, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", BACKEND_CASES)
-def test_backend_matches_torch_native(worker: InterpreterWorker, name: str) -> None:
+def test_backend_matches_torch_native(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     _assert_close(name, "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
     assert entry["staged"] == (name == "backend_long_prefill_page16")
 
 
 @pytest.mark.parametrize("name", KIVI_CASES)
-def test_kivi_draft_kernel_matches_torch_path(worker: InterpreterWorker, name: str) -> None:
+def test_kivi_draft_kernel_matches_torch_path(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     _assert_close(name, "vs the torch KIVI path", entry["vs_torch_native"], TOLERANCE[entry["dtype"]])
 
 
 @pytest.mark.slow  # two engines, the drafts of sixteen tokens under the interpreter
-def test_kivi_drafts_through_the_kernel_in_the_engine(worker: InterpreterWorker) -> None:
-    entry = _entry(worker, "kivi_engine")
+@pytest.mark.parametrize("name", ["kivi_engine"])
+def test_kivi_drafts_through_the_kernel_in_the_engine(worker: WorkerPool, name: str) -> None:
+    entry = _entry(worker, name)
     assert entry == {
         "dtype": "float32",
         "nan": False,
@@ -157,8 +171,9 @@ def test_kivi_drafts_through_the_kernel_in_the_engine(worker: InterpreterWorker)
 
 
 @pytest.mark.slow  # engines decoding under the interpreter
-def test_shared_decode_in_the_engine_gives_the_same_tokens(worker: InterpreterWorker) -> None:
-    entry = _entry(worker, "shared_decode_engine")
+@pytest.mark.parametrize("name", ["shared_decode_engine"])
+def test_shared_decode_in_the_engine_gives_the_same_tokens(worker: WorkerPool, name: str) -> None:
+    entry = _entry(worker, name)
     assert entry["identical"]
     assert entry["shared_steps"] > 0 and entry["keys_saved"] > 0  # the shared kernel ran and skipped repeats
     assert entry["per_request_shared_steps"] == 0  # --disable-shared-decode keeps the per-request kernel
@@ -166,60 +181,66 @@ def test_shared_decode_in_the_engine_gives_the_same_tokens(worker: InterpreterWo
 
 @pytest.mark.slow  # engines decoding under the interpreter
 @pytest.mark.parametrize("name", ["shared_decode_tp2_engine", "shared_decode_common_prefix_engine"])
-def test_shared_decode_in_the_engine_with_tp2_or_a_common_prefix(worker: InterpreterWorker, name: str) -> None:
+def test_shared_decode_in_the_engine_with_tp2_or_a_common_prefix(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     assert entry["identical"] and entry["shared_steps"] > 0
 
 
 @pytest.mark.slow  # three engines under the interpreter
-def test_fp8_kv_pool_through_the_triton_backend_and_tp2(worker: InterpreterWorker) -> None:
-    entry = _entry(worker, "fp8_kv_engine")
+@pytest.mark.parametrize("name", ["fp8_kv_engine"])
+def test_fp8_kv_pool_through_the_triton_backend_and_tp2(worker: WorkerPool, name: str) -> None:
+    entry = _entry(worker, name)
     assert entry["identical"] and entry["shared_steps"] > 0
 
 
 @pytest.mark.slow  # four engines under the interpreter
-def test_span_attention_scaling_through_the_triton_backend_and_tp2(worker: InterpreterWorker) -> None:
-    assert _entry(worker, "span_attention_engine") == {"dtype": "float32", "nan": False, "identical": True,
-                                                        "scaled": True}
+@pytest.mark.parametrize("name", ["span_attention_engine"])
+def test_span_attention_scaling_through_the_triton_backend_and_tp2(worker: WorkerPool, name: str) -> None:
+    assert _entry(worker, name) == {"dtype": "float32", "nan": False, "identical": True, "scaled": True}
 
 
 @pytest.mark.slow  # two engines prefilling under the interpreter
-def test_span_probe_chooses_alike_through_the_triton_backend(worker: InterpreterWorker) -> None:
-    assert _entry(worker, "span_probe_engine") == {
+@pytest.mark.parametrize("name", ["span_probe_engine"])
+def test_span_probe_chooses_alike_through_the_triton_backend(worker: WorkerPool, name: str) -> None:
+    assert _entry(worker, name) == {
         "dtype": "float32", "nan": False, "probed": 4, "same_choice": True, "identical": True,
     }
 
 
 @pytest.mark.slow  # two engines prefilling under the interpreter
-def test_graph_replays_give_the_eager_engine_tokens(worker: InterpreterWorker) -> None:
-    assert _entry(worker, "graph_replay_engine") == {
+@pytest.mark.parametrize("name", ["graph_replay_engine"])
+def test_graph_replays_give_the_eager_engine_tokens(worker: WorkerPool, name: str) -> None:
+    assert _entry(worker, name) == {
         "dtype": "float32", "nan": False, "identical": True, "decode_replays": True, "padded_to_context": True,
     }
 
 
-def test_shared_decode_static_plan_keeps_the_live_rows(worker: InterpreterWorker) -> None:
-    entry = _entry(worker, "shared_decode_static_plan")
+@pytest.mark.parametrize("name", ["shared_decode_static_plan"])
+def test_shared_decode_static_plan_keeps_the_live_rows(worker: WorkerPool, name: str) -> None:
+    entry = _entry(worker, name)
     assert entry["fits"] and entry["spare_rows"] > 0  # the grid covers more item rows than the step has
-    _assert_close("shared_decode_static_plan", "vs float64 reference", entry["vs_reference"], TOLERANCE["float32"])
+    _assert_close(name, "vs float64 reference", entry["vs_reference"], TOLERANCE["float32"])
     assert entry["padded_zero"]
 
 
 @pytest.mark.parametrize("name", GRAPH_PADDED)
-def test_padded_extend_graph_inputs_keep_the_live_rows(worker: InterpreterWorker, name: str) -> None:
+def test_padded_extend_graph_inputs_keep_the_live_rows(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     _assert_close(name, "vs torch_native backend", entry["vs_torch_native"], TOLERANCE["float32"])
     assert entry["writes_only_own_and_dummy_slots"] and entry["key_splits"]
     assert entry["staged"] == ("staged" in name)
 
 
-def test_keys_are_staged_while_the_workspace_fits(worker: InterpreterWorker) -> None:
-    assert worker.run("stage_decision") == {
+@pytest.mark.parametrize("name", ["stage_decision"])
+def test_keys_are_staged_while_the_workspace_fits(worker: WorkerPool, name: str) -> None:
+    assert worker.run(name) == {
         "no_keys": False, "prefill_8k": True, "at_bound": True, "over_bound": False, "few_queries": False
     }
 
 
-def test_warm_up_launches_every_variant_writing_only_the_dummy_slot(worker: InterpreterWorker) -> None:
-    entry = worker.run("warm_up")
+@pytest.mark.parametrize("name", ["warm_up"])
+def test_warm_up_launches_every_variant_writing_only_the_dummy_slot(worker: WorkerPool, name: str) -> None:
+    entry = worker.run(name)
     # CPU has one tile: a few query rows in-kernel; past FEW_QUERY_ROWS rows in-kernel and staged; each whole and
     # split; then decode
     assert entry == {
@@ -228,8 +249,9 @@ def test_warm_up_launches_every_variant_writing_only_the_dummy_slot(worker: Inte
     }
 
 
-def test_warm_up_covers_every_extend_variant_of_gpu_batches(worker: InterpreterWorker) -> None:
-    entry = worker.run("warm_up_coverage")
+@pytest.mark.parametrize("name", ["warm_up_coverage"])
+def test_warm_up_covers_every_extend_variant_of_gpu_batches(worker: WorkerPool, name: str) -> None:
+    entry = worker.run(name)
     assert entry.get("num_missing") == 0, entry
 
 

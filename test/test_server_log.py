@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from server_utils import ServerProcess, start_server, stop_server
+from server_utils import ServerProcess
 
 from sglang_pic.entrypoints.request_log import PARTIAL_CHARS, RequestRecord
 from sglang_pic.managers.io_struct import GenerateReqInput
@@ -23,10 +23,9 @@ PROMPT = "The capital of France is<|ssep|>Paris, the capital of Japan is Tokyo.<
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2):
-    srv = start_server(tiny_qwen2, "--log-level", "info", "--served-model-name", "tiny-chat")
-    yield srv
-    stop_server(srv)
+def server(chat_server):
+    """The shared tiny-chat server, which logs at INFO; other modules' requests have lines there too."""
+    return chat_server
 
 
 def request_lines(server: ServerProcess) -> list[str]:

@@ -20,10 +20,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    srv = start_server(tiny_llama)
-    yield srv
-    stop_server(srv)
+def server(llama_server):
+    return llama_server
 
 
 @pytest.fixture(scope="module")

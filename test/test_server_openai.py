@@ -6,7 +6,7 @@ import re
 
 import openai
 import pytest
-from server_utils import start_server, stop_server
+
 
 MODEL = "tiny-chat"
 PROMPT = "Once upon a time there was a little town by the sea where"
@@ -14,10 +14,8 @@ IGNORE_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2):
-    srv = start_server(tiny_qwen2, "--served-model-name", MODEL)
-    yield srv
-    stop_server(srv)
+def server(chat_server):
+    return chat_server
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_utils import start_server, stop_server
 
 from sglang_pic.managers.segmenter import PromptSegmenter
 from sglang_pic.server_args import ServerArgs
@@ -17,10 +16,8 @@ SMALL = {"max_new_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2):
-    srv = start_server(tiny_qwen2, "--served-model-name", MODEL)
-    yield srv
-    stop_server(srv)
+def server(chat_server):
+    return chat_server
 
 
 # ---- unknown model names ----------------------------------------------------------------------------------------

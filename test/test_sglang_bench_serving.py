@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from server_utils import start_server, stop_server
+
 
 BENCH_TIMEOUT_S = 300  # only catches a hang; a run takes seconds
 DATASETS = {
@@ -29,10 +29,8 @@ DATASETS = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    srv = start_server(tiny_llama)
-    yield srv
-    stop_server(srv)
+def server(llama_server):
+    return llama_server
 
 
 @pytest.mark.parametrize(

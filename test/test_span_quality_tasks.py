@@ -73,8 +73,8 @@ def test_the_same_seed_draws_the_same_items(count):
         assert task.make(4, seed, SIZES, count) == task.make(4, seed, SIZES, count), name
 
 
-def _digest(model_dir: Path, hash_seed: str) -> str:
-    """Every task's items, hashed, as a fresh process with its own string hashing draws them."""
+def _digests(model_dir: Path, hash_seeds: list[str]) -> list[str]:
+    """Every task's items, hashed, as fresh processes with their own string hashing draw them (side by side)."""
     script = (
         "import hashlib, sys\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / 'benchmark')!r})\n"
@@ -85,16 +85,19 @@ def _digest(model_dir: Path, hash_seed: str) -> str:
         "items = {n: t.make(3, item_seed(0, n, 'tuning'), BenchTaskSizes(), count) for n, t in TASKS.items()}\n"
         "print(hashlib.sha256(repr(items).encode()).hexdigest())\n"
     )
-    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
-    return out.stdout.split()[-1]
+    runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}) for seed in hash_seeds]
+    outs = [run.communicate() for run in runs]
+    for run, (_, err) in zip(runs, outs):
+        assert run.returncode == 0, err
+    return [out.split()[-1] for out, _ in outs]
 
 
 @pytest.mark.slow  # two fresh processes that import the engine's tokenizing stack
 def test_the_same_seed_draws_the_same_items_in_any_process(model_dir, count):
     here = {n: t.make(3, item_seed(0, n, "tuning"), SIZES, count) for n, t in TASKS.items()}
     expected = hashlib.sha256(repr(here).encode()).hexdigest()
-    assert _digest(model_dir, "1") == _digest(model_dir, "2") == expected
+    assert _digests(model_dir, ["1", "2"]) == [expected, expected]
 
 
 def test_tuning_and_heldout_seeds_are_disjoint(count):

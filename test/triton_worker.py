@@ -3,7 +3,7 @@
 TRITON_INTERPRET must be set before triton is first imported, which a pytest process that also collects GPU-path
 modules cannot promise. A worker started once per test module pays the torch and triton imports once, while every
 test still sends its own case, fails alone and has its own hang timeout; a worker that dies or hangs fails only the
-case it was running and is started afresh for the next one.
+case it was running and is started afresh for the next one. A WorkerPool runs several at once, one per core.
 
 Protocol: the parent writes a case name per line on the worker's stdin and reads one JSON line per name from its
 stdout; the cases' own prints go to stderr (a log file the parent quotes when a case crashes or hangs).
@@ -11,6 +11,7 @@ stdout; the cases' own prints go to stderr (a log file the parent quotes when a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from concurrent.futures import Future
 from pathlib import Path
 from typing import IO
 
@@ -63,6 +65,12 @@ class InterpreterWorker:
             raise WorkerFailure(f"the worker exited with code {code} while running case {name}; its log:\n{tail}")
         return json.loads(reply)
 
+    def kill(self) -> None:
+        """Ends the case running now, from another thread: its `run` fails as for a crash."""
+        proc = self._proc
+        if proc is not None:
+            proc.kill()
+
     def close(self) -> None:
         """Ends the worker and removes its log."""
         self._stop(kill=False)
@@ -81,7 +89,9 @@ class InterpreterWorker:
             proc.wait()
 
     def _start(self) -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1")
+        # One thread per worker: workers run side by side, and idle OpenMP threads spinning beside the other
+        # worker's took half of each core on 2 cores.
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         with open(self._log, "ab") as log:  # the child keeps its own descriptor, appending
             self._proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve())],
@@ -100,6 +110,69 @@ class InterpreterWorker:
             return log.read().decode(errors="replace")[-LOG_TAIL_CHARS:]
 
 
+class WorkerPool:
+    """Several workers running cases at once, for the cases a module's tests will ask for, queued up front.
+
+    A worker keeps one core busy (the interpreter is single-threaded Python), so one per core share the module's
+    cases: while a test waits for its own reply, another worker already runs a later test's case. Each case still has
+    its own hang timeout and fails alone (InterpreterWorker); `run` re-raises its failure in its test."""
+
+    def __init__(self, hang_timeout_s: float, size: int) -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, str | None, Future | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._prefetched: dict[str, list[Future]] = {}
+        self._workers = [InterpreterWorker(hang_timeout_s) for _ in range(size)]
+        self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True) for w in self._workers]
+        for thread in self._threads:
+            thread.start()
+
+    def prefetch(self, names: list[str]) -> None:
+        """Queue these cases in this order, to be taken by `run` later."""
+        for name in names:
+            self._prefetched.setdefault(name, []).append(self._submit(name, priority=1))
+
+    def run(self, name: str) -> dict:
+        """The reply to `name`: its prefetched run, or else a run queued ahead of every prefetched one."""
+        queued = self._prefetched.get(name)
+        future = queued.pop(0) if queued else self._submit(name, priority=0)
+        return future.result()
+
+    def close(self) -> None:
+        """Drops the cases not started; a case still running (its test deselected or stopped by -x) is killed."""
+        while True:
+            try:
+                _, _, _, future = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if future is not None:
+                future.cancel()
+        for _ in self._threads:
+            self._queue.put((-1, next(self._order), None, None))
+        for worker, thread in zip(self._workers, self._threads):
+            thread.join(timeout=1)
+            if thread.is_alive():
+                worker.kill()
+                thread.join()
+            worker.close()
+
+    def _submit(self, name: str, priority: int) -> Future:
+        future: Future = Future()
+        self._queue.put((priority, next(self._order), name, future))
+        return future
+
+    def _serve(self, worker: InterpreterWorker) -> None:
+        while True:
+            _, _, name, future = self._queue.get()
+            if future is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(worker.run(name))
+            except BaseException as e:  # noqa: BLE001 - the test that waits for the case re-raises it
+                future.set_exception(e)
+
+
 def _forward_lines(stream: IO[str], replies: queue.Queue[str | None]) -> None:
     for line in stream:
         replies.put(line)
@@ -114,6 +187,9 @@ def serve() -> None:
     import torch
 
     torch.set_num_threads(1)
+    from triton_interpreter_patch import install
+
+    install()
     from triton_cases import CASES
 
     for line in sys.stdin:
