@@ -187,23 +187,22 @@ def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):
     a conversation, after the first one's answer) about a package among them."""
     import random
 
-    from sglang_pic.frontend_lang.markers import SSEP_MARKER
+    from sglang_pic.frontend_lang.markers import PDEP_MARKER, SSEP_MARKER
     from sglang_pic.span_adapter.corpus import build_corpus
     from sglang_pic.span_adapter.examples import RECORD_QUESTIONS, ExampleMaker, ExampleSizes
 
     corpus = build_corpus()
     maker = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(2, 4, 16, 64))
     maker.kinds = {"records": 1.0}
-    openings = [q.partition("{name}")[0] for q in RECORD_QUESTIONS.values()]
+    questions = {q.format(name=p.name): p.name for q in RECORD_QUESTIONS.values() for p in corpus.packages}
     questions_asked = []
-    for seed in range(16):
+    for seed in range(40):
         prompt = maker.prompt(random.Random(seed))
-        records, after = prompt.split(SSEP_MARKER, 1)[1], prompt.rpartition(SSEP_MARKER)[2]
+        records, _, after = prompt.rpartition(PDEP_MARKER)
         assert 2 <= prompt.count(SSEP_MARKER) <= 4
-        asked = [p.name for p in corpus.packages if any(f"{o}{p.name} " in after or f"{o}{p.name}?" in after
-                                                        for o in openings)]
+        asked = [name for q, name in questions.items() if q in after]
         assert asked and all(name in records for name in asked)
-        questions_asked.append(sum(after.count(o) for o in openings))
+        questions_asked.append(len(asked))
     assert set(questions_asked) == {1, 2}  # single questions and conversations both occur
 
 
