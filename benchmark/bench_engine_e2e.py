@@ -165,7 +165,8 @@ def main() -> None:
     )
     ap.add_argument("--attention-backend", help="the engine's --attention-backend (default: its default)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (e.g. fp8_e4m3)")
-    ap.add_argument("--quantization", help="the engine's --quantization (fp8: weights and GEMMs in float8); needs --no-hf")
+    ap.add_argument("--quantization",
+                    help="the engine's --quantization (fp8: weights and GEMMs in float8); needs --no-hf")
     ap.add_argument("--quick", action="store_true", help="tiny model, tiny sizes (CPU smoke run)")
     ap.add_argument("--out", default="benchmark/results/engine_e2e.json")
     args = ap.parse_args()

@@ -123,7 +123,8 @@ def test_adapter_files_round_trip_and_merge_checks_shapes(adapted, tmp_path):
     a, b = adapter.factors[name]
     torch.testing.assert_close(a, layers[name].lora_A.detach())
     weight = torch.zeros(b.shape[0], a.shape[1])
-    (merged_name, merged), = list(merged_weights(iter([(f"{name}.weight", weight)]), SpanAdapter(4, 8.0, {name: (a, b)})))
+    (merged_name, merged), = list(merged_weights(iter([(f"{name}.weight", weight)]),
+                                                 SpanAdapter(4, 8.0, {name: (a, b)})))
     torch.testing.assert_close(merged, 2.0 * b @ a)
     with pytest.raises(ValueError, match="trained for another model"):
         list(merged_weights(iter([(f"{name}.weight", weight.t())]), SpanAdapter(4, 8.0, {name: (a, b)})))

@@ -67,9 +67,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         parser.error("--dense-share must be in [0, 1]")
     return TrainConfig(
         model_path=a.model_path, out=a.out, steps=a.steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
-        lr=a.lr, rank=a.rank,
-        alpha=a.alpha, seed=a.seed, dense_share=a.dense_share, settings=settings, serve_settings=serve,
-        span_token_weight=a.span_token_weight, answer_tokens=a.answer_tokens,
+        lr=a.lr, rank=a.rank, alpha=a.alpha, seed=a.seed, dense_share=a.dense_share, settings=settings,
+        serve_settings=serve, span_token_weight=a.span_token_weight, answer_tokens=a.answer_tokens,
         teacher_batch=a.teacher_batch,
         sizes=ExampleSizes(docs[0], docs[1], passage[0], passage[1]), checkpoint_every=a.checkpoint_every,
         max_minutes=a.max_minutes, init_adapter=a.init_adapter, device=a.device,

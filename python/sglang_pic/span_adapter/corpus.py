@@ -2,8 +2,9 @@
 READMEs, from the package metadata), the docstrings of the standard library's modules and the source of its
 documented functions (code passages, and tool descriptions made from their signatures), read with ast so that
 nothing is imported, and the distributions' metadata fields as facts (version, licence, author...): records of one
-shape whose values rival each other across packages, the case where span attention mixes up documents. No hub, no network, and nothing of the span-quality suite's generators or vocabularies, so that
-suite stays a fair test of an adapter trained on this.
+shape whose values rival each other across packages, the case where span attention mixes up documents. No hub, no
+network, and nothing of the span-quality suite's generators or vocabularies, so that suite stays a fair test of an
+adapter trained on this.
 
 The text differs from one machine to another with what is installed; its sha256 and source counts go into the
 adapter's training record.
@@ -37,13 +38,13 @@ class Function:
 
 @dataclass(frozen=True)
 class Package:
-    """An installed distribution's metadata fields as facts, by label (see FACT_LABELS)."""
+    """An installed distribution's metadata fields as (label, value) facts; the labels are version, summary,
+    license, author, python, dependencies and home page, those it states."""
 
     name: str
     facts: tuple[tuple[str, str], ...]
 
 
-FACT_LABELS = ("version", "summary", "license", "author", "python", "dependencies", "home page")
 MIN_FACTS = 4  # a package with fewer reads as no record
 
 
@@ -103,7 +104,7 @@ def _author(meta) -> str | None:
 
 
 def _packages() -> list[Package]:
-    """Installed distributions with at least MIN_FACTS of FACT_LABELS, one per name."""
+    """Installed distributions that state at least MIN_FACTS facts, one per name."""
     seen, out = set(), []
     for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
         meta = dist.metadata

@@ -164,10 +164,10 @@ class ExampleMaker:
         packages = rng.sample(self.corpus.packages, rng.randint(max(2, self.sizes.min_docs), self.sizes.max_docs))
         docs = [self._cut(_record_text(p, rng), self.sizes.max_passage_tokens) for p in packages]
         (first, answer), (second, _) = (_record_question(rng.choice(packages), rng) for _ in range(2))
-        if rng.random() >= SECOND_QUESTION_SHARE:
-            return _ask(rng, system, docs, first)
-        return _ask(rng, system, docs, first, [{"role": "assistant", "content": answer},
-                                               {"role": "user", "content": second}])
+        later = None
+        if rng.random() < SECOND_QUESTION_SHARE:
+            later = [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
+        return _ask(rng, system, docs, first, later)
 
     def example(self, rng: random.Random, setting: dict) -> Example:
         """An example under `setting` (span_anchor, span_head_tokens); an empty setting is a dense turn: the same
