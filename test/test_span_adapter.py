@@ -205,6 +205,10 @@ def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):
         assert asked and all(name in records for name in asked)
         questions_asked.append(len(asked))
     assert set(questions_asked) == {1, 2}  # single questions and conversations both occur
+    one_doc = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(1, 1, 16, 64))  # --docs 1,1: no two records
+    assert "records" not in one_doc.kinds
+    for seed in range(8):
+        one_doc.prompt(random.Random(seed))
 
 
 def test_train_command_refuses_bad_ranges(tiny_qwen2, tmp_path):

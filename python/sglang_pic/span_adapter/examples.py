@@ -103,7 +103,7 @@ class ExampleMaker:
         self.sizes = sizes
         self.eos_token_ids = sorted(config.eos_token_ids)
         left_out = {"tools"} if not self._renders_tools() else set()
-        if len(corpus.packages) < sizes.max_docs:
+        if sizes.max_docs < 2 or len(corpus.packages) < sizes.max_docs:  # rival values need two records
             left_out.add("records")
         self.kinds = {k: w for k, w in KINDS if k not in left_out}
         self.turns = {"docs": self._docs, "code": self._code, "tools": self._tools, "records": self._records}
