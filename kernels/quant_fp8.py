@@ -30,12 +30,13 @@ def _round_to_e4m3(v):
     """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32. Where 2^e is v's binade
     (at least 2^-6, e4m3's smallest normal), adding 2^(e + 20) leaves float32 a unit of 2^(e - 3), e4m3's spacing
     there, so the float32 addition's own rounding does it; subtracting it back is exact. The sign is v's, zeros'
-    included."""
+    included: its bit is copied, since Triton negates a float as 0 - r, which turns -0 into +0 on the GPU."""
+    bits = v.to(tl.int32, bitcast=True)
     a = tl.abs(v)
     binade = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, 127 - 6)  # biased float32 exponent
     offset = ((binade + 20) << 23).to(tl.float32, bitcast=True)
-    r = (a + offset) - offset
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -r, r)
+    r = ((a + offset) - offset).to(tl.int32, bitcast=True)
+    return (r | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
