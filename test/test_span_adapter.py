@@ -35,6 +35,7 @@ SETTINGS = {
     "anchor": {"span_anchor": "auto", "span_head_tokens": 0},
     "isolated": {"span_anchor": "none", "span_head_tokens": 0},
     "anchor+head": {"span_anchor": "auto", "span_head_tokens": 3},
+    "anchor+tail": {"span_anchor": "auto", "span_head_tokens": 0, "span_tail_tokens": 3},
 }
 
 
@@ -141,6 +142,15 @@ def test_recorded_span_settings_are_defaults_that_flags_override(adapted):
     args = ServerArgs.from_kwargs(model_path="m", span_adapter=str(folder), span_anchor="none", span_head_tokens=0)
     assert (args.span_anchor, args.span_head_tokens) == ("none", 0)
     assert ServerArgs.from_kwargs(model_path="m").span_anchor == "auto"
+    assert args.span_tail_tokens == 0 and ServerArgs.from_kwargs(model_path="m").span_tail_tokens == 0
+
+
+def test_a_recorded_tail_is_the_default_tail(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "span_adapter.json").write_text(json.dumps({"span_settings": {
+        "span_anchor": "auto", "span_head_tokens": 0, "span_tail_tokens": 8}}))
+    assert ServerArgs.from_kwargs(model_path="m", span_adapter=str(tmp_path)).span_tail_tokens == 8
+    assert ServerArgs.from_kwargs(model_path="m", span_adapter=str(tmp_path), span_tail_tokens=2).span_tail_tokens == 2
 
 
 def test_train_command_runs_and_resumes_on_a_tiny_model(tiny_qwen2, tmp_path):
@@ -181,6 +191,26 @@ def test_training_starts_from_a_saved_adapter(adapted, tiny_qwen2, tmp_path):
     with pytest.raises(ValueError, match="rank 4"):
         Trainer(TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "other"), rank=8, alpha=8.0,
                             device="cpu", init_adapter=str(folder)))
+
+
+def test_a_non_finite_gradient_skips_the_update_and_names_its_layer(tiny_qwen2, tmp_path):
+    """A NaN in one layer's gradient: the step leaves every factor as it was, and the record says how many layers got
+    one and which is deepest (where it appeared)."""
+    from sglang_pic.span_adapter.examples import ExampleSizes
+    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
+
+    trainer = Trainer(TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "nan"), steps=1, batch_size=1,
+                                  rank=4, alpha=8.0, answer_tokens=2, sizes=ExampleSizes(2, 2, 16, 32), device="cpu"))
+    name = list(trainer.layers)[3]
+    trainer.layers[name].lora_A.register_hook(lambda grad: grad * float("nan"))
+    before = {n: (layer.lora_A.detach().clone(), layer.lora_B.detach().clone()) for n, layer in trainer.layers.items()}
+    entry = trainer.train_step()
+    assert not entry["applied"] and entry["nonfinite"] == {"count": 1, "deepest": name}
+    for n, layer in trainer.layers.items():
+        assert torch.equal(layer.lora_A, before[n][0]) and torch.equal(layer.lora_B, before[n][1]), n
+    trainer.save()
+    training = load_adapter(trainer.config.out).record["training"]
+    assert training["skipped_updates"] == 1 and training["skipped"][0]["nonfinite"]["deepest"] == name
 
 
 def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):

@@ -226,7 +226,7 @@ class ServerArgs:
         None,
         "A span adapter folder (made by python -m sglang_pic.train_span_adapter, or any PEFT LoRA of the model), "
         "merged into the weights at load, so it costs nothing per token; its recorded span settings become the "
-        "defaults of --span-anchor and --span-head-tokens. default: none.",
+        "defaults of --span-anchor, --span-head-tokens and --span-tail-tokens. default: none.",
     )
     span_anchor: str | None = _arg(
         None,
@@ -241,10 +241,10 @@ class ServerArgs:
         "(0: none); default: the span adapter's recorded head, else the recommended value where the radix cache "
         "and --page-size 1 allow it, else 0.",
     )
-    span_tail_tokens: int = _arg(
-        0,
+    span_tail_tokens: int | None = _arg(
+        None,
         "Trailing tokens of every span each request recomputes likewise; with --span-head-tokens, each span's two "
-        "seams. Needs the radix cache and --page-size 1.",
+        "seams. Needs the radix cache and --page-size 1. default: the span adapter's recorded tail, else 0.",
     )
     tool_spans: str = _arg(
         "off",
@@ -445,6 +445,8 @@ class ServerArgs:
             self.span_anchor = recorded.get("span_anchor", "auto")
         if self.span_head_tokens is None:
             self.span_head_tokens = recorded.get("span_head_tokens")
+        if self.span_tail_tokens is None:
+            self.span_tail_tokens = recorded.get("span_tail_tokens", 0)
 
     def spans_from_jobs(self) -> bool:
         """Whether anchored spans and recomputed heads can be served (span_policy.py): their KV lives only in the

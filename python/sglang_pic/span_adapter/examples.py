@@ -170,8 +170,8 @@ class ExampleMaker:
         return _ask(rng, system, docs, first, later)
 
     def example(self, rng: random.Random, setting: dict) -> Example:
-        """An example under `setting` (span_anchor, span_head_tokens); an empty setting is a dense turn: the same
-        prompt with full attention, trained on the same rows."""
+        """An example under `setting` (span fields such as span_anchor, span_head_tokens); an empty setting is a
+        dense turn: the same prompt with full attention, trained on the same rows."""
         marked = self.prompt(rng)
         given = setting or {"span_anchor": "none", "span_head_tokens": 0}
         msg = self.builder.build(GenerateReqInput(text=marked, sampling_params={"max_new_tokens": 1}, **given))[0]

@@ -234,17 +234,29 @@ class Trainer:
             loss += float(self._backward(examples[part], dense[part], answers[part], rows[part], total))
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr(self.step)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         applied = math.isfinite(loss) and bool(torch.isfinite(norm))
-        if applied:
+        if applied:  # clipping by a non-finite norm would spread the bad value to every layer's gradient
+            torch.nn.utils.clip_grads_with_norm_(self.params, 1.0, norm)
             self.optimizer.step()
-        else:  # one bad batch must not poison the adapter: drop its update
-            logger.warning("step %d: non-finite loss or gradient (loss %s), update skipped", self.step + 1, loss)
         self.step += 1
         entry = {"step": self.step, "loss": loss, "applied": applied, "rows": sum(map(len, rows)),
                  "tokens": sum(len(e.layout.ids) for e in examples)}
+        if not applied:  # one bad batch must not poison the adapter: its update is dropped
+            entry["nonfinite"] = self._nonfinite_layers()
+            logger.warning("step %d: non-finite loss or gradient (loss %s; %s), update skipped", self.step, loss,
+                           entry["nonfinite"])
         self.history.append(entry)
         return entry
+
+    def _nonfinite_layers(self) -> dict:
+        """Where a skipped update came from: how many LoRA layers got a non-finite gradient, and the deepest of them
+        (the backward pass runs from the last layer, so a bad value spreads to every layer before the one it
+        appeared in)."""
+        bad = [name for name, layer in self.layers.items()
+               if any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                      for p in (layer.lora_A, layer.lora_B))]
+        return {"count": len(bad), "deepest": bad[-1] if bad else None}
 
     def _rows(self, e: Example) -> list[tuple[int, float]]:
         """The layout rows the loss is taken on, with their weights."""
@@ -309,6 +321,8 @@ class Trainer:
                          "corpus": self.corpus.record(), "turn_kinds": self.maker.kinds, "steps_done": self.step,
                          "final_loss": self.history[-1]["loss"] if self.history else None,
                          "skipped_updates": sum(not h["applied"] for h in self.history),
+                         "skipped": [{k: h[k] for k in ("step", "loss", "nonfinite") if k in h}
+                                     for h in self.history if not h["applied"]],
                          "init_adapter": self.init_record,
                          "loss_every_10": [h["loss"] for h in self.history[9::10]]},
             "base_model": {"model_path": self.config.model_path,

@@ -14,6 +14,7 @@
                  (span_attention_temperature, span_attention_scale);
   anchor+...     the anchor with a head, tail or seams;
   ...+kvfp8e4m3  the KV cache in fp8 (kv_cache_dtype fp8_e4m3; kvfp8e5m2: fp8_e5m2), for dense and the default spans;
+  ...+fp8        fp8 weights and activations (quantization fp8), for dense and the default spans;
   ...+adapter    the model with a span adapter merged (the folder the benchmark's --span-adapter names), for dense
                  and the settings an adapter is trained for.
 """
@@ -75,7 +76,7 @@ def span_mode_name(anchor: str, head_tokens: int, tail_tokens: int = 0, query_sh
 
 
 _SPAN_SETTINGS = (
-    ("none", 0, 0), ("auto", 0, 0), ("none", 8, 0), ("none", 32, 0),
+    ("none", 0, 0), ("auto", 0, 0), ("none", 8, 0), ("none", 32, 0), ("auto", 0, 8), ("auto", 0, 16),
     *(("auto", k, 0) for k in (4, 8, 16, 32, 64, 128, 256)), *(("auto", k, k) for k in (8, 16, 32)),
     *(("auto", 8, 0, share) for share in (0.1, 0.2, 0.3, 0.5)), *(("auto", 8, 8, share) for share in (0.1, 0.2, 0.3)),
     *(("auto", 128, 0, share) for share in (0.1, 0.2, 0.3)), *(("auto", 128, k) for k in (16, 32)),
@@ -86,13 +87,17 @@ _SPAN_SETTINGS = (
 )
 _SPAN_MODES = {span_mode_name(*setting): span_mode(*setting) for setting in _SPAN_SETTINGS}
 ADAPTER_FOLDER = "DIR"  # +adapter modes' placeholder for the folder a run names
-ADAPTER_SETTINGS = ("naive", "anchor", "anchor+head4", "anchor+head8", "anchor+head16", "anchor+head128")
+ADAPTER_SETTINGS = ("naive", "anchor", "anchor+head4", "anchor+head8", "anchor+head16", "anchor+head128",
+                    "anchor+tail8", "anchor+tail16")
+DEFAULT_SPANS = "anchor+head128"  # the server's default span setting
 MODES: dict[str, Mode] = {
     REFERENCE: Mode("dense"),
     **_SPAN_MODES,
     **{f"{name}+kv{kv.replace('_', '')}": Mode(mode.marking, {**mode.engine_kwargs, "kv_cache_dtype": kv})
-       for name, mode in ((REFERENCE, Mode("dense")), ("anchor+head128", _SPAN_MODES["anchor+head128"]))
+       for name, mode in ((REFERENCE, Mode("dense")), (DEFAULT_SPANS, _SPAN_MODES[DEFAULT_SPANS]))
        for kv in ("fp8_e4m3", "fp8_e5m2")},
+    **{f"{name}+fp8": Mode(mode.marking, {**mode.engine_kwargs, "quantization": "fp8"})
+       for name, mode in ((REFERENCE, Mode("dense")), (DEFAULT_SPANS, _SPAN_MODES[DEFAULT_SPANS]))},
     **{f"{name}+adapter": Mode(mode.marking, {**mode.engine_kwargs, "span_adapter": ADAPTER_FOLDER})
        for name, mode in ((REFERENCE, Mode("dense")), *((n, _SPAN_MODES[n]) for n in ADAPTER_SETTINGS))},
 }
