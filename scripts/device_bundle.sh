@@ -39,6 +39,15 @@ PINS=(
   apache-tvm-ffi==0.1.15.post2
 )
 
+# .whl/bench: SGLang's client for scripts/gpu_serving.sh (its bench_serving), with the imports the image lacks.
+BENCH_PINS=(
+  sglang==0.5.9
+  pybase64==1.5.1
+  datasets==5.2.0
+  dill==0.4.1
+  multiprocess==0.70.19
+)
+
 PLATFORMS=()
 for tag in manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 manylinux_2_31 \
   manylinux_2_34 manylinux_2_35 manylinux_2_39; do
@@ -53,6 +62,9 @@ for pin in "${PINS[@]}"; do
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLATFORMS[@]}" -d .whl "${PINS[@]}"
+mkdir -p .whl/bench
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${PLATFORMS[@]}" -d .whl/bench "${BENCH_PINS[@]}"
 
 echo "wheels in .whl/: $(ls .whl/*.whl | wc -l) files, $(du -sh .whl | cut -f1)" >&2
 echo "Carry .whl and start the device command with:" >&2

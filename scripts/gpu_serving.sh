@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine, after the pip lines of scripts/device_bundle.sh (plus .whl/bench: SGLang's client and the
-# packages its bench_serving imports): the serving runs of docs/results.md's bench_serving rows, each phase against
-# a fresh server on the dummy Llama-3-8B shape (benchmark/make_config.py), with its step trace, bench_serving's
-# JSON line and the server log under OUT. Usage:
+# On the GPU machine, after the pip lines of scripts/device_bundle.sh (which also fetches .whl/bench, SGLang's
+# client and the packages its bench_serving imports): the serving runs of docs/results.md's bench_serving rows, each
+# phase against a fresh server on the dummy Llama-3-8B shape (benchmark/make_config.py), with its step trace,
+# bench_serving's JSON line and the server log under OUT. Usage:
 #   bash scripts/gpu_serving.sh OUT BACKEND PHASE...
 # Phases: cold (the command, then the step breakdown), rates (4, 8, 16, 32 req/s, 400 prompts each, cache
 # flushed between), gsp (generated-shared-prefix 32 x 16, 2,048-token system prompt), long (input 256, output 2,048).
@@ -14,6 +14,14 @@ out=$1 backend=$2
 tag=${TAG:-$2}
 shift 2
 mkdir -p "$out"
+# The client's wheels (scripts/device_bundle.sh puts them in .whl/bench). sglang/utils.py imports IPython.display,
+# which the image lacks and bench_serving never uses: a stub module stands in for it.
+if [ -d .whl/bench ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target build/bench_site .whl/bench/*.whl
+  python3 -c "import IPython" 2> /dev/null || { mkdir -p build/bench_site/IPython && touch build/bench_site/IPython/__init__.py \
+    && echo "HTML = display = None" > build/bench_site/IPython/display.py; }
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/build/bench_site
+fi
 MODEL=${MODEL:-build/llama3-8b-dummy}
 M8B=(--model-path "$MODEL" --load-format dummy --dtype bfloat16)
 URL=http://127.0.0.1:30000
