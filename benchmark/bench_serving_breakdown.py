@@ -8,8 +8,8 @@ work pending (`loop`: outputs, new requests, calls that ran no forward), waiting
 committing the step before (`commit`), and whatever remains (`other`: device work outside the forwards, such as
 uploads or a deviation pass, or timer rounding). Off CUDA the forward runs on the host and the split is exact.
 
-The bound is a roofline per step from the ceilings given: compute 2 * params * new tokens plus attention
-(4 * layers * query heads * head_dim per query-key pair), memory the weights (bytes per parameter * params) plus the
+The bound is a roofline per step from the ceilings given: compute 2 * params * new tokens at the matmul peak plus
+attention (4 * layers * query heads * head_dim per query-key pair) at attention's peak, memory the weights (bytes per parameter * params) plus the
 KV read (each request's keys) and written; a step takes at least the larger of the two, and the bound is their sum
 over the steps, one after another. Wall time beyond it = device time beyond each step's bound + device idle.
 
@@ -51,6 +51,7 @@ class Ceilings:
     kv_heads: int
     head_dim: int
     kv_bytes: float  # bytes per KV element
+    attention_tflops: float  # attention's matmul peak: bf16 even when the weights' GEMMs run in fp8
 
     @property
     def attn_flops_per_pair(self) -> float:
@@ -63,9 +64,10 @@ class Ceilings:
     def step_bound(self, step: dict) -> tuple[float, float]:
         """(compute seconds, memory seconds) of one step at the ceilings."""
         params = self.params_b * 1e9
-        flops = 2.0 * params * step["new_tokens"] + self.attn_flops_per_pair * step["attn_pairs"]
+        compute = (2.0 * params * step["new_tokens"] / self.tflops
+                   + self.attn_flops_per_pair * step["attn_pairs"] / self.attention_tflops) / 1e12
         moved = self.weight_bytes * params + self.kv_bytes_per_token * (step["context_tokens"] + step["new_tokens"])
-        return flops / (self.tflops * 1e12), moved / (self.hbm_tbps * 1e12)
+        return compute, moved / (self.hbm_tbps * 1e12)
 
 
 def model_shape(folder: str) -> dict:
@@ -328,7 +330,8 @@ def ceilings_from(args: argparse.Namespace) -> Ceilings:
         shape.update({k: v for k, v in derived.items() if k != "params_b" or args.params_b is None})
     if shape["params_b"] is None:
         shape["params_b"] = 8.03
-    return Ceilings(args.tflops, args.hbm_tbps, weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes, **shape)
+    return Ceilings(args.tflops, args.hbm_tbps, weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes,
+                    attention_tflops=args.attention_tflops or args.tflops, **shape)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window-s", type=float, help="only the last S seconds of the trace (default: as the "
                    "--bench-result says, else everything)")
     p.add_argument("--tflops", type=float, default=790.0, help="peak TFLOP/s (H200 dense bf16: 790)")
+    p.add_argument("--attention-tflops", type=float, help="attention's peak TFLOP/s (default: --tflops; with fp8 "
+                   "weights give the bf16 peak here, attention stays in bf16)")
     p.add_argument("--hbm-tbps", type=float, default=4.25, help="memory bandwidth TB/s (H200: 4.8 spec, ~4.25 "
                    "reached)")
     p.add_argument("--params-b", type=float, help="parameters in billions (default: from --model-config, else 8.03)")

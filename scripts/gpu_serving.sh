@@ -7,7 +7,8 @@
 # Phases: cold (the issue's command, then the step breakdown), rates (4, 8, 16, 32 req/s, 400 prompts each, cache
 # flushed between), gsp (generated-shared-prefix 32 x 16, 2,048-token system prompt), long (input 256, output 2,048).
 # SERVER_ARGS adds server flags (e.g. "--max-running-requests 512"); TAG names the run's files (default: BACKEND);
-# BREAKDOWN_ARGS adds flags of bench_serving_breakdown.py (e.g. "--weight-bytes 1.13 --tflops 1580" for fp8 weights).
+# BREAKDOWN_ARGS adds flags of bench_serving_breakdown.py (fp8 weights: "--weight-bytes 1.13 --tflops 1580
+# --attention-tflops 790"; an H100: "--hbm-tbps 3.35").
 set -u
 cd "$(dirname "$0")/.."
 out=$1 backend=$2

@@ -190,3 +190,16 @@ def test_cuda_events_are_read_once_passed_and_waited_for_only_when_idle(monkeypa
     assert FakeEvent.waits == 1 and [s["step"] for s in steps] == [1, 2]
     assert steps[1]["device_s"] == pytest.approx(8.0) and steps[1]["device_gap_s"] == pytest.approx(2.0)
     assert steps[1]["cuda_graph"] is False
+
+
+def test_attention_is_bounded_at_its_own_peak():
+    """With fp8 weights the GEMMs run at twice the bf16 peak, attention still at the bf16 one: the compute bound
+    charges each at its own."""
+    shape = dict(hbm_tbps=4.0, params_b=1.0, weight_bytes=1.0, layers=2, q_heads=4, kv_heads=2, head_dim=8,
+                 kv_bytes=2.0)
+    step = {"new_tokens": 100, "attn_pairs": 10**6, "context_tokens": 50}
+    fp8 = bench_serving_breakdown.Ceilings(tflops=2.0, attention_tflops=1.0, **shape)
+    compute, memory = fp8.step_bound(step)
+    assert compute == pytest.approx((2e9 * 100 / 2.0 + 4 * 2 * 4 * 8 * 1e6 / 1.0) / 1e12)
+    assert memory == pytest.approx((1e9 + 2 * 2 * 2 * 8 * 2.0 * 150) / 4e12)
+    assert bench_serving_breakdown.Ceilings(tflops=2.0, attention_tflops=2.0, **shape).step_bound(step)[0] < compute
