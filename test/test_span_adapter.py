@@ -23,6 +23,7 @@ from sglang_pic.server_args import ServerArgs
 from sglang_pic.span_adapter.layout import SpanLayout, segments_layout
 from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
 from sglang_pic.span_adapter.trainer import layout_logits
+from sglang_pic.train_span_adapter import parse_args
 
 DOCS = [
     "The capital of France is Paris, the capital of Japan is Tokyo.",
@@ -223,8 +224,8 @@ def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):
     from sglang_pic.span_adapter.examples import RECORD_QUESTIONS, ExampleMaker, ExampleSizes
 
     corpus = build_corpus()
-    maker = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(2, 4, 16, 64))
-    maker.kinds = {"records": 1.0}
+    maker = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(2, 4, 16, 64), kinds={"records": 1.0, "docs": 0})
+    assert maker.kinds == {"records": 1.0}
     questions = {q.format(name=p.name): p.name for q in RECORD_QUESTIONS.values() for p in corpus.packages}
     questions_asked = []
     for seed in range(40):
@@ -239,9 +240,17 @@ def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):
     assert "records" not in one_doc.kinds
     for seed in range(8):
         one_doc.prompt(random.Random(seed))
+    with pytest.raises(ValueError, match="no turn kind left"):
+        ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(1, 1, 16, 64), kinds={"records": 1.0})
 
 
 def test_train_command_refuses_bad_ranges(tiny_qwen2, tmp_path):
     run = subprocess.run([sys.executable, "-m", "sglang_pic.train_span_adapter", "--model-path", str(tiny_qwen2),
                           "--out", str(tmp_path), "--docs", "3,2"], capture_output=True, text=True)
     assert run.returncode == 2 and "MIN <= MAX" in run.stderr
+    base = ["--model-path", "m", "--out", str(tmp_path)]
+    for bad in ('{"recipes": 1}', '{"docs": -1}', '{"docs": 0}', '[1]'):
+        with pytest.raises(SystemExit):
+            parse_args([*base, "--turn-kinds", bad])
+    config = parse_args([*base, "--turn-kinds", '{"records": 0.5, "docs": 0.5}'])
+    assert config.turn_kinds == {"records": 0.5, "docs": 0.5}

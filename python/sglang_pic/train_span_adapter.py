@@ -13,7 +13,7 @@ import argparse
 import json
 import logging
 
-from sglang_pic.span_adapter.examples import ExampleSizes
+from sglang_pic.span_adapter.examples import KINDS, ExampleSizes
 from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
 
 
@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="teacher answer length limit")
     parser.add_argument("--teacher-batch", type=int, default=d.teacher_batch,
                         help="prompts the teacher answers per generate call, over this and the next steps")
+    parser.add_argument("--turn-kinds", default=json.dumps(d.turn_kinds),
+                        help="JSON object: the weight of each turn kind (docs, code, tools, records)")
     parser.add_argument("--docs", default=f"{d.sizes.min_docs},{d.sizes.max_docs}", help="spans per prompt: MIN,MAX")
     parser.add_argument("--passage-tokens", default=f"{d.sizes.min_passage_tokens},{d.sizes.max_passage_tokens}",
                         help="tokens per span: MIN,MAX")
@@ -57,9 +59,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     try:
         docs = [int(x) for x in a.docs.split(",")]
         passage = [int(x) for x in a.passage_tokens.split(",")]
-        settings, serve = json.loads(a.settings), json.loads(a.serve_settings)
+        settings, serve, kinds = json.loads(a.settings), json.loads(a.serve_settings), json.loads(a.turn_kinds)
     except ValueError as e:
-        parser.error(f"--docs, --passage-tokens, --settings and --serve-settings: {e}")
+        parser.error(f"--docs, --passage-tokens, --settings, --serve-settings and --turn-kinds: {e}")
+    if not isinstance(kinds, dict) or not set(kinds) <= set(KINDS) or not all(
+            isinstance(w, (int, float)) and w >= 0 for w in kinds.values()) or not any(kinds.values()):
+        parser.error(f"--turn-kinds takes weights >= 0, not all 0, of {', '.join(KINDS)}; got {a.turn_kinds}")
     if len(docs) != 2 or len(passage) != 2 or not 1 <= docs[0] <= docs[1] or not 1 <= passage[0] <= passage[1]:
         parser.error("--docs and --passage-tokens take MIN,MAX with 1 <= MIN <= MAX")
     if min(a.steps, a.batch_size, a.micro_batch, a.rank, a.teacher_batch) < 1:
@@ -70,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         model_path=a.model_path, out=a.out, steps=a.steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
         lr=a.lr, rank=a.rank, alpha=a.alpha, seed=a.seed, dense_share=a.dense_share, settings=settings,
         serve_settings=serve, span_token_weight=a.span_token_weight, answer_tokens=a.answer_tokens,
-        teacher_batch=a.teacher_batch,
+        teacher_batch=a.teacher_batch, turn_kinds=kinds,
         sizes=ExampleSizes(docs[0], docs[1], passage[0], passage[1]), checkpoint_every=a.checkpoint_every,
         max_minutes=a.max_minutes, init_adapter=a.init_adapter, device=a.device,
     )

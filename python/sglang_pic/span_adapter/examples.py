@@ -71,7 +71,7 @@ RECORD_SENTENCES = {
     "home page": "Its home page is {value}.",
 }
 PREFACES = ("", "", "Here are some documents.\n", "Read the following texts.\n")
-KINDS = (("docs", 0.45), ("code", 0.15), ("tools", 0.2), ("records", 0.2))
+KINDS = {"docs": 0.45, "code": 0.15, "tools": 0.2, "records": 0.2}  # turn kinds and their default weights
 SECOND_QUESTION_SHARE = 0.35  # records turns asked as a conversation's second question
 
 
@@ -93,7 +93,9 @@ class Example:
 class ExampleMaker:
     """Builds examples without a model: the server's chat rendering, segmenter and span settings."""
 
-    def __init__(self, model_dir: str, corpus: Corpus, sizes: ExampleSizes) -> None:
+    def __init__(self, model_dir: str, corpus: Corpus, sizes: ExampleSizes, kinds: dict[str, float] | None = None
+                 ) -> None:
+        """`kinds`: the turn kinds' weights (default KINDS); a kind the model or corpus cannot make is left out."""
         self.args = ServerArgs.from_kwargs(model_path=model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         config = ModelConfig.from_server_args(model_dir, self.args, device="cpu")
@@ -105,7 +107,9 @@ class ExampleMaker:
         left_out = {"tools"} if not self._renders_tools() else set()
         if sizes.max_docs < 2 or len(corpus.packages) < sizes.max_docs:  # rival values need two records
             left_out.add("records")
-        self.kinds = {k: w for k, w in KINDS if k not in left_out}
+        self.kinds = {k: w for k, w in (kinds or KINDS).items() if k not in left_out and w > 0}
+        if not self.kinds:
+            raise ValueError(f"no turn kind left to draw from (weights {kinds or KINDS}, {sorted(left_out)} left out)")
         self.turns = {"docs": self._docs, "code": self._code, "tools": self._tools, "records": self._records}
 
     def _renders_tools(self) -> bool:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from sglang_pic.model_loader.default_model import file_sha256
 from sglang_pic.model_loader.span_adapter import WEIGHTS, load_adapter, save_adapter
 from sglang_pic.span_adapter.corpus import build_corpus
-from sglang_pic.span_adapter.examples import Example, ExampleMaker, ExampleSizes
+from sglang_pic.span_adapter.examples import KINDS, Example, ExampleMaker, ExampleSizes
 from sglang_pic.span_adapter.layout import SpanLayout
 from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
 
@@ -55,6 +55,7 @@ class TrainConfig:
     answer_tokens: int = 48
     teacher_batch: int = 64  # prompts the teacher answers per generate call (steps ahead = teacher_batch // batch)
     sizes: ExampleSizes = field(default_factory=ExampleSizes)
+    turn_kinds: dict[str, float] = field(default_factory=lambda: dict(KINDS))  # weights of docs, code, tools, records
     warmup_steps: int = 20
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # 0: no limit; else checkpoint and stop after this long (a device call is bounded)
@@ -143,7 +144,7 @@ class Trainer:
         self.params = [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
         self.corpus = build_corpus()
-        self.maker = ExampleMaker(self.model_dir, self.corpus, config.sizes)
+        self.maker = ExampleMaker(self.model_dir, self.corpus, config.sizes, config.turn_kinds)
         self.step = 0
         self.history: list[dict] = []
         self.init_record: dict | None = None  # the adapter this run started from, as the record names it
