@@ -90,6 +90,25 @@ def test_training_layout_equals_the_engine_with_the_adapter_merged(adapted, name
         torch.testing.assert_close(torch.tensor(logps), torch.tensor(want_logps), atol=2e-4, rtol=1e-4)
 
 
+def test_a_padded_batch_holds_each_layouts_mask():
+    """The batch mask, built on the device: each layout's own mask in its corner, padding rows seeing only
+    themselves and no real row seeing padding."""
+    from sglang_pic.span_adapter.trainer import _pad_batch
+
+    long, short = SpanLayout(), SpanLayout()
+    long.add([1, 2, 3], 0, None, True)
+    long.add([4, 5], 1, 0, False)  # a hidden copy, then its span piece
+    long.add([6, 7, 8], 3, 0, True)
+    long.add([9, 10], 6, None, True)
+    short.add([1, 2], 0, None, True)
+    short.add([6, 7], 2, 1, True)
+    ids, pos, mask = _pad_batch([long, short], torch.device("cpu"))
+    assert mask.shape == (2, 1, 10, 10) and ids[1, 4:].tolist() == [0] * 6 and pos[0].tolist() == long.positions
+    assert torch.equal(mask[0, 0], long.mask())
+    assert torch.equal(mask[1, 0, :4, :4], short.mask()) and not mask[1, 0, :4, 4:].any()
+    assert torch.equal(mask[1, 0, 4:], torch.eye(10, dtype=torch.bool)[4:])
+
+
 def test_dense_turns_equal_the_engine_with_the_adapter_merged(adapted):
     model, _, _, engine = adapted
     layout = segments_layout(engine.make_reqs(GenerateReqInput(text=PROMPT, **SETTINGS["isolated"]))[0].segments)
@@ -164,6 +183,7 @@ def test_train_command_runs_and_resumes_on_a_tiny_model(tiny_qwen2, tmp_path):
     record = json.loads((out / "span_adapter.json").read_text())
     assert record["training"]["steps_done"] == 2 and record["training"]["seed"] == 3
     assert record["training"]["skipped_updates"] == 0 and record["training"]["teacher_batch"] == 4
+    assert record["training"]["seconds_per_step"] > 0
     assert record["training"]["corpus"]["paragraphs"] > 100 and len(record["training"]["corpus"]["sha256"]) == 64
     assert record["span_settings"] == {"span_anchor": "auto", "span_head_tokens": 0}
     second = subprocess.run([*base, "--steps", "3"], capture_output=True, text=True)

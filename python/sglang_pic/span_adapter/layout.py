@@ -68,9 +68,13 @@ def segments_layout(segments) -> SpanLayout:
 def layout_mask(scope: Sequence[int | None], visible: Sequence[bool]) -> torch.Tensor:
     """[L, L] boolean: token i attends to token j (causal; a span piece's tokens see their piece and its hidden copy,
     other tokens every visible token)."""
-    j = torch.arange(len(scope))
     sc = torch.tensor([-1 if s is None else s for s in scope])
-    vis = torch.tensor(list(visible), dtype=torch.bool)
-    same_span = (sc[:, None] == sc[None, :]) & (sc[:, None] >= 0)
-    full = (sc[:, None] < 0) & vis[None, :]
+    return scope_mask(sc, torch.tensor(list(visible), dtype=torch.bool))
+
+
+def scope_mask(scope: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """layout_mask over tensors [..., L] (scope -1: none), batched and on their device: [..., L, L]."""
+    j = torch.arange(scope.shape[-1], device=scope.device)
+    same_span = (scope[..., :, None] == scope[..., None, :]) & (scope[..., :, None] >= 0)
+    full = (scope[..., :, None] < 0) & visible[..., None, :]
     return (j[None, :] <= j[:, None]) & (same_span | full)

@@ -27,7 +27,7 @@ from sglang_pic.model_loader.default_model import file_sha256
 from sglang_pic.model_loader.span_adapter import WEIGHTS, load_adapter, save_adapter
 from sglang_pic.span_adapter.corpus import build_corpus
 from sglang_pic.span_adapter.examples import KINDS, Example, ExampleMaker, ExampleSizes
-from sglang_pic.span_adapter.layout import SpanLayout
+from sglang_pic.span_adapter.layout import SpanLayout, scope_mask
 from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
 
 logger = logging.getLogger(__name__)
@@ -68,17 +68,25 @@ def _device(name: str) -> torch.device:
 
 
 def _pad_batch(layouts: list[SpanLayout], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids, positions and a [B, 1, L, L] boolean mask; padding rows see only themselves (no row is all masked)."""
+    """ids, positions and a [B, 1, L, L] boolean mask, built on the device (on the host, the masks of a step's
+    2,000-token layouts took a large share of the step); padding rows see only themselves (no row is all masked)."""
     length = max(len(lay.ids) for lay in layouts)
     ids = torch.zeros(len(layouts), length, dtype=torch.long)
     pos = torch.zeros(len(layouts), length, dtype=torch.long)
-    mask = torch.eye(length, dtype=torch.bool).repeat(len(layouts), 1, 1)
+    scope = torch.full((len(layouts), length), -1, dtype=torch.long)
+    visible = torch.zeros(len(layouts), length, dtype=torch.bool)
     for b, lay in enumerate(layouts):
         n = len(lay.ids)
         ids[b, :n] = torch.tensor(lay.ids)
         pos[b, :n] = torch.tensor(lay.positions)
-        mask[b, :n, :n] = lay.mask()
-    return ids.to(device), pos.to(device), mask[:, None].to(device)
+        scope[b, :n] = torch.tensor([-1 if s is None else s for s in lay.scope])
+        visible[b, :n] = torch.tensor(lay.visible)
+    lengths = torch.tensor([len(lay.ids) for lay in layouts], device=device)
+    scope, visible = scope.to(device), visible.to(device)
+    padding = torch.arange(length, device=device)[None, :] >= lengths[:, None]  # [B, L]
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    mask = (scope_mask(scope, visible) & ~padding[:, :, None]) | (eye & padding[:, :, None])
+    return ids.to(device), pos.to(device), mask[:, None]
 
 
 def hidden_states(model, layouts: list[SpanLayout]) -> torch.Tensor:
@@ -220,6 +228,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         c = self.config
+        begin = time.monotonic()
         examples, answers = self._answered(self.step)
         dense = [e.layout.dense_ids() for e in examples]
         for e, answer in zip(examples, answers):
@@ -242,7 +251,7 @@ class Trainer:
             self.optimizer.step()
         self.step += 1
         entry = {"step": self.step, "loss": loss, "applied": applied, "rows": sum(map(len, rows)),
-                 "tokens": sum(len(e.layout.ids) for e in examples)}
+                 "tokens": sum(len(e.layout.ids) for e in examples), "seconds": time.monotonic() - begin}
         if not applied:  # one bad batch must not poison the adapter: its update is dropped
             entry["nonfinite"] = self._nonfinite_layers()
             logger.warning("step %d: non-finite loss or gradient (loss %s; %s), update skipped", self.step, loss,
@@ -300,8 +309,8 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.4f}")
             if self.step % 10 == 0 or self.step == c.steps:
-                logger.info("step %d/%d loss %.4f (%d rows, %d tokens)", self.step, c.steps, entry["loss"],
-                            entry["rows"], entry["tokens"])
+                logger.info("step %d/%d loss %.4f (%d rows, %d tokens, %.2f s)", self.step, c.steps, entry["loss"],
+                            entry["rows"], entry["tokens"], entry["seconds"])
             if self.step % c.checkpoint_every == 0:
                 self._checkpoint()
             if c.max_minutes and time.monotonic() - begin > 60 * c.max_minutes and self.step < c.steps:
@@ -325,7 +334,9 @@ class Trainer:
                          "skipped": [{k: h[k] for k in ("step", "loss", "nonfinite") if k in h}
                                      for h in self.history if not h["applied"]],
                          "init_adapter": self.init_record,
-                         "loss_every_10": [h["loss"] for h in self.history[9::10]]},
+                         "loss_every_10": [h["loss"] for h in self.history[9::10]],
+                         "seconds_per_step": (sum(h.get("seconds", 0.0) for h in self.history) / len(self.history)
+                                              if self.history else None)},
             "base_model": {"model_path": self.config.model_path,
                            "architecture": json.loads((Path(self.model_dir) / "config.json").read_text())
                            .get("architectures", [None])[0]},
