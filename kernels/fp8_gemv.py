@@ -1,0 +1,170 @@
+"""Triton kernel for small-M linears over fp8 (e4m3) weights with the activations left in bf16/fp16 (W8A16): decode.
+
+With --quantization fp8 each linear quantizes its activations and calls torch._scaled_mm, which is poor at decode
+sizes: on one H100 at M = 1, Llama-3-8B's o_proj took 17.6 us against bf16's 11.2 and down_proj 56.8 against 42.8,
+though a decode step is memory bound and fp8 weights are half the bytes (~1.9x over bf16 at most). Here each weight
+byte is read once, straight from fp8, and the activations are not quantized.
+
+Program (n, s, m) owns BLOCK_N weight rows, the s-th of `split` runs of K (whole BLOCK_K steps) and BLOCK_M activation
+rows. Each step loads a [BLOCK_N, BLOCK_K] fp8 tile, widens it and accumulates its products with the activation rows
+in float32: below `dot_min_m` rows by multiplying the tile (in float32) with one activation row at a time and summing
+over K, from there by tl.dot over the tile converted to the activation dtype, the rows padded to 16 or 32 (tl.dot's
+smallest tile is 16; the CPU interpreter, which multiplies bf16 tiles wrongly, gets float32 ones). Both are exact
+products (every e4m3 value is a bf16 and an fp16 value), so results differ from float32 math only by the order of
+the sums. Unsplit, each program scales its sums by its rows' scales and writes them in x's dtype. Where the grid would
+have fewer than `min_programs` programs, too few loads in flight to keep memory busy, K is split: the programs write
+float32 partial sums that a second launch adds in split order (deterministic, unlike atomics), scales and narrows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_pic.kernels.rope import dot_operand_dtype
+
+FP8 = torch.float8_e4m3fn
+SUM_BLOCK = 256  # output columns per program of the split reduction
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A launch shape. block_n is at least 16 (tl.dot's smallest tile); min_programs 0 never splits K."""
+
+    block_n: int  # weight rows per program
+    block_k: int  # weight columns per step
+    num_warps: int
+    dot_min_m: int = 16  # activation rows from which tl.dot is used
+    min_programs: int = 0  # K is split over programs until the grid has at least this many
+
+
+# Launch shapes the benchmark compares on the GPU. 528 programs: four per SM of an H100 (132 SMs).
+CONFIGS = {
+    "n16_k512": GemvConfig(block_n=16, block_k=512, num_warps=4),
+    "n16_k512_split": GemvConfig(block_n=16, block_k=512, num_warps=4, min_programs=528),
+    "n32_k256_split": GemvConfig(block_n=32, block_k=256, num_warps=4, min_programs=528),
+    "n32_k256_split_dot": GemvConfig(block_n=32, block_k=256, num_warps=4, dot_min_m=1, min_programs=528),
+}
+DEFAULT_CONFIG = CONFIGS["n16_k512_split"]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    out_ptr,
+    m_rows,
+    n_rows,
+    n_cols,
+    k_per_split,
+    stride_x,
+    stride_w,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Program (n, s, m): out[m rows, n rows] = x[m rows, split s] @ w[n rows, split s].T, times the rows' scales
+    into out (x's dtype) unsplit, as float32 partial sums into out[s] split."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + rows_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    n_mask = offs_n[:, None] < n_rows
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, n_cols)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        w = tl.load(w_rows + k, mask=n_mask & (k < n_cols), other=0.0)
+        if USE_DOT:
+            x = tl.load(x_rows + k, mask=(offs_m[:, None] < m_rows) & (k < n_cols), other=0.0)
+            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
+        else:
+            wf = w.to(tl.float32)
+            for i in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + i
+                k_bound = tl.where(row < m_rows, n_cols, 0)  # a row past M loads nothing
+                xi = tl.load(x_ptr + row.to(tl.int64) * stride_x + k, mask=k < k_bound, other=0.0)
+                part = tl.sum(wf * xi.to(tl.float32), axis=1)
+                acc = tl.where(rows_m[:, None] == i, acc + part[None, :], acc)
+    out_offs = offs_m.to(tl.int64)[:, None] * n_rows + offs_n[None, :]
+    mask = (offs_m[:, None] < m_rows) & (offs_n[None, :] < n_rows)
+    if SPLIT:
+        tl.store(out_ptr + pid_s.to(tl.int64) * m_rows * n_rows + out_offs, acc, mask=mask)
+    else:
+        scale = tl.load(scale_ptr + offs_n, mask=offs_n < n_rows, other=0.0)
+        tl.store(out_ptr + out_offs, (acc * scale[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, scale_ptr, out_ptr, m_rows, n_rows, n_splits, BLOCK: tl.constexpr):
+    """Program (row, block): out = (the split partial sums added in split order) * scale, in out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_rows
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(n_splits):
+        acc += tl.load(part_ptr + (s * m_rows + row) * n_rows + offs, mask=mask, other=0.0)
+    scale = tl.load(scale_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n_rows + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_weight_matmul(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: GemvConfig = DEFAULT_CONFIG
+) -> torch.Tensor:
+    """x [..., K] (bf16 or fp16) @ the fp8 weight [N, K] with float32 scales [N] per row -> [..., N] in x's dtype:
+    (sum_k x[m, k] * w[n, k]) * scale[n], accumulated in float32. Meant for a few rows of x (decode)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != FP8 or weight.stride(-1) != 1:
+        raise ValueError(f"needs bf16/fp16 x and an fp8 weight of rows in place, not {x.dtype} and {weight.dtype} "
+                         f"of strides {weight.stride()}")
+    n_rows, n_cols = weight.shape
+    rows = x.reshape(-1, n_cols)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n_rows), dtype=x.dtype, device=x.device)
+    if m:
+        use_dot = m >= config.dot_min_m
+        block_m = (16 if m <= 16 else 32) if use_dot else min(16, triton.next_power_of_2(m))
+        k_steps = triton.cdiv(n_cols, config.block_k)
+        programs = triton.cdiv(n_rows, config.block_n) * triton.cdiv(m, block_m)
+        steps_per_split = triton.cdiv(k_steps, min(k_steps, max(1, triton.cdiv(config.min_programs, programs))))
+        split = triton.cdiv(k_steps, steps_per_split)  # no empty run of K
+        partials = torch.empty((split, m, n_rows), dtype=torch.float32, device=x.device) if split > 1 else out
+        grid = (triton.cdiv(n_rows, config.block_n), split, triton.cdiv(m, block_m))
+        _gemv_kernel[grid](
+            rows,
+            weight,
+            weight_scale,
+            partials,
+            m,
+            n_rows,
+            n_cols,
+            steps_per_split * config.block_k,
+            rows.stride(0),
+            weight.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            USE_DOT=use_dot,
+            DOT_DTYPE=dot_operand_dtype(x.dtype, x.device),
+            SPLIT=split > 1,
+            num_warps=config.num_warps,
+        )
+        if split > 1:
+            _sum_splits_kernel[(m, triton.cdiv(n_rows, SUM_BLOCK))](
+                partials, weight_scale, out, m, n_rows, split, BLOCK=SUM_BLOCK, num_warps=2
+            )
+    return out.view(*x.shape[:-1], n_rows)
