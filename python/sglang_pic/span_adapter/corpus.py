@@ -13,6 +13,7 @@ adapter's training record.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.metadata
 import re
@@ -161,6 +162,7 @@ def _functions(modules: list[tuple[str, ast.Module]]) -> list[Function]:
     return [f for f in out if f.source]
 
 
+@functools.cache  # reading every installed distribution and stdlib module takes seconds; the set is fixed per process
 def build_corpus() -> Corpus:
     modules = _stdlib_modules()
     descriptions, docstrings, functions = _descriptions(), _docstrings(modules), _functions(modules)
