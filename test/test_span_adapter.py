@@ -209,9 +209,28 @@ def test_training_starts_from_a_saved_adapter(adapted, tiny_qwen2, tmp_path):
         assert torch.equal(after.factors[name][0], a.to(torch.bfloat16)) and bool(b.abs().sum() > 0)
         assert torch.equal(after.factors[name][1], b.to(torch.bfloat16))
     assert after.record["training"]["init_adapter"]["folder"] == str(folder)
-    with pytest.raises(ValueError, match="rank 4"):
-        Trainer(TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "other"), rank=8, alpha=8.0,
-                            device="cpu", init_adapter=str(folder)))
+    for rank, alpha in ((8, 8.0), (2, 4.0)):  # another scale; a lower rank
+        with pytest.raises(ValueError, match="rank 4"):
+            Trainer(TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "other"), rank=rank, alpha=alpha,
+                                device="cpu", init_adapter=str(folder)))
+
+
+def test_a_saved_adapter_goes_on_at_a_higher_rank(adapted, tiny_qwen2, tmp_path):
+    """Rank 4 -> 8 at the same alpha / rank: at lr 0 every layer's update B A is the saved one."""
+    from sglang_pic.span_adapter.examples import ExampleSizes
+    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
+
+    _, _, folder, _ = adapted
+    config = TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "wider"), steps=1, batch_size=1, lr=0.0,
+                         rank=8, alpha=16.0, answer_tokens=2, sizes=ExampleSizes(2, 2, 16, 32), device="cpu",
+                         init_adapter=str(folder))
+    Trainer(config).train()
+    before, after = load_adapter(folder), load_adapter(config.out)
+    assert after.rank == 8
+    for name, (a, b) in before.factors.items():
+        wide_a, wide_b = after.factors[name]
+        torch.testing.assert_close(wide_b.float() @ wide_a.float(), b.float() @ a.float(), atol=1e-2, rtol=1e-2)
+        assert not wide_b[:, 4:].any() and bool(wide_a[4:].abs().sum() > 0)
 
 
 def test_a_non_finite_gradient_skips_the_update_and_names_its_layer(tiny_qwen2, tmp_path):

@@ -52,8 +52,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     parser.add_argument("--max-minutes", type=float, default=d.max_minutes,
                         help="checkpoint and stop after this long (0: no limit); run again to resume")
-    parser.add_argument("--init-adapter", help="a saved adapter folder (same --rank and --alpha) to start from, e.g. "
-                        "to go on training it with other settings; ignored when --out holds a checkpoint")
+    parser.add_argument("--init-adapter", help="a saved adapter folder to start from (a rank up to --rank with the "
+                        "same alpha / rank), e.g. to go on training it with other settings or at a higher rank; "
+                        "ignored when --out holds a checkpoint")
     parser.add_argument("--device", default=d.device, help="auto, cuda or cpu")
     a = parser.parse_args(argv)
     try:

@@ -162,17 +162,22 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def _start_from(self, folder: str) -> None:
-        """Continue training a saved adapter (e.g. with other settings): its factors replace the fresh ones."""
+        """Continue training a saved adapter (e.g. with other settings): its factors replace the first rows of the
+        fresh ones. A lower-rank adapter with the same scale (alpha / rank) goes on at this run's higher rank: the
+        extra rows of A stay random and the extra columns of B zero, so the update B A starts as the saved one."""
         adapter = load_adapter(folder)
-        if (adapter.rank, adapter.alpha) != (self.config.rank, self.config.alpha):
-            raise ValueError(f"--init-adapter {folder!r} has rank {adapter.rank} and alpha {adapter.alpha}; "
-                             f"this run trains rank {self.config.rank}, alpha {self.config.alpha}")
+        c = self.config
+        if adapter.rank > c.rank or adapter.alpha * c.rank != c.alpha * adapter.rank:
+            raise ValueError(f"--init-adapter {folder!r} has rank {adapter.rank} and alpha {adapter.alpha}; this run "
+                             f"trains rank {c.rank}, alpha {c.alpha}: it needs a rank up to {c.rank} with the same "
+                             f"alpha / rank")
         if set(adapter.factors) != set(self.layers):
             raise ValueError(f"--init-adapter {folder!r} targets other modules than this model's LoRA layers")
         for name, layer in self.layers.items():
             a, b = adapter.factors[name]
-            layer.lora_A.data.copy_(a.float())
-            layer.lora_B.data.copy_(b.float())
+            layer.lora_A.data[: adapter.rank].copy_(a.float())
+            layer.lora_B.data.zero_()
+            layer.lora_B.data[:, : adapter.rank].copy_(b.float())
         self.init_record = {"folder": folder, "sha256": file_sha256(Path(folder) / WEIGHTS),
                             "steps_done": adapter.record.get("training", {}).get("steps_done")}
         logger.info("starting from the adapter in %s", folder)
