@@ -193,6 +193,28 @@ def test_train_command_runs_and_resumes_on_a_tiny_model(tiny_qwen2, tmp_path):
     assert load_adapter(out).rank == 16
 
 
+def test_two_processes_train_the_adapter_one_process_trains(tiny_qwen2, tmp_path):
+    """torchrun with 2 processes (gloo on CPU): each takes half of every step's prompts and the gradients are
+    summed, so the adapter is the one a single process writes with the same seed, up to the order of the sums."""
+    args = ["--model-path", str(tiny_qwen2), "--batch-size", "4", "--micro-batch", "2", "--docs", "2,3",
+            "--passage-tokens", "16,48", "--answer-tokens", "4", "--device", "cpu", "--seed", "3",
+            "--teacher-batch", "8", "--steps", "2", "--rank", "4", "--alpha", "8"]
+    one = subprocess.run([sys.executable, "-m", "sglang_pic.train_span_adapter", *args, "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "sglang_pic.train_span_adapter", *args, "--out", str(tmp_path / "two")],
+                         capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr[-3000:]
+    single, pair = load_adapter(tmp_path / "one"), load_adapter(tmp_path / "two")
+    assert pair.record["training"]["processes"] == 2 and single.record["training"]["processes"] == 1
+    assert pair.record["training"]["final_loss"] == pytest.approx(single.record["training"]["final_loss"], rel=1e-5)
+    for name, (a, b) in single.factors.items():
+        assert torch.equal(pair.factors[name][0], a)  # the leader's A, drawn from the seed, reaches every process
+        torch.testing.assert_close(pair.factors[name][1].float(), b.float(), atol=3e-7, rtol=1e-2)
+        assert bool(b.abs().sum() > 0)
+
+
 def test_training_starts_from_a_saved_adapter(adapted, tiny_qwen2, tmp_path):
     """--init-adapter: the run's LoRA factors start as the saved ones (at lr 0 the adapter it writes is the same), and
     the record names where it started."""

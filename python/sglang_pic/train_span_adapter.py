@@ -4,7 +4,8 @@ A LoRA over every linear layer of the decoder, trained by self-distillation (spa
 model answers under span attention as it does under full attention. DIR then holds a PEFT-format adapter and its
 training record; serve it with `--span-adapter DIR`. The run checkpoints into DIR and resumes from there when run
 again with the same DIR (use --max-minutes to stop in time on a bounded machine). On one H100, 300 steps of 8
-prompts take a few minutes for a 0.5B model; on a CPU, use it only on tiny models.
+prompts take a few minutes for a 0.5B model; on a CPU, use it only on tiny models. Under torchrun
+(`torchrun --nproc-per-node N -m sglang_pic.train_span_adapter ...`) the N processes share each step's prompts.
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = parse_args(argv)
-    done = Trainer(config).train()
-    print(f"{'adapter written to' if done else 'checkpoint in'} {config.out}")
+    trainer = Trainer(config)
+    done = trainer.train()
+    trainer.group.leave()
+    if trainer.group.leader:
+        print(f"{'adapter written to' if done else 'checkpoint in'} {config.out}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from sglang_pic.model_loader.default_model import file_sha256
 from sglang_pic.model_loader.span_adapter import WEIGHTS, load_adapter, save_adapter
 from sglang_pic.span_adapter.corpus import build_corpus
+from sglang_pic.span_adapter.data_parallel import Group
 from sglang_pic.span_adapter.examples import KINDS, Example, ExampleMaker, ExampleSizes
 from sglang_pic.span_adapter.layout import SpanLayout, scope_mask
 from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
@@ -63,8 +64,13 @@ class TrainConfig:
     device: str = "auto"
 
 
-def _device(name: str) -> torch.device:
-    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+def _device(name: str, group: Group) -> torch.device:
+    """The device named (auto: CUDA if there is one); a CUDA device without an index is this process's GPU."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", group.local_rank)
+        torch.cuda.set_device(device)
+    return device
 
 
 def _pad_batch(layouts: list[SpanLayout], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,12 +148,17 @@ class Trainer:
         from sglang_pic.model_loader.loader import resolve_model_path
 
         self.config = config
-        self.device = _device(config.device)
+        self.group = Group.from_env()
+        if config.batch_size < self.group.size:
+            raise ValueError(f"a batch of {config.batch_size} prompts leaves some of {self.group.size} processes none")
+        self.device = _device(config.device, self.group)
+        self.group.join(self.device)
         self.model_dir = resolve_model_path(config.model_path)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=dtype, attn_implementation="sdpa").to(self.device)
         self.model.eval()  # no dropout: the student differs from the teacher by the adapter only
+        torch.manual_seed(config.seed)  # the fresh factors A, drawn at random, come from the run's seed
         self.layers = add_lora(self.model, config.rank, config.alpha)
         self.params = [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
@@ -159,6 +170,7 @@ class Trainer:
         self._ahead: dict[int, tuple[list[Example], list[list[int]]]] = {}  # step -> its examples, answered
         if not self._resume() and config.init_adapter:
             self._start_from(config.init_adapter)
+        self.group.broadcast(self.params)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def _start_from(self, folder: str) -> None:
@@ -197,6 +209,8 @@ class Trainer:
         return True
 
     def _checkpoint(self) -> None:
+        if not self.group.leader:
+            return
         Path(self.config.out).mkdir(parents=True, exist_ok=True)
         state = {"lora": {n: (l.lora_A.data, l.lora_B.data) for n, l in self.layers.items()},
                  "optimizer": self.optimizer.state_dict(), "step": self.step, "history": self.history,
@@ -218,17 +232,19 @@ class Trainer:
         return c.lr * 0.5 * (1 + math.cos(math.pi * (step - c.warmup_steps) / max(c.steps - c.warmup_steps, 1)))
 
     def _answered(self, step: int) -> tuple[list[Example], list[list[int]]]:
-        """The step's examples with the teacher's answers, generated for this and the next steps at once."""
+        """This process's share of the step's examples with the teacher's answers, generated for this and the next
+        steps at once."""
         if step not in self._ahead:
             c = self.config
-            steps = range(step, min(step + max(1, c.teacher_batch // c.batch_size), c.steps))
-            examples = {s: self._examples(s) for s in steps}
+            ahead = max(1, c.teacher_batch * self.group.size // c.batch_size)
+            steps = range(step, min(step + ahead, c.steps))
+            examples = {s: self.group.share(self._examples(s)) for s in steps}
             prompts = [e.layout.dense_ids() for s in steps for e in examples[s]]
             self.model.eval()
             with lora_off(self.layers):
-                answers = teacher_answers(self.model, prompts, c.answer_tokens, self.maker.eos_token_ids)
-            for k, s in enumerate(steps):
-                self._ahead[s] = (examples[s], answers[k * c.batch_size: (k + 1) * c.batch_size])
+                answers = iter(teacher_answers(self.model, prompts, c.answer_tokens, self.maker.eos_token_ids))
+            for s in steps:
+                self._ahead[s] = (examples[s], [next(answers) for _ in examples[s]])
         return self._ahead.pop(step)
 
     def train_step(self) -> dict:
@@ -241,22 +257,25 @@ class Trainer:
             e.layout.append_output(answer)
             e.loss_rows.extend(range(start, start + len(answer) - 1))
         rows = [self._rows(e) for e in examples]
-        total = sum(w for r in rows for _, w in r)
+        total = self.group.sum([sum(w for r in rows for _, w in r)], self.device)[0]  # the whole step's weight
         self.optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for first in range(0, len(examples), c.micro_batch):
             part = slice(first, first + c.micro_batch)
             loss += float(self._backward(examples[part], dense[part], answers[part], rows[part], total))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self._lr(self.step)
+        self.group.sum_grads(self.params)
+        loss, n_rows, n_tokens = self.group.sum(
+            [loss, sum(map(len, rows)), sum(len(e.layout.ids) for e in examples)], self.device)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = self._lr(self.step)
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         applied = math.isfinite(loss) and bool(torch.isfinite(norm))
         if applied:  # clipping by a non-finite norm would spread the bad value to every layer's gradient
             torch.nn.utils.clip_grads_with_norm_(self.params, 1.0, norm)
             self.optimizer.step()
         self.step += 1
-        entry = {"step": self.step, "loss": loss, "applied": applied, "rows": sum(map(len, rows)),
-                 "tokens": sum(len(e.layout.ids) for e in examples), "seconds": time.monotonic() - begin}
+        entry = {"step": self.step, "loss": loss, "applied": applied, "rows": int(n_rows), "tokens": int(n_tokens),
+                 "seconds": time.monotonic() - begin}
         if not applied:  # one bad batch must not poison the adapter: its update is dropped
             entry["nonfinite"] = self._nonfinite_layers()
             logger.warning("step %d: non-finite loss or gradient (loss %s; %s), update skipped", self.step, loss,
@@ -308,17 +327,19 @@ class Trainer:
         with its steps_done in the record, so a cut run can still be served; run again to resume)."""
         c = self.config
         begin = time.monotonic()
-        bar = tqdm(total=c.steps, initial=self.step, desc="span adapter", disable=not sys.stderr.isatty())
+        bar = tqdm(total=c.steps, initial=self.step, desc="span adapter",
+                   disable=not (sys.stderr.isatty() and self.group.leader))
         while self.step < c.steps:
             entry = self.train_step()
             bar.update(1)
             bar.set_postfix(loss=f"{entry['loss']:.4f}")
-            if self.step % 10 == 0 or self.step == c.steps:
+            if self.group.leader and (self.step % 10 == 0 or self.step == c.steps):
                 logger.info("step %d/%d loss %.4f (%d rows, %d tokens, %.2f s)", self.step, c.steps, entry["loss"],
                             entry["rows"], entry["tokens"], entry["seconds"])
             if self.step % c.checkpoint_every == 0:
                 self._checkpoint()
-            if c.max_minutes and time.monotonic() - begin > 60 * c.max_minutes and self.step < c.steps:
+            late = bool(c.max_minutes) and time.monotonic() - begin > 60 * c.max_minutes
+            if self.group.any(late, self.device) and self.step < c.steps:
                 self._checkpoint()
                 self.save()
                 logger.info("stopped at step %d after %.1f min; run the same command again to resume",
@@ -330,10 +351,14 @@ class Trainer:
         return True
 
     def save(self) -> None:
+        """The adapter and its record into config.out (by the leader process alone)."""
+        if not self.group.leader:
+            return
         record = {
             "span_settings": self.config.serve_settings,
             "training": {**{k: v for k, v in asdict(self.config).items() if k not in ("out", "device")},
                          "corpus": self.corpus.record(), "turn_kinds": self.maker.kinds, "steps_done": self.step,
+                         "processes": self.group.size,
                          "final_loss": self.history[-1]["loss"] if self.history else None,
                          "skipped_updates": sum(not h["applied"] for h in self.history),
                          "skipped": [{k: h[k] for k in ("step", "loss", "nonfinite") if k in h}
