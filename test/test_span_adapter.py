@@ -9,6 +9,7 @@ engine will run.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -275,11 +276,24 @@ def test_a_non_finite_gradient_skips_the_update_and_names_its_layer(tiny_qwen2, 
     assert training["skipped_updates"] == 1 and training["skipped"][0]["nonfinite"]["deepest"] == name
 
 
+def test_examples_leave_room_for_the_answer_in_the_context(tiny_qwen2):
+    """Prompts that would overflow the tiny model's 256-token context are drawn again; sizes that never fit say so."""
+    from sglang_pic.span_adapter.corpus import build_corpus
+    from sglang_pic.span_adapter.examples import ExampleMaker, ExampleSizes
+
+    corpus = build_corpus()
+    maker = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(2, 3, 40, 90), answer_tokens=16)
+    for seed in range(12):
+        example = maker.example(random.Random(seed), {"span_anchor": "auto", "span_head_tokens": 0})
+        assert len(example.layout.dense_ids()) + 16 <= 256
+    never = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(4, 4, 200, 200), answer_tokens=16)
+    with pytest.raises(ValueError, match="overflow the model's context of 256 tokens"):
+        never.example(random.Random(0), {})
+
+
 def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):
     """Records turns: installed packages' metadata as spans of one shape, and a question (sometimes the second of
     a conversation, after the first one's answer) about a package among them."""
-    import random
-
     from sglang_pic.frontend_lang.markers import PDEP_MARKER, SSEP_MARKER
     from sglang_pic.span_adapter.corpus import build_corpus
     from sglang_pic.span_adapter.examples import RECORD_QUESTIONS, ExampleMaker, ExampleSizes

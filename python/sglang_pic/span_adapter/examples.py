@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from sglang_pic.entrypoints.chat_template import load_chat_template, render_chat
 from sglang_pic.entrypoints.openai_protocol import ChatCompletionRequest
 from sglang_pic.frontend_lang.markers import span
-from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq
 from sglang_pic.managers.req import Req
-from sglang_pic.managers.request_builder import RequestBuilder
+from sglang_pic.managers.request_builder import ContextOverflow, RequestBuilder
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.server_args import ServerArgs
 from sglang_pic.span_adapter.corpus import Corpus, Function, Package
@@ -73,6 +73,7 @@ RECORD_SENTENCES = {
 PREFACES = ("", "", "Here are some documents.\n", "Read the following texts.\n")
 KINDS = {"docs": 0.45, "code": 0.15, "tools": 0.2, "records": 0.2}  # turn kinds and their default weights
 SECOND_QUESTION_SHARE = 0.35  # records turns asked as a conversation's second question
+DRAWS = 50  # prompts drawn for one example before giving up on ever fitting the model's context
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,10 @@ class Example:
 class ExampleMaker:
     """Builds examples without a model: the server's chat rendering, segmenter and span settings."""
 
-    def __init__(self, model_dir: str, corpus: Corpus, sizes: ExampleSizes, kinds: dict[str, float] | None = None
-                 ) -> None:
-        """`kinds`: the turn kinds' weights (default KINDS); a kind the model or corpus cannot make is left out."""
+    def __init__(self, model_dir: str, corpus: Corpus, sizes: ExampleSizes, kinds: dict[str, float] | None = None,
+                 answer_tokens: int = 1) -> None:
+        """`kinds`: the turn kinds' weights (default KINDS); a kind the model or corpus cannot make is left out.
+        `answer_tokens`: the room a prompt leaves in the model's context for the teacher's answer."""
         self.args = ServerArgs.from_kwargs(model_path=model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         config = ModelConfig.from_server_args(model_dir, self.args, device="cpu")
@@ -103,6 +105,7 @@ class ExampleMaker:
         self.chat_template = load_chat_template(None, self.tokenizer)
         self.corpus = corpus
         self.sizes = sizes
+        self.answer_tokens = answer_tokens
         self.eos_token_ids = sorted(config.eos_token_ids)
         left_out = {"tools"} if not self._renders_tools() else set()
         if sizes.max_docs < 2 or len(corpus.packages) < sizes.max_docs:  # rival values need two records
@@ -173,12 +176,23 @@ class ExampleMaker:
             later = [{"role": "assistant", "content": answer}, {"role": "user", "content": second}]
         return _ask(rng, system, docs, first, later)
 
+    def _build(self, rng: random.Random, given: dict) -> TokenizedGenerateReq:
+        """A prompt drawn until one leaves room for the answer in the model's context (a long record or tool list
+        can overflow a small model's), as the engine's request for it."""
+        params = {"max_new_tokens": self.answer_tokens}
+        for _ in range(DRAWS):
+            try:
+                return self.builder.build(GenerateReqInput(text=self.prompt(rng), sampling_params=params, **given))[0]
+            except ContextOverflow:
+                continue
+        raise ValueError(f"{DRAWS} prompts in a row overflow the model's context of {self.builder.context_len} tokens "
+                         f"with {self.answer_tokens} answer tokens; lower --docs, --passage-tokens or --answer-tokens")
+
     def example(self, rng: random.Random, setting: dict) -> Example:
         """An example under `setting` (span fields such as span_anchor, span_head_tokens); an empty setting is a
         dense turn: the same prompt with full attention, trained on the same rows."""
-        marked = self.prompt(rng)
         given = setting or {"span_anchor": "none", "span_head_tokens": 0}
-        msg = self.builder.build(GenerateReqInput(text=marked, sampling_params={"max_new_tokens": 1}, **given))[0]
+        msg = self._build(rng, given)
         layout = segments_layout(Req.from_wire(msg).segments)
         first_span = next(i for i, s in enumerate(layout.scope) if s is not None)
         loss_rows = [i for i in range(first_span, len(layout.ids)) if layout.scope[i] is None]

@@ -163,7 +163,7 @@ class Trainer:
         self.params = [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
         self.corpus = build_corpus()
-        self.maker = ExampleMaker(self.model_dir, self.corpus, config.sizes, config.turn_kinds)
+        self.maker = ExampleMaker(self.model_dir, self.corpus, config.sizes, config.turn_kinds, config.answer_tokens)
         self.step = 0
         self.history: list[dict] = []
         self.init_record: dict | None = None  # the adapter this run started from, as the record names it
