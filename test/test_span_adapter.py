@@ -94,7 +94,7 @@ def test_training_layout_equals_the_engine_with_the_adapter_merged(adapted, name
 def test_a_padded_batch_holds_each_layouts_mask():
     """The batch mask, built on the device: each layout's own mask in its corner, padding rows seeing only
     themselves and no real row seeing padding."""
-    from sglang_pic.span_adapter.trainer import _pad_batch
+    from sglang_pic.span_adapter.trainer import PAD_MULTIPLE, _pad_batch
 
     long, short = SpanLayout(), SpanLayout()
     long.add([1, 2, 3], 0, None, True)
@@ -104,10 +104,13 @@ def test_a_padded_batch_holds_each_layouts_mask():
     short.add([1, 2], 0, None, True)
     short.add([6, 7], 2, 1, True)
     ids, pos, mask = _pad_batch([long, short], torch.device("cpu"))
-    assert mask.shape == (2, 1, 10, 10) and ids[1, 4:].tolist() == [0] * 6 and pos[0].tolist() == long.positions
-    assert torch.equal(mask[0, 0], long.mask())
+    n = PAD_MULTIPLE  # both padded to one multiple: never a length of 64 mod 128
+    assert mask.shape == (2, 1, n, n) and ids[1, 4:].tolist() == [0] * (n - 4)
+    assert pos[0, :10].tolist() == long.positions
+    assert torch.equal(mask[0, 0, :10, :10], long.mask()) and not mask[0, 0, :10, 10:].any()
     assert torch.equal(mask[1, 0, :4, :4], short.mask()) and not mask[1, 0, :4, 4:].any()
-    assert torch.equal(mask[1, 0, 4:], torch.eye(10, dtype=torch.bool)[4:])
+    eye = torch.eye(n, dtype=torch.bool)
+    assert torch.equal(mask[0, 0, 10:], eye[10:]) and torch.equal(mask[1, 0, 4:], eye[4:])
 
 
 def test_dense_turns_equal_the_engine_with_the_adapter_merged(adapted):

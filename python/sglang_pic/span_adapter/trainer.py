@@ -34,6 +34,10 @@ from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
 logger = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.pt"
 KL_ROWS = 512  # rows per chunk of the loss: a [rows, vocab] float32 block at a time
+# Batches are padded to a multiple of this length: torch 2.11's cuDNN attention backward on H100/H200 returns NaN
+# query gradients for masked sequences of length 64 mod 128 (pytorch/pytorch#196678), the likely source of the
+# skipped updates (12 in 837 steps, about the share of micro-batches with such a length).
+PAD_MULTIPLE = 128
 
 
 @dataclass
@@ -74,9 +78,10 @@ def _device(name: str, group: Group) -> torch.device:
 
 
 def _pad_batch(layouts: list[SpanLayout], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids, positions and a [B, 1, L, L] boolean mask, built on the device (on the host, the masks of a step's
-    2,000-token layouts took a large share of the step); padding rows see only themselves (no row is all masked)."""
-    length = max(len(lay.ids) for lay in layouts)
+    """ids, positions and a [B, 1, L, L] boolean mask, L the longest layout rounded up to PAD_MULTIPLE, built on
+    the device (on the host, the masks of a step's 2,000-token layouts took a large share of the step); padding
+    rows see only themselves (no row is all masked)."""
+    length = -(-max(len(lay.ids) for lay in layouts) // PAD_MULTIPLE) * PAD_MULTIPLE
     ids = torch.zeros(len(layouts), length, dtype=torch.long)
     pos = torch.zeros(len(layouts), length, dtype=torch.long)
     scope = torch.full((len(layouts), length), -1, dtype=torch.long)
