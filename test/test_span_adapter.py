@@ -12,6 +12,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,18 +220,24 @@ def test_two_processes_train_the_adapter_one_process_trains(tiny_qwen2, tmp_path
         assert bool(b.abs().sum() > 0)
 
 
-def test_training_starts_from_a_saved_adapter(adapted, tiny_qwen2, tmp_path):
-    """--init-adapter: the run's LoRA factors start as the saved ones (at lr 0 the adapter it writes is the same), and
-    the record names where it started."""
+def _continued_at_lr_0(folder, model: Path, out: Path, rank: int, alpha: float) -> tuple[SpanAdapter, SpanAdapter]:
+    """One training step at lr 0 from the adapter in `folder`: (that adapter, the one the run wrote)."""
     from sglang_pic.span_adapter.examples import ExampleSizes
     from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
 
-    _, _, folder, _ = adapted
-    config = TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "next"), steps=1, batch_size=1, lr=0.0,
-                         rank=4, alpha=8.0, answer_tokens=2, sizes=ExampleSizes(2, 2, 16, 32), device="cpu",
-                         init_adapter=str(folder))
+    config = TrainConfig(model_path=str(model), out=str(out), steps=1, batch_size=1, lr=0.0, rank=rank, alpha=alpha,
+                         answer_tokens=2, sizes=ExampleSizes(2, 2, 16, 32), device="cpu", init_adapter=str(folder))
     Trainer(config).train()
-    before, after = load_adapter(folder), load_adapter(config.out)
+    return load_adapter(folder), load_adapter(out)
+
+
+def test_training_starts_from_a_saved_adapter(adapted, tiny_qwen2, tmp_path):
+    """--init-adapter: the run's LoRA factors start as the saved ones (at lr 0 the adapter it writes is the same), and
+    the record names where it started."""
+    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
+
+    _, _, folder, _ = adapted
+    before, after = _continued_at_lr_0(folder, tiny_qwen2, tmp_path / "next", rank=4, alpha=8.0)
     for name, (a, b) in before.factors.items():
         assert torch.equal(after.factors[name][0], a.to(torch.bfloat16)) and bool(b.abs().sum() > 0)
         assert torch.equal(after.factors[name][1], b.to(torch.bfloat16))
@@ -243,15 +250,8 @@ def test_training_starts_from_a_saved_adapter(adapted, tiny_qwen2, tmp_path):
 
 def test_a_saved_adapter_goes_on_at_a_higher_rank(adapted, tiny_qwen2, tmp_path):
     """Rank 4 -> 8 at the same alpha / rank: at lr 0 every layer's update B A is the saved one."""
-    from sglang_pic.span_adapter.examples import ExampleSizes
-    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
-
     _, _, folder, _ = adapted
-    config = TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "wider"), steps=1, batch_size=1, lr=0.0,
-                         rank=8, alpha=16.0, answer_tokens=2, sizes=ExampleSizes(2, 2, 16, 32), device="cpu",
-                         init_adapter=str(folder))
-    Trainer(config).train()
-    before, after = load_adapter(folder), load_adapter(config.out)
+    before, after = _continued_at_lr_0(folder, tiny_qwen2, tmp_path / "wider", rank=8, alpha=16.0)
     assert after.rank == 8
     for name, (a, b) in before.factors.items():
         wide_a, wide_b = after.factors[name]

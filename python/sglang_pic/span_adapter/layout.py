@@ -68,8 +68,12 @@ def segments_layout(segments) -> SpanLayout:
 def layout_mask(scope: Sequence[int | None], visible: Sequence[bool]) -> torch.Tensor:
     """[L, L] boolean: token i attends to token j (causal; a span piece's tokens see their piece and its hidden copy,
     other tokens every visible token)."""
-    sc = torch.tensor([-1 if s is None else s for s in scope])
-    return scope_mask(sc, torch.tensor(list(visible), dtype=torch.bool))
+    return scope_mask(scope_ids(scope), torch.tensor(list(visible), dtype=torch.bool))
+
+
+def scope_ids(scope: Sequence[int | None]) -> torch.Tensor:
+    """Scopes as a tensor, -1 for none."""
+    return torch.tensor([-1 if s is None else s for s in scope], dtype=torch.long)
 
 
 def scope_mask(scope: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

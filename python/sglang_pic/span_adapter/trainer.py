@@ -28,7 +28,7 @@ from sglang_pic.model_loader.span_adapter import WEIGHTS, load_adapter, save_ada
 from sglang_pic.span_adapter.corpus import build_corpus
 from sglang_pic.span_adapter.data_parallel import Group
 from sglang_pic.span_adapter.examples import KINDS, Example, ExampleMaker, ExampleSizes
-from sglang_pic.span_adapter.layout import SpanLayout, scope_mask
+from sglang_pic.span_adapter.layout import SpanLayout, scope_ids, scope_mask
 from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class TrainConfig:
     warmup_steps: int = 20
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # 0: no limit; else checkpoint and stop after this long (a device call is bounded)
-    init_adapter: str | None = None  # a saved adapter folder to start from (same rank and alpha) instead of B = 0
+    init_adapter: str | None = None  # a saved adapter to start from (rank up to this one's, same alpha / rank)
     device: str = "auto"
 
 
@@ -90,7 +90,7 @@ def _pad_batch(layouts: list[SpanLayout], device: torch.device) -> tuple[torch.T
         n = len(lay.ids)
         ids[b, :n] = torch.tensor(lay.ids)
         pos[b, :n] = torch.tensor(lay.positions)
-        scope[b, :n] = torch.tensor([-1 if s is None else s for s in lay.scope])
+        scope[b, :n] = scope_ids(lay.scope)
         visible[b, :n] = torch.tensor(lay.visible)
     lengths = torch.tensor([len(lay.ids) for lay in layouts], device=device)
     scope, visible = scope.to(device), visible.to(device)
