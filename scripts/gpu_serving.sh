@@ -4,8 +4,9 @@
 # phase against a fresh server on the dummy Llama-3-8B shape (benchmark/make_config.py), with its step trace,
 # bench_serving's JSON line and the server log under OUT. Usage:
 #   bash scripts/gpu_serving.sh OUT BACKEND PHASE...
-# Phases: cold (the issue's command, then the step breakdown), rates (4, 8, 16, 32 req/s, 400 prompts each, cache
-# flushed between), gsp (generated-shared-prefix 32 x 16, 2,048-token system prompt), long (input 256, output 2,048).
+# Phases: cold (the issue's command, then the step breakdown), rates (4, 8, 16, 32 req/s, or those RATES lists; 400
+# prompts each, cache flushed between), gsp (generated-shared-prefix 32 x 16, 2,048-token system prompt), long
+# (input 256, output 2,048).
 # SERVER_ARGS adds server flags (e.g. "--max-running-requests 512"); TAG names the run's files (default: BACKEND);
 # BREAKDOWN_ARGS adds flags of bench_serving_breakdown.py (fp8 weights: "--weight-bytes 1.13 --tflops 1580
 # --attention-tflops 790"; an H100: "--hbm-tbps 3.35").
@@ -56,7 +57,7 @@ for phase in "$@"; do
       tail -40 "$out/breakdown_${tag}.txt"
       ;;
     rates)
-      for rate in 4 8 16 32; do
+      for rate in ${RATES:-4 8 16 32}; do
         curl -sf -X POST $URL/flush_cache > /dev/null
         bench --dataset-name random-ids --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5 \
           --num-prompts 400 --seed $rate --request-rate $rate --output-file "$res" >> "$out/bench_${tag}_rates.txt" 2>&1

@@ -6,7 +6,7 @@ arithmetic as is: Triton 3.9's interpreter cast from float32 to float8e4nv is wr
 rounding that carries into an odd exponent loses that exponent's bit: 0.0302734375 becomes 0.015625, not 0.03125;
 about 1% of random values), but exact on values already on the grid. The `every_bf16` and `ties` cases quantize
 under a scale of exactly 1, so every finite bf16 value up to 448 and every tie between e4m3 values is rounded as is.
-The GPU tests check the compiled kernel against the same reference, and fp8_linear that feeds it to _scaled_mm.
+The GPU tests check the compiled kernel against the same reference, and the W8A8 linear that feeds it to _scaled_mm.
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ import pytest
 import torch
 from interpreted_child import interpreted_report
 
-from sglang_pic.layers.quant_fp8 import FP8, FP8_MAX, MIN_AMAX, fp8_linear, fp8_linear_reference, quantize_rows
+from sglang_pic.layers.quant_fp8 import (
+    FP8,
+    FP8_MAX,
+    MIN_AMAX,
+    activation_quantized_linear,
+    fp8_linear_reference,
+    quantize_rows,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CASES = ("random_5x100", "one_row_4096", "two_blocks_5000", "mlp_row_14336", "strided_3x96", "tokens_2x3x64",
@@ -159,23 +166,21 @@ def test_cuda_kernel_is_the_cpu_reference_bit_for_bit(dtype: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", ["one_row_4096", "mlp_row_14336", "strided_3x96", "tokens_2x3x64"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fp8_linear_feeds_the_kernel_to_scaled_mm(case: str, dtype: str, bias: bool) -> None:
-    """fp8_linear on CUDA (one token, an MLP row, strided rows, leading dims) is _scaled_mm over the CPU reference's
-    quantized activations, exactly, and within fp8's error of the float linear (the bound test_fp8_weights.py uses)."""
+def test_activation_quantized_linear_feeds_the_kernel_to_scaled_mm(case: str, dtype: str) -> None:
+    """The W8A8 linear on CUDA (one token, an MLP row, strided rows, leading dims) is _scaled_mm over the CPU
+    reference's quantized activations, exactly, and within fp8's error of the float linear (the bound
+    test_fp8_weights.py uses)."""
     needs_fp8()
     x = make_case(case, DTYPES[dtype])
+    rows = x.reshape(-1, x.shape[-1])
     gen = torch.Generator().manual_seed(7)
     q, scale = (t.cuda() for t in quantize_rows(torch.randn(384, x.shape[-1], generator=gen) * 0.02))
-    b = torch.randn(384, generator=gen).to(x.dtype) if bias else None
-    out = fp8_linear(x.cuda(), q, scale, None if b is None else b.cuda())
-    xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = activation_quantized_linear(rows.cuda(), q, scale)
+    xq, x_scale = quantize_rows(rows)
     expected = torch._scaled_mm(xq.cuda(), q.t(), scale_a=x_scale.cuda().unsqueeze(1), scale_b=scale.unsqueeze(0),
-                                out_dtype=torch.bfloat16).to(x.dtype).reshape(out.shape)
-    if b is not None:
-        expected = expected + b.cuda()
-    assert out.shape == (*x.shape[:-1], 384) and torch.equal(out, expected)
-    reference = fp8_linear_reference(x, q.cpu(), scale.cpu(), b).float()
+                                out_dtype=torch.bfloat16)
+    assert out.shape == (rows.shape[0], 384) and torch.equal(out, expected)
+    reference = fp8_linear_reference(rows, q.cpu(), scale.cpu()).float()
     assert (out.cpu().float() - reference).norm() / reference.norm() < 0.06
 
 

@@ -4,8 +4,9 @@ The math (scales of exactly amax / 448, the CPU path that mirrors torch._scaled_
 linear), the load (only the decoder's linears quantized, scales of the packed parts), fp8 checkpoints loaded as
 stored (compressed-tensors and fbgemm_fp8, per-channel and per-tensor scales), and the engine's greedy tokens
 against HF transformers whose linear layers run this file's own fp8 math: at tp 1, at tp 2 (each rank scales its
-slice of a row-parallel layer's input), after weight updates, with chunked prefill, spans and an fp8 KV cache. The
-GPU tests check the _scaled_mm path against the CPU one.
+slice of a row-parallel layer's input), after weight updates, with chunked prefill, spans and an fp8 KV cache. Up
+to GEMV_MAX_M bf16/fp16 rows (decode) the activations stay unquantized (W8A16). The GPU tests check the CUDA paths
+(_scaled_mm, the W8A16 kernel) against the CPU ones.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from sglang_pic import Engine
 from sglang_pic.frontend_lang.markers import span
-from sglang_pic.layers.quant_fp8 import fp8_linear, fp8_linear_reference, quantize_rows
+from sglang_pic.kernels import fp8_gemv
+from sglang_pic.layers.quant_fp8 import GEMV_MAX_M, fp8_linear, fp8_linear_reference, quantize_rows
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_loader.loader import load_model
 from sglang_pic.server_args import ServerArgs
@@ -191,6 +193,17 @@ def test_fp8_linear_within_fp8_error_of_float(dtype):
     for target in (fp8_linear_reference(x, q, scale, bias), (x.float() @ w.t() + bias.float()).to(dtype)):
         rel = (out.float() - target.float()).norm() / target.float().norm()
         assert 1e-4 < rel < 0.06, rel
+
+
+def test_cpu_decode_rows_are_weight_only_math():
+    """Up to GEMV_MAX_M bf16 rows: activations unquantized, fp32 sums of x times the dequantized weight, rounded
+    once to bf16, as the GPU's W8A16 kernel does; one row more is the per-token quantized math."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(GEMV_MAX_M + 1, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen)
+    q, scale = quantize_rows(w)
+    expected = ((x[:GEMV_MAX_M].float() @ q.float().t()) * scale).bfloat16()
+    assert torch.equal(fp8_linear(x[:GEMV_MAX_M], q, scale), expected)
+    assert torch.equal(fp8_linear(x, q, scale), Fp8Reference(q, scale, None, shards=1)(x.float()).bfloat16())
 
 
 def test_cpu_path_is_the_scaled_mm_math():
@@ -368,8 +381,9 @@ def needs_fp8_gemm() -> None:
 @pytest.mark.parametrize("m", [1, 7, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_scaled_mm_matches_the_cpu_path(m, dtype, bias):
-    """_scaled_mm with row-wise scales against the CPU path on the same operands: equal up to summation order."""
+def test_cuda_fp8_linear_matches_the_cpu_path(m, dtype, bias):
+    """fp8_linear on CUDA (bf16 at 1 and 7 rows: the W8A16 kernel; else _scaled_mm with row-wise scales) against the
+    CPU path on the same operands: equal up to summation order."""
     needs_fp8_gemm()
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 512, generator=gen).to(dtype)
@@ -414,17 +428,25 @@ def test_cuda_engine_agrees_with_the_cpu_fp8_engine(tiny_llama, fp8_checkpoints,
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_in_bf16_decodes_what_it_prefills(tiny_qwen2, monkeypatch):
-    """The usual serving dtype: bf16 activations quantized per token, q/k/v biases added to the bf16 GEMM output;
-    decoding (CUDA graphs) and prefilling the same tokens agree."""
+    """The usual serving dtype, q/k/v biases added to the bf16 output: decoding (3 rows a step, the W8A16 kernel in
+    CUDA graphs) and prefilling the same tokens (activations quantized per token, _scaled_mm) agree up to the
+    activations' fp8 rounding."""
     needs_fp8_gemm()
     calls = count_scaled_mm(monkeypatch)
+    gemv_calls, gemv = [], fp8_gemv.fp8_weight_matmul
+
+    def counted_gemv(*args, **kwargs):
+        gemv_calls.append(1)
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gemv, "fp8_weight_matmul", counted_gemv)
     with Engine(model_path=str(tiny_qwen2), quantization="fp8", device="cuda", attention_backend="triton",
                 **{**ENGINE, "dtype": "bfloat16"}) as gpu:
         assert gpu.runner.graph_runner is not None
         tokens, logprobs = decoded(gpu)
         forced = forced_logprobs(gpu, tokens)
     assert_close_logprobs(forced, logprobs)
-    assert calls
+    assert calls and gemv_calls
 
 
 def count_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -45,7 +45,8 @@ class ServerArgs:
         "fp8: every linear layer of the decoder (attention and MLP projections) holds float8_e4m3fn weights with "
         "one scale per output channel, quantized at load from a bf16/fp16/fp32 checkpoint, and quantizes its "
         "activations per token as it runs (torch._scaled_mm on GPUs of compute capability 8.9+, a matmul with the "
-        "same rounding on CPU); the LM head and embeddings keep the model's dtype. fp8 checkpoints "
+        "same rounding on CPU), except in steps of up to 16 bf16/fp16 rows (decode), which multiply unquantized "
+        "activations with the fp8 weights; the LM head and embeddings keep the model's dtype. fp8 checkpoints "
         "(compressed-tensors float-quantized, fbgemm_fp8) load as stored, scales included. default: none, unless "
         "the checkpoint is fp8.",
     )

@@ -3,7 +3,10 @@
 The served path (`fp8_linear`) quantizes each token's activations, multiplies the fp8 operands with fp32
 accumulation, applies both scales and rounds to bf16: on CUDA sm_89+ through `torch._scaled_mm` with row-wise
 scales, elsewhere (CPU, and shapes _scaled_mm refuses) by the same steps in fp32, whose products of fp8 values are
-exact, so CPU tests check the numbers a GPU serves up to summation order. `fp8_linear_reference` is the float
+exact, so CPU tests check the numbers a GPU serves up to summation order. At decode sizes (up to GEMV_MAX_M rows of
+bf16/fp16) it leaves the activations unquantized instead (W8A16): a decode step is bound by weight bytes, and one
+Triton kernel (kernels/fp8_gemv.py) reads each fp8 weight byte once where _scaled_mm at one row was slower than the
+bf16 GEMV it replaces; the CPU does the same math in fp32. `fp8_linear_reference` is the float
 linear over the dequantized weights, the target the fp8 error is measured against. Activations are quantized by
 `quantize_rows` on CPU and, before _scaled_mm, by one Triton kernel (kernels/quant_fp8.py) that gives the same fp8
 values and scales bit for bit in one kernel instead of four or five. Values are clamped before the rounding to fp8
@@ -22,6 +25,10 @@ MIN_AMAX = 1e-12  # an all-zero row still gets a finite scale (and quantizes to 
 GEMM_OUT_DTYPE = torch.bfloat16  # row-wise _scaled_mm writes bf16 on every GPU that has it
 # _scaled_mm needs both dims of the weight to be multiples of 16.
 GEMM_ALIGN = 16
+# Rows up to which bf16/fp16 activations stay unquantized (W8A16, decode): on one H100 the kernel's Llama-3-8B layer
+# took 110 us against _scaled_mm's 143 at 16 rows, and lost at 32 (160 against 137).
+GEMV_MAX_M = 16
+WEIGHT_ONLY_DTYPES = (torch.bfloat16, torch.float16)
 # Checkpoint tensors of static activation scales, unused: activations are quantized per token at run time.
 ACTIVATION_SCALE_NAMES = ("input_scale", "input_scale_ub")
 
@@ -77,21 +84,37 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] @ the fp8 weight [N, K] (float32 scales [N]) + bias, in x's dtype, as served."""
     rows = x.reshape(-1, x.shape[-1])
-    if _uses_scaled_mm(rows, weight):
-        from sglang_pic.kernels.quant_fp8 import quantize_rows_fp8
-
-        xq, x_scale = quantize_rows_fp8(rows, MIN_AMAX)
-        out = torch._scaled_mm(
-            xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0), out_dtype=GEMM_OUT_DTYPE
-        )
+    if rows.shape[0] <= GEMV_MAX_M and x.dtype in WEIGHT_ONLY_DTYPES:
+        out = weight_only_linear(rows, weight, weight_scale)
     else:
-        xq, x_scale = quantize_rows(rows)
-        acc = xq.float() @ weight.float().t()
-        out = (acc * x_scale.unsqueeze(1) * weight_scale.unsqueeze(0)).to(GEMM_OUT_DTYPE)
+        out = activation_quantized_linear(rows, weight, weight_scale)
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def weight_only_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] (bf16/fp16) @ the dequantized weight, float32 sums rounded to rows' dtype: W8A16."""
+    if rows.is_cuda:
+        from sglang_pic.kernels.fp8_gemv import fp8_weight_matmul
+
+        return fp8_weight_matmul(rows, weight, weight_scale)
+    return ((rows.float() @ weight.float().t()) * weight_scale).to(rows.dtype)
+
+
+def activation_quantized_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] quantized per token, times the fp8 weight, both scales applied, in bf16: W8A8."""
+    if _uses_scaled_mm(rows, weight):
+        from sglang_pic.kernels.quant_fp8 import quantize_rows_fp8
+
+        xq, x_scale = quantize_rows_fp8(rows, MIN_AMAX)
+        return torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0), out_dtype=GEMM_OUT_DTYPE
+        )
+    xq, x_scale = quantize_rows(rows)
+    acc = xq.float() @ weight.float().t()
+    return (acc * x_scale.unsqueeze(1) * weight_scale.unsqueeze(0)).to(GEMM_OUT_DTYPE)
 
 
 def fp8_linear_reference(
