@@ -17,8 +17,15 @@ Per step it reports CPU time of this thread (torch runs single-threaded, so othe
   gc      Python's cyclic garbage collector, wherever it struck during the step
   host    sched + output + gc, the mean per step
 
+On a GPU (--engine-args with "device": "cuda") the forward's CPU time is what launching a step's kernels costs the
+host, which bounds eager steps (mixed steps, prefills) when it exceeds their device time; --profile shows where it
+goes.
+
 Usage: python benchmark/bench_step_overhead.py [--batch-sizes 128,512] [--steps 40] [--skip-forward]
        python benchmark/bench_step_overhead.py --batch-sizes 512 --phases mixed --profile mixed:512
+       python benchmark/bench_step_overhead.py --model-path build/llama3-8b-dummy --load-format dummy --batch-sizes 128 \
+           --phases mixed --engine-args '{"device": "cuda", "dtype": "bfloat16", "quantization": "fp8"}' \
+           --profile mixed:128
 """
 
 from __future__ import annotations
@@ -215,6 +222,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--corpus-size", type=int, default=200)
     p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL, help="a tiny Llama, built here on first use")
     p.add_argument("--load-format", default="auto", help="dummy: random weights from the model's config.json")
+    p.add_argument("--engine-args", type=json.loads, default={},
+                   help='more Engine arguments, as JSON: on a GPU, \'{"device": "cuda", "dtype": "bfloat16"}\' makes '
+                        "`forward` the host time of launching the model's steps")
     p.add_argument("--skip-forward", action="store_true",
                    help="random logits instead of the model's forward (faster; the host work is the same)")
     p.add_argument("--profile", help="PHASE:BATCH to run under cProfile (prints the top functions)")
@@ -228,11 +238,11 @@ def measure(args: argparse.Namespace) -> list[PhaseResult]:
     model = ensure_model(args.model_path)
     results = []
     for batch in (int(x) for x in args.batch_sizes.split(",")):
-        engine = Engine(
-            model_path=str(model), dtype="float32", context_length=CONTEXT, schedule_policy="isps",
-            max_running_requests=batch + batch // args.new_tokens + 8, max_total_tokens=262144,
-            random_seed=args.seed, load_format=args.load_format,
-        )
+        engine = Engine(**{
+            "model_path": str(model), "dtype": "float32", "context_length": CONTEXT, "schedule_policy": "isps",
+            "max_running_requests": batch + batch // args.new_tokens + 8, "max_total_tokens": 262144,
+            "random_seed": args.seed, "load_format": args.load_format, **args.engine_args,
+        })
         workload = Workload(engine.model_config.vocab_size, args.corpus_size, args.passages, args.seed)
         warm_cache(engine, workload, batch)
         clock = StepClock(engine, args.skip_forward)
