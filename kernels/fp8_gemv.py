@@ -6,14 +6,14 @@ one H100, Llama-3-8B's down_proj took 56 us there against bf16's 43, and 26 us h
 straight from fp8, and the activations are not quantized.
 
 Program (n, s, m) owns BLOCK_N weight rows, the s-th of `split` runs of K (whole BLOCK_K steps) and BLOCK_M activation
-rows. Each step loads a [BLOCK_N, BLOCK_K] fp8 tile, widens it and accumulates its products with the activation rows
-in float32: below `dot_min_m` rows by multiplying the tile (in float32) with one activation row at a time and summing
-over K, from there by tl.dot over the tile converted to the activation dtype, the rows padded to 16 or 32 (tl.dot's
-smallest tile is 16; the CPU interpreter, which multiplies bf16 tiles wrongly, gets float32 ones). Both are exact
-products (every e4m3 value is a bf16 and an fp16 value), so results differ from float32 math only by the order of
-the sums. Unsplit, each program scales its sums by its rows' scales and writes them in x's dtype. Where the grid would
-have fewer than `min_programs` programs, too few loads in flight to keep memory busy, K is split: the programs write
-float32 partial sums that a second launch adds in split order (deterministic, unlike atomics), scales and narrows.
+rows, padded to 16 or 32 (tl.dot's smallest tile is 16). Each step loads a [BLOCK_N, BLOCK_K] fp8 tile, converts it
+to the activation dtype and accumulates its tl.dot with the rows in float32 (the CPU interpreter, which multiplies
+bf16 tiles wrongly, gets float32 ones). The products are exact (every e4m3 value is a bf16 and an fp16 value), so
+results differ from float32 math only by the order of the sums; on one H100 this beat multiplying the tile with one
+row at a time on CUDA cores at every size from 1 to 32 rows. Unsplit, each program scales its sums by its rows' scales
+and writes them in x's dtype. Where the grid would have fewer than `min_programs` programs, too few loads in flight to
+keep memory busy, K is split: the programs write float32 partial sums that a second launch adds in split order
+(deterministic, unlike atomics), scales and narrows.
 """
 
 from __future__ import annotations
@@ -37,18 +37,19 @@ class GemvConfig:
     block_n: int  # weight rows per program
     block_k: int  # weight columns per step
     num_warps: int
-    dot_min_m: int = 16  # activation rows from which tl.dot is used
     min_programs: int = 0  # K is split over programs until the grid has at least this many
 
 
 # Launch shapes the benchmark compares on the GPU. 528 programs: four per SM of an H100 (132 SMs).
 CONFIGS = {
-    "n16_k512": GemvConfig(block_n=16, block_k=512, num_warps=4),
-    "n16_k512_split": GemvConfig(block_n=16, block_k=512, num_warps=4, min_programs=528),
     "n32_k256_split": GemvConfig(block_n=32, block_k=256, num_warps=4, min_programs=528),
-    "n32_k256_split_dot": GemvConfig(block_n=32, block_k=256, num_warps=4, dot_min_m=1, min_programs=528),
+    "n64_k256_split": GemvConfig(block_n=64, block_k=256, num_warps=4, min_programs=528),
+    "n32_k512_split": GemvConfig(block_n=32, block_k=512, num_warps=8, min_programs=528),
+    "n32_k256_split1056": GemvConfig(block_n=32, block_k=256, num_warps=4, min_programs=1056),
 }
-DEFAULT_CONFIG = CONFIGS["n32_k256_split_dot"]  # the fastest of the four at every size from 1 to 32 rows on one H100
+# Of the shapes measured (the first above and three without tl.dot below 16 rows) the fastest at every size from 1 to
+# 32 rows on one H100; the rest await their measurement.
+DEFAULT_CONFIG = CONFIGS["n32_k256_split"]
 
 
 @triton.jit
@@ -66,7 +67,6 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
@@ -75,12 +75,12 @@ def _gemv_kernel(
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
-    rows_m = tl.arange(0, BLOCK_M)
-    offs_m = pid_m * BLOCK_M + rows_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)[None, :]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    m_mask = offs_m[:, None] < m_rows
     n_mask = offs_n[:, None] < n_rows
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, n_cols)
@@ -88,19 +88,10 @@ def _gemv_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
         w = tl.load(w_rows + k, mask=n_mask & (k < n_cols), other=0.0)
-        if USE_DOT:
-            x = tl.load(x_rows + k, mask=(offs_m[:, None] < m_rows) & (k < n_cols), other=0.0)
-            acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
-        else:
-            wf = w.to(tl.float32)
-            for i in tl.static_range(BLOCK_M):
-                row = pid_m * BLOCK_M + i
-                k_bound = tl.where(row < m_rows, n_cols, 0)  # a row past M loads nothing
-                xi = tl.load(x_ptr + row.to(tl.int64) * stride_x + k, mask=k < k_bound, other=0.0)
-                part = tl.sum(wf * xi.to(tl.float32), axis=1)
-                acc = tl.where(rows_m[:, None] == i, acc + part[None, :], acc)
+        x = tl.load(x_rows + k, mask=m_mask & (k < n_cols), other=0.0)
+        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc)
     out_offs = offs_m.to(tl.int64)[:, None] * n_rows + offs_n[None, :]
-    mask = (offs_m[:, None] < m_rows) & (offs_n[None, :] < n_rows)
+    mask = m_mask & (offs_n[None, :] < n_rows)
     if SPLIT:
         tl.store(out_ptr + pid_s.to(tl.int64) * m_rows * n_rows + out_offs, acc, mask=mask)
     else:
@@ -136,8 +127,7 @@ def fp8_weight_matmul(
     m = rows.shape[0]
     out = torch.empty((m, n_rows), dtype=x.dtype, device=x.device)
     if m:
-        use_dot = m >= config.dot_min_m
-        block_m = (16 if m <= 16 else 32) if use_dot else min(16, triton.next_power_of_2(m))
+        block_m = 16 if m <= 16 else 32
         k_steps = triton.cdiv(n_cols, config.block_k)
         programs = triton.cdiv(n_rows, config.block_n) * triton.cdiv(m, block_m)
         steps_per_split = triton.cdiv(k_steps, min(k_steps, max(1, triton.cdiv(config.min_programs, programs))))
@@ -158,7 +148,6 @@ def fp8_weight_matmul(
             BLOCK_M=block_m,
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
-            USE_DOT=use_dot,
             DOT_DTYPE=dot_operand_dtype(x.dtype, x.device),
             SPLIT=split > 1,
             num_warps=config.num_warps,
