@@ -6,11 +6,11 @@ scales, elsewhere (CPU, and shapes _scaled_mm refuses) by the same steps in fp32
 exact, so CPU tests check the numbers a GPU serves up to summation order. At decode sizes (up to GEMV_MAX_M rows of
 bf16/fp16) it leaves the activations unquantized instead (W8A16): a decode step is bound by weight bytes, and one
 Triton kernel (kernels/fp8_gemv.py) reads each fp8 weight byte once where _scaled_mm at one row was slower than the
-bf16 GEMV it replaces; the CPU does the same math in fp32. `fp8_linear_reference` is the float
-linear over the dequantized weights, the target the fp8 error is measured against. Activations are quantized by
-`quantize_rows` on CPU and, before _scaled_mm, by one Triton kernel (kernels/quant_fp8.py) that gives the same fp8
-values and scales bit for bit in one kernel instead of four or five. Values are clamped before the rounding to fp8
-because CUDA turns overflow into NaN where the CPU saturates.
+bf16 GEMV it replaces; the CPU does the same math in fp32. `fp8_linear_reference` is the float linear over the
+dequantized weights, the target the fp8 error is measured against. Activations are quantized by `quantize_rows` on
+CPU and, before _scaled_mm, by one Triton kernel (kernels/quant_fp8.py) that gives the same fp8 values and scales
+bit for bit in one kernel instead of four or five. Values are clamped before the rounding to fp8 because CUDA turns
+overflow into NaN where the CPU saturates.
 """
 
 from __future__ import annotations
