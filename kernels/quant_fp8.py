@@ -7,7 +7,7 @@ amax, then the values; the second read mostly hits L2) and writes only the fp8 r
 
 The numbers are quantize_rows' on CPU, bit for bit, for finite inputs: the same float32 steps with IEEE division
 (`div_rn`; Triton's `/` is an approximate division on NVIDIA GPUs), then rounding to nearest even onto the e4m3
-grid in float32 (`_round_to_e4m3`) before the cast. Rounding there rather than in the cast because Triton's
+grid in float32 (`round_to_e4m3`) before the cast. Rounding there rather than in the cast because Triton's
 float32 -> fp8 cast rounds differently by version and target (some convert through fp16 first, rounding twice) and
 the interpreter's rounds ties away from zero and can lose a carry; the cast of an e4m3 value is exact on all of
 them. The scale is a true division amax / 448, as torch computes it on CPU (torch on CUDA multiplies by a rounded
@@ -26,7 +26,7 @@ MAX_BLOCK = 4096  # elements per loop step: a Llama-3-8B hidden row (4096) in on
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32. Where 2^e is v's binade
     (at least 2^-6, e4m3's smallest normal), adding 2^(e + 20) leaves float32 a unit of 2^(e - 3), e4m3's spacing
     there, so the float32 addition's own rounding does it; subtracting it back is exact. The sign is v's, zeros'
@@ -65,7 +65,7 @@ def _quantize_rows_kernel(
     for start in range(0, n_cols, BLOCK):
         mask = start + offs < n_cols
         x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max))
+        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max))
         tl.store(q_row + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -25,6 +25,7 @@ from sglang_pic.layers.quant_fp8 import (
     MIN_AMAX,
     activation_quantized_linear,
     fp8_linear_reference,
+    quantize_activations,
     quantize_rows,
 )
 
@@ -175,7 +176,7 @@ def test_activation_quantized_linear_feeds_the_kernel_to_scaled_mm(case: str, dt
     rows = x.reshape(-1, x.shape[-1])
     gen = torch.Generator().manual_seed(7)
     q, scale = (t.cuda() for t in quantize_rows(torch.randn(384, x.shape[-1], generator=gen) * 0.02))
-    out = activation_quantized_linear(rows.cuda(), q, scale)
+    out = activation_quantized_linear(*quantize_activations(rows.cuda()), q, scale)
     xq, x_scale = quantize_rows(rows)
     expected = torch._scaled_mm(xq.cuda(), q.t(), scale_a=x_scale.cuda().unsqueeze(1), scale_b=scale.unsqueeze(0),
                                 out_dtype=torch.bfloat16)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from sglang_pic import Engine
 from sglang_pic.frontend_lang.markers import span
-from sglang_pic.kernels import fp8_gemv
+from sglang_pic.kernels import fp8_gemv, norm_act
 from sglang_pic.layers.quant_fp8 import GEMV_MAX_M, fp8_linear, fp8_linear_reference, quantize_rows
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_loader.loader import load_model
@@ -429,36 +429,36 @@ def test_cuda_engine_agrees_with_the_cpu_fp8_engine(tiny_llama, fp8_checkpoints,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_in_bf16_decodes_what_it_prefills(tiny_qwen2, monkeypatch):
     """The usual serving dtype, q/k/v biases added to the bf16 output: decoding (3 rows a step, the W8A16 kernel in
-    CUDA graphs) and prefilling the same tokens (activations quantized per token, _scaled_mm) agree up to the
-    activations' fp8 rounding."""
+    CUDA graphs) and prefilling the same tokens (activations quantized per token, by the norms and the activation
+    before q|k|v, gate|up and down, then _scaled_mm) agree up to the activations' fp8 rounding."""
     needs_fp8_gemm()
     calls = count_scaled_mm(monkeypatch)
-    gemv_calls, gemv = [], fp8_gemv.fp8_weight_matmul
-
-    def counted_gemv(*args, **kwargs):
-        gemv_calls.append(1)
-        return gemv(*args, **kwargs)
-
-    monkeypatch.setattr(fp8_gemv, "fp8_weight_matmul", counted_gemv)
+    gemv_calls = count_calls(monkeypatch, fp8_gemv, "fp8_weight_matmul")
+    fused_calls = [count_calls(monkeypatch, norm_act, f) for f in ("rms_norm_fp8", "silu_and_mul_fp8")]
     with Engine(model_path=str(tiny_qwen2), quantization="fp8", device="cuda", attention_backend="triton",
                 **{**ENGINE, "dtype": "bfloat16"}) as gpu:
         assert gpu.runner.graph_runner is not None
         tokens, logprobs = decoded(gpu)
         forced = forced_logprobs(gpu, tokens)
     assert_close_logprobs(forced, logprobs)
-    assert calls and gemv_calls
+    assert calls and gemv_calls and all(fused_calls)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[int]:
+    """A list that grows by one at every call of module.name (looked up at call time by its callers)."""
+    calls, inner = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
 
 
 def count_scaled_mm(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one at every torch._scaled_mm call (graph captures included)."""
-    calls, scaled_mm = [], torch._scaled_mm
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return scaled_mm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_scaled_mm", counted)
-    return calls
+    return count_calls(monkeypatch, torch, "_scaled_mm")
 
 
 def assert_close_logprobs(got: list[list[float]], want: list[list[float]]) -> None:

@@ -1,4 +1,5 @@
-"""The RMSNorm and SiLU-and-mul Triton kernels on CPU, under the Triton interpreter, against the layers' torch path.
+"""The RMSNorm and SiLU-and-mul Triton kernels on CPU, under the Triton interpreter, against the layers' torch path,
+and their fp8 variants against quantizing the plain kernels' outputs.
 
 As in test_kernels_triton.py, TRITON_INTERPRET must be set before triton is imported, so the checks run in a child
 process that prints one JSON report.
@@ -23,9 +24,10 @@ def _child_main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import torch
 
-    from sglang_pic.kernels.norm_act import rms_norm, silu_and_mul
+    from sglang_pic.kernels.norm_act import rms_norm, rms_norm_fp8, silu_and_mul, silu_and_mul_fp8
     from sglang_pic.layers.activation import GatedAct
     from sglang_pic.layers.layernorm import RMSNorm
+    from sglang_pic.layers.quant_fp8 import MIN_AMAX, quantize_rows
 
     torch.manual_seed(0)
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -65,6 +67,29 @@ def _child_main() -> None:
             x = torch.randn(rows, 2 * cols, dtype=dtype) * 4
             got = silu_and_mul(x)
             report[f"silu_and_mul_{rows}x{cols}_{name}"] = {"err": worst(got, act(x)), "shape": list(got.shape)}
+
+    def same_fp8(got: tuple, want: tuple) -> bool:
+        """Equal fp8 values (bits: the sign of zero counts) and equal scales, of equal shapes."""
+        return all(g.shape == w.shape for g, w in zip(got, want)) and torch.equal(
+            got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+    for name, dtype in dtypes.items():  # fused quantization: the unfused kernel's output through quantize_rows
+        for rows, cols in ((5, 64), (3, 100), (0, 64)):
+            x = torch.randn(rows, cols + 24, dtype=dtype)[:, :cols] * 3
+            x[:1] = 0.0  # a row of zeros: the smallest scale, zeros of x's sign
+            residual = torch.randn(rows, cols, dtype=dtype)
+            weight = (torch.randn(cols) * 0.5 + 1.0).to(dtype)
+            for label, res in (("alone", None), ("residual", residual)):
+                out, summed = rms_norm(x, weight, 1e-5, res)
+                q, scales, q_summed = rms_norm_fp8(x, weight, 1e-5, res, MIN_AMAX)
+                report[f"fp8_rms_norm_{label}_{rows}x{cols}_{name}"] = (
+                    same_fp8((q, scales), quantize_rows(out))
+                    and (summed is None and q_summed is None or torch.equal(summed, q_summed)))
+        for rows, cols in ((4, 96), (2, 5000), (0, 8)):  # 5000: two steps of the kernel's 4096-wide block
+            x = torch.randn(rows, 2 * cols, dtype=dtype) * 4
+            x[:1, :cols] = -0.0  # silu(-0) * up: zeros of both signs
+            report[f"fp8_silu_and_mul_{rows}x{cols}_{name}"] = same_fp8(
+                silu_and_mul_fp8(x, MIN_AMAX), quantize_rows(silu_and_mul(x)))
     print(json.dumps(report))
 
 
@@ -90,6 +115,15 @@ def test_silu_and_mul_matches_the_torch_layer(report: dict, dtype: str) -> None:
     for name, case in cases.items():
         assert case["err"] <= TOLERANCE[dtype], f"{name}: {case['err']}"
     assert report[f"silu_and_mul_2x2500_{dtype}"]["shape"] == [2, 2500]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_fused_fp8_quantization_is_the_unfused_kernels(report: dict, dtype: str) -> None:
+    """rms_norm_fp8 and silu_and_mul_fp8 give, bit for bit, what quantizing the unfused kernels' outputs gives (the
+    numbers fp8_linear would compute from them), and the same x + residual."""
+    cases = {k: v for k, v in report.items() if k.startswith("fp8_") and k.endswith(f"_{dtype}")}
+    assert len(cases) == 9
+    assert all(cases.values()), [k for k, v in cases.items() if not v]
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

@@ -21,7 +21,7 @@ from torch import nn
 
 from sglang_pic.distributed.parallel_state import all_reduce, get_tp_group
 from sglang_pic.distributed.sharding import Shard, even_shard, kv_head_shard
-from sglang_pic.layers.quant_fp8 import FP8, channel_scales, fp8_linear
+from sglang_pic.layers.quant_fp8 import FP8, Fp8Rows, channel_scales, fp8_linear
 from sglang_pic.quant_config import check_quantization
 
 
@@ -43,12 +43,13 @@ class Linear(nn.Linear):
     def reset_parameters(self) -> None:
         """Leave the parameters uninitialized; the loader fills every one of them."""
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        """x, or activations an fp8 layer's producer already quantized (Fp8Rows), times the weight."""
         if self.quant is None:
             return F.linear(x, self.weight, bias)
         return fp8_linear(x, self.weight, self.weight_scale, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
 
@@ -132,7 +133,7 @@ class RowParallelLinear(Linear):
         with torch.no_grad():
             param.copy_(piece)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if self.tp_size == 1:
             return self.matmul(x, self.bias)
         out = all_reduce(self.matmul(x, None))

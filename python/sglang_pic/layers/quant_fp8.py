@@ -8,14 +8,16 @@ bf16/fp16) it leaves the activations unquantized instead (W8A16): a decode step 
 Triton kernel (kernels/fp8_gemv.py) reads each fp8 weight byte once where _scaled_mm at one row was slower than the
 bf16 GEMV it replaces; the CPU does the same math in fp32. `fp8_linear_reference` is the float linear over the
 dequantized weights, the target the fp8 error is measured against. Activations are quantized by `quantize_rows` on
-CPU and, before _scaled_mm, by one Triton kernel (kernels/quant_fp8.py) that gives the same fp8 values and scales
-bit for bit in one kernel instead of four or five. Values are clamped before the rounding to fp8 because CUDA turns
+CPU and, on CUDA, by one Triton kernel (kernels/quant_fp8.py) that gives the same fp8 values and scales bit for bit
+in one kernel instead of four or five, or by the RMSNorm / SiLU kernel that produced them (kernels/norm_act.py,
+handing over Fp8Rows), with the same numbers. Values are clamped before the rounding to fp8 because CUDA turns
 overflow into NaN where the CPU saturates.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -79,19 +81,40 @@ def _uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and n % GEMM_ALIGN == 0 and k % GEMM_ALIGN == 0 and _has_fp8_gemm(x.device.index)
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already quantized per token by the op that produced them (kernels/norm_act.py), for an fp8
+    linear: values [..., K] in fp8, float32 scales [...], and the dtype the activations had (the linear's output's)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantizes_activations(rows: int, dtype: torch.dtype) -> bool:
+    """Whether fp8_linear quantizes `rows` activations of `dtype` (else W8A16), so their producer may do it."""
+    return rows > GEMV_MAX_M or dtype not in WEIGHT_ONLY_DTYPES
+
+
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] @ the fp8 weight [N, K] (float32 scales [N]) + bias, in x's dtype, as served."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= GEMV_MAX_M and x.dtype in WEIGHT_ONLY_DTYPES:
-        out = weight_only_linear(rows, weight, weight_scale)
+    if isinstance(x, Fp8Rows):
+        lead, dtype = x.values.shape[:-1], x.dtype
+        out = activation_quantized_linear(x.values.reshape(-1, x.values.shape[-1]), x.scales.reshape(-1), weight,
+                                          weight_scale)
     else:
-        out = activation_quantized_linear(rows, weight, weight_scale)
-    out = out.to(x.dtype)
+        lead, dtype = x.shape[:-1], x.dtype
+        rows = x.reshape(-1, x.shape[-1])
+        if quantizes_activations(rows.shape[0], x.dtype):
+            out = activation_quantized_linear(*quantize_activations(rows), weight, weight_scale)
+        else:
+            out = weight_only_linear(rows, weight, weight_scale)
+    out = out.to(dtype)
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.reshape(*lead, weight.shape[0])
 
 
 def weight_only_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -103,16 +126,24 @@ def weight_only_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: t
     return ((rows.float() @ weight.float().t()) * weight_scale).to(rows.dtype)
 
 
-def activation_quantized_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] quantized per token, times the fp8 weight, both scales applied, in bf16: W8A8."""
-    if _uses_scaled_mm(rows, weight):
+def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] per token: one Triton kernel on CUDA, quantize_rows (the same numbers) elsewhere."""
+    if rows.is_cuda:
         from sglang_pic.kernels.quant_fp8 import quantize_rows_fp8
 
-        xq, x_scale = quantize_rows_fp8(rows, MIN_AMAX)
+        return quantize_rows_fp8(rows, MIN_AMAX)
+    return quantize_rows(rows)
+
+
+def activation_quantized_linear(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """Per-token fp8 activations [M, K] (float32 scales [M]) times the fp8 weight, both scales applied, in bf16:
+    W8A8."""
+    if _uses_scaled_mm(xq, weight):
         return torch._scaled_mm(
             xq, weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0), out_dtype=GEMM_OUT_DTYPE
         )
-    xq, x_scale = quantize_rows(rows)
     acc = xq.float() @ weight.float().t()
     return (acc * x_scale.unsqueeze(1) * weight_scale.unsqueeze(0)).to(GEMM_OUT_DTYPE)
 

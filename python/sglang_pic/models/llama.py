@@ -75,7 +75,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size, {"gate": inter, "up": inter}, bias=config.mlp_bias, quant=config.quantization
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=config.mlp_bias, quant=config.quantization)
-        self.act = GatedAct(config.hidden_act)
+        self.act = GatedAct(config.hidden_act, fp8_out=config.quantization == "fp8")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -86,8 +86,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary, **attn_flags)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Each feeds one linear only (q|k|v, gate|up): with fp8 weights it may quantize for it.
+        fp8 = config.quantization == "fp8"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp8_out=fp8)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp8_out=fp8)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, forward_batch: ForwardBatch
