@@ -279,6 +279,32 @@ def test_a_non_finite_gradient_skips_the_update_and_names_its_layer(tiny_qwen2, 
     assert training["skipped_updates"] == 1 and training["skipped"][0]["nonfinite"]["deepest"] == name
 
 
+def test_span_state_error_adds_to_the_loss_and_trains_the_adapter(tiny_qwen2, tmp_path):
+    """--span-state-weight: the same step (same seed, so the same examples) with the span tokens' per-layer state
+    error has a larger loss, by that error, which is zero for a student equal to the teacher (a fresh adapter
+    under full attention) and positive under span attention; its gradient reaches the adapter."""
+    from sglang_pic.span_adapter.examples import ExampleSizes
+    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer, decoder_states, state_error_sum
+
+    def trainer(weight: float, dense_share: float) -> Trainer:
+        return Trainer(TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / f"w{weight}_{dense_share}"),
+                                   steps=1, batch_size=2, rank=4, alpha=8.0, answer_tokens=2, seed=5,
+                                   dense_share=dense_share, sizes=ExampleSizes(2, 2, 16, 32), device="cpu",
+                                   span_state_weight=weight))
+
+    plain, with_states = trainer(0.0, 0.0).train_step(), trainer(1.0, 0.0).train_step()
+    assert with_states["applied"] and with_states["loss"] > plain["loss"] + 1e-4
+    dense_plain, dense_states = trainer(0.0, 1.0).train_step(), trainer(1.0, 1.0).train_step()
+    assert dense_states["loss"] == pytest.approx(dense_plain["loss"], abs=1e-7)  # B = 0: the teacher's states
+    t = trainer(1.0, 0.0)
+    example = t._examples(0)[0]
+    _, layers = decoder_states(t.model, [example.layout], every_layer=True)
+    assert len(layers) == t.model.config.num_hidden_layers
+    grads = torch.autograd.grad(state_error_sum([layers[-2][0] * 1.5], [layers[-2][0]]), t.params,
+                                allow_unused=True)
+    assert any(g is not None and bool(g.abs().sum() > 0) for g in grads)
+
+
 def test_examples_leave_room_for_the_answer_in_the_context(tiny_qwen2):
     """Prompts that would overflow the tiny model's 256-token context are drawn again; sizes that never fit say so."""
     from sglang_pic.span_adapter.corpus import build_corpus
@@ -332,3 +358,6 @@ def test_train_command_refuses_bad_ranges(tiny_qwen2, tmp_path):
             parse_args([*base, "--turn-kinds", bad])
     config = parse_args([*base, "--turn-kinds", '{"records": 0.5, "docs": 0.5}'])
     assert config.turn_kinds == {"records": 0.5, "docs": 0.5}
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--span-state-weight", "-1"])
+    assert parse_args([*base, "--span-state-weight", "0.5"]).span_state_weight == 0.5

@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                         help="JSON span settings recorded as the server's defaults when the adapter is loaded")
     parser.add_argument("--span-token-weight", type=float, default=d.span_token_weight,
                         help="weight of the span tokens' own next-token KL beside the text after the spans")
+    parser.add_argument("--span-state-weight", type=float, default=d.span_state_weight,
+                        help="weight of the span tokens' hidden states at every layer against the teacher's "
+                        "(squared error relative to the teacher's norm, averaged over rows and layers)")
     parser.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="teacher answer length limit")
     parser.add_argument("--teacher-batch", type=int, default=d.teacher_batch,
                         help="prompts the teacher answers per generate call, over this and the next steps")
@@ -73,11 +76,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         parser.error("--steps, --batch-size, --micro-batch, --rank and --teacher-batch must be positive")
     if not 0 <= a.dense_share <= 1:
         parser.error("--dense-share must be in [0, 1]")
+    if min(a.span_token_weight, a.span_state_weight) < 0:
+        parser.error("--span-token-weight and --span-state-weight must be >= 0")
     return TrainConfig(
         model_path=a.model_path, out=a.out, steps=a.steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
         lr=a.lr, rank=a.rank, alpha=a.alpha, seed=a.seed, dense_share=a.dense_share, settings=settings,
-        serve_settings=serve, span_token_weight=a.span_token_weight, answer_tokens=a.answer_tokens,
-        teacher_batch=a.teacher_batch, turn_kinds=kinds,
+        serve_settings=serve, span_token_weight=a.span_token_weight, span_state_weight=a.span_state_weight,
+        answer_tokens=a.answer_tokens, teacher_batch=a.teacher_batch, turn_kinds=kinds,
         sizes=ExampleSizes(docs[0], docs[1], passage[0], passage[1]), checkpoint_every=a.checkpoint_every,
         max_minutes=a.max_minutes, init_adapter=a.init_adapter, device=a.device,
     )

@@ -1,8 +1,10 @@
 """Self-distillation of a span adapter: the teacher is the model with full causal attention, the student the same
 model plus LoRA under the attention the engine gives span prompts (layout.py). The loss is KL(teacher || student) of
 the next-token distributions on the text after the first span (the question and the teacher's own greedy answer),
-optionally also on the span tokens; a share of turns runs the student with full attention, so dense requests keep
-their answers once the adapter is merged.
+optionally also on the span tokens and on their hidden states at every layer (what later tokens attend to, which a
+span computed alone gets wrong: wrong answers under span attention mostly name a value of an earlier document); a
+share of turns runs the student with full attention, so dense requests keep their answers once the adapter is
+merged.
 
 Examples are drawn from a generator seeded by (seed, step), so a run resumed from its checkpoint sees the examples
 the uninterrupted run would have seen. The teacher answers the prompts of several steps in one generate call: greedy
@@ -57,6 +59,9 @@ class TrainConfig:
                                                           {"span_anchor": "auto", "span_head_tokens": 16}])
     serve_settings: dict = field(default_factory=lambda: {"span_anchor": "auto", "span_head_tokens": 0})
     span_token_weight: float = 0.0
+    # Weight of the span tokens' hidden states at every layer against the teacher's (squared error relative to the
+    # teacher's norm, averaged over rows and layers): it trains what later tokens attend to, not only the output.
+    span_state_weight: float = 0.0
     answer_tokens: int = 48
     teacher_batch: int = 64  # prompts the teacher answers per generate call (steps ahead = teacher_batch // batch)
     sizes: ExampleSizes = field(default_factory=ExampleSizes)
@@ -102,9 +107,26 @@ def _pad_batch(layouts: list[SpanLayout], device: torch.device) -> tuple[torch.T
 
 def hidden_states(model, layouts: list[SpanLayout]) -> torch.Tensor:
     """The decoder's last hidden states [B, L, H] for each layout as the engine attends to it."""
+    return decoder_states(model, layouts, every_layer=False)[0]
+
+
+def decoder_states(
+    model, layouts: list[SpanLayout], every_layer: bool
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(the last hidden states [B, L, H], and with `every_layer` the hidden states HF returns after each layer)."""
     device = next(model.parameters()).device
     ids, pos, mask = _pad_batch(layouts, device)
-    return model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    out = model.model(input_ids=ids, attention_mask=mask, position_ids=pos, output_hidden_states=every_layer)
+    return out.last_hidden_state, tuple(out.hidden_states[1:]) if every_layer else ()
+
+
+def state_error_sum(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
+    """Sum over rows of |student - teacher|^2 / |teacher|^2 for matching [N, H] layers of rows, in float32."""
+    total = student[0].new_zeros((), dtype=torch.float32)
+    for s, t in zip(student, teacher):
+        t = t.float()
+        total = total + (((s.float() - t) ** 2).sum(-1) / (t**2).sum(-1).clamp(min=1e-6)).sum()
+    return total
 
 
 def layout_logits(model, layouts: list[SpanLayout]) -> list[torch.Tensor]:
@@ -262,12 +284,14 @@ class Trainer:
             e.layout.append_output(answer)
             e.loss_rows.extend(range(start, start + len(answer) - 1))
         rows = [self._rows(e) for e in examples]
-        total = self.group.sum([sum(w for r in rows for _, w in r)], self.device)[0]  # the whole step's weight
+        # the whole step's KL weight, and its span rows (times layers, for the state error's mean)
+        total, span_total = self.group.sum([sum(w for r in rows for _, w in r),
+                                            sum(len(e.span_rows) for e in examples)], self.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for first in range(0, len(examples), c.micro_batch):
             part = slice(first, first + c.micro_batch)
-            loss += float(self._backward(examples[part], dense[part], answers[part], rows[part], total))
+            loss += float(self._backward(examples[part], dense[part], answers[part], rows[part], total, span_total))
         self.group.sum_grads(self.params)
         loss, n_rows, n_tokens = self.group.sum(
             [loss, sum(map(len, rows)), sum(len(e.layout.ids) for e in examples)], self.device)
@@ -305,24 +329,33 @@ class Trainer:
         return rows
 
     def _backward(self, examples: list[Example], dense: list[list[int]], answers: list[list[int]],
-                  rows: list[list[tuple[int, float]]], total: float) -> torch.Tensor:
-        """Back-propagate these examples' share of the step's mean KL (their weighted sum over the step's weight)."""
+                  rows: list[list[tuple[int, float]]], total: float, span_total: float) -> torch.Tensor:
+        """Back-propagate these examples' share of the step's mean KL (their weighted sum over the step's weight),
+        plus span_state_weight times their share of the step's mean state error over span rows and layers."""
         teachers = []
         for d, answer in zip(dense, answers):
             lay = SpanLayout()
             lay.add(d + answer, 0, None, True)
             teachers.append(lay)
+        states = self.config.span_state_weight > 0
         with torch.no_grad(), lora_off(self.layers):
-            t_hidden = hidden_states(self.model, teachers)
-        s_hidden = hidden_states(self.model, [e.layout for e in examples])
+            t_hidden, t_layers = decoder_states(self.model, teachers, states)
+        s_hidden, s_layers = decoder_states(self.model, [e.layout for e in examples], states)
         s_rows, t_rows, weights = [], [], []
+        s_spans, t_spans = [[] for _ in s_layers], [[] for _ in t_layers]  # per layer, the span rows
         for b, (e, r) in enumerate(zip(examples, rows)):
             index = e.layout.dense_index()
             s_rows.append(s_hidden[b, [i for i, _ in r]])
             t_rows.append(t_hidden[b, [index[i] for i, _ in r]])
             weights += [w for _, w in r]
+            for layer, (s_layer, t_layer) in enumerate(zip(s_layers, t_layers)):
+                s_spans[layer].append(s_layer[b, e.span_rows])
+                t_spans[layer].append(t_layer[b, [index[i] for i in e.span_rows]])
         loss = kl_sum(torch.cat(s_rows), torch.cat(t_rows), torch.tensor(weights, device=s_hidden.device),
                       self.model.lm_head) / total
+        if states and span_total:
+            error = state_error_sum([torch.cat(x) for x in s_spans], [torch.cat(x) for x in t_spans])
+            loss = loss + self.config.span_state_weight * error / (span_total * len(s_layers))
         loss.backward()
         return loss.detach()
 
