@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from sglang_pic import Engine
 from sglang_pic.frontend_lang.markers import span
 from sglang_pic.kernels import fp8_gemv, norm_act
-from sglang_pic.layers.quant_fp8 import GEMV_MAX_M, fp8_linear, fp8_linear_reference, quantize_rows
+from sglang_pic.layers.quant_fp8 import GEMV_MAX_M, Fp8Rows, fp8_linear, fp8_linear_reference, quantize_rows
 from sglang_pic.model_config import ModelConfig
 from sglang_pic.model_loader.loader import load_model
 from sglang_pic.server_args import ServerArgs
@@ -204,6 +204,19 @@ def test_cpu_decode_rows_are_weight_only_math():
     expected = ((x[:GEMV_MAX_M].float() @ q.float().t()) * scale).bfloat16()
     assert torch.equal(fp8_linear(x[:GEMV_MAX_M], q, scale), expected)
     assert torch.equal(fp8_linear(x, q, scale), Fp8Reference(q, scale, None, shards=1)(x.float()).bfloat16())
+
+
+def test_activations_quantized_by_their_producer_give_the_same_linear():
+    """Fp8Rows (what the norm / SiLU kernels hand an fp8 linear on CUDA): the per-token fp8 values and scales of x
+    give fp8_linear's result for x itself, bit for bit, leading dims, dtype and bias included."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, GEMV_MAX_M, 64, generator=gen).bfloat16()  # more rows than go unquantized
+    q, scale = quantize_rows(torch.randn(32, 64, generator=gen))
+    bias = torch.randn(32, generator=gen).bfloat16()
+    values, scales = quantize_rows(x)
+    got = fp8_linear(Fp8Rows(values, scales, x.dtype), q, scale, bias)
+    assert got.shape == (3, GEMV_MAX_M, 32) and got.dtype == torch.bfloat16
+    assert torch.equal(got, fp8_linear(x, q, scale, bias))
 
 
 def test_cpu_path_is_the_scaled_mm_math():
