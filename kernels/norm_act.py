@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_pic.kernels.quant_fp8 import FP8, FP8_MAX, MAX_BLOCK, round_to_e4m3
+from sglang_pic.kernels.quant_fp8 import FP8, FP8_MAX, MAX_BLOCK, row_scale, to_e4m3
 
 ACT_BLOCK = 1024
 
@@ -63,9 +63,9 @@ def _rms_norm_kernel(
     y = (w * normed).to(VALUE_DTYPE)
     if QUANT:
         yf = y.to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), 0), min_amax), fp8_max)
+        scale = row_scale(tl.max(tl.abs(yf), 0), min_amax, fp8_max)
         tl.store(scale_ptr + row, scale)
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(yf, scale), -fp8_max), fp8_max))
+        q = to_e4m3(yf, scale, fp8_max)
         tl.store(out_ptr + row * stride_o + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
@@ -104,12 +104,12 @@ def _silu_and_mul_fp8_kernel(
     for start in range(0, n_cols, BLOCK):
         y = _silu_and_mul_value(x_row, start + offs, start + offs < n_cols, n_cols)
         amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), min_amax), fp8_max)
+    scale = row_scale(tl.max(amax, 0), min_amax, fp8_max)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK):
         mask = start + offs < n_cols
         y = _silu_and_mul_value(x_row, start + offs, mask, n_cols).to(tl.float32)
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max))
+        q = to_e4m3(y, scale, fp8_max)
         tl.store(q_ptr + row * stride_q + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -187,7 +187,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         grid = (rows.shape[0], triton.cdiv(n_cols, ACT_BLOCK))
         _silu_and_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), n_cols, BLOCK=ACT_BLOCK, num_warps=4)
     return out.view(*x.shape[:-1], n_cols)
-
 
 
 def silu_and_mul_fp8(x: torch.Tensor, min_amax: float) -> tuple[torch.Tensor, torch.Tensor]:

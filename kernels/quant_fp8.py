@@ -7,7 +7,7 @@ amax, then the values; the second read mostly hits L2) and writes only the fp8 r
 
 The numbers are quantize_rows' on CPU, bit for bit, for finite inputs: the same float32 steps with IEEE division
 (`div_rn`; Triton's `/` is an approximate division on NVIDIA GPUs), then rounding to nearest even onto the e4m3
-grid in float32 (`round_to_e4m3`) before the cast. Rounding there rather than in the cast because Triton's
+grid in float32 (`_round_to_e4m3`) before the cast. Rounding there rather than in the cast because Triton's
 float32 -> fp8 cast rounds differently by version and target (some convert through fp16 first, rounding twice) and
 the interpreter's rounds ties away from zero and can lose a carry; the cast of an e4m3 value is exact on all of
 them. The scale is a true division amax / 448, as torch computes it on CPU (torch on CUDA multiplies by a rounded
@@ -26,7 +26,7 @@ MAX_BLOCK = 4096  # elements per loop step: a Llama-3-8B hidden row (4096) in on
 
 
 @triton.jit
-def round_to_e4m3(v):
+def _round_to_e4m3(v):
     """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, as float32. Where 2^e is v's binade
     (at least 2^-6, e4m3's smallest normal), adding 2^(e + 20) leaves float32 a unit of 2^(e - 3), e4m3's spacing
     there, so the float32 addition's own rounding does it; subtracting it back is exact. The sign is v's, zeros'
@@ -37,6 +37,19 @@ def round_to_e4m3(v):
     offset = ((binade + 20) << 23).to(tl.float32, bitcast=True)
     r = ((a + offset) - offset).to(tl.int32, bitcast=True)
     return (r | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def row_scale(amax, min_amax, fp8_max):
+    """A row's scale from its amax: max(amax, min_amax) / fp8_max, a true division as torch's on CPU."""
+    return tl.math.div_rn(tl.maximum(amax, min_amax), fp8_max)
+
+
+@triton.jit
+def to_e4m3(v, scale, fp8_max):
+    """v (float32) over its row's scale, clamped to +-fp8_max and rounded onto the e4m3 grid: values the cast to fp8
+    keeps exactly. The quantization of every kernel that writes fp8 activations (norm_act.py's too)."""
+    return _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -fp8_max), fp8_max))
 
 
 @triton.jit
@@ -60,12 +73,12 @@ def _quantize_rows_kernel(
     for start in range(0, n_cols, BLOCK):
         x = tl.load(x_row + start + offs, mask=start + offs < n_cols, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), min_amax), fp8_max)
+    scale = row_scale(tl.max(amax, 0), min_amax, fp8_max)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK):
         mask = start + offs < n_cols
         x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max))
+        q = to_e4m3(x, scale, fp8_max)
         tl.store(q_row + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
