@@ -23,9 +23,9 @@ goes.
 
 Usage: python benchmark/bench_step_overhead.py [--batch-sizes 128,512] [--steps 40] [--skip-forward]
        python benchmark/bench_step_overhead.py --batch-sizes 512 --phases mixed --profile mixed:512
-       python benchmark/bench_step_overhead.py --model-path build/llama3-8b-dummy --load-format dummy --batch-sizes 128 \
-           --phases mixed --engine-args '{"device": "cuda", "dtype": "bfloat16", "quantization": "fp8"}' \
-           --profile mixed:128
+       python benchmark/bench_step_overhead.py --model-path build/llama3-8b-dummy --load-format dummy \
+           --batch-sizes 128 --phases mixed --profile mixed:128 \
+           --engine-args '{"device": "cuda", "dtype": "bfloat16", "quantization": "fp8"}'
 """
 
 from __future__ import annotations
