@@ -220,14 +220,22 @@ def test_two_processes_train_the_adapter_one_process_trains(tiny_qwen2, tmp_path
         assert bool(b.abs().sum() > 0)
 
 
+def _one_step_config(model: Path, out: Path, **fields):
+    """A TrainConfig for one small CPU step on the tiny model (rank 4, 2 spans of 16-32 tokens, 2 answer tokens),
+    with `fields` on top."""
+    from sglang_pic.span_adapter.examples import ExampleSizes
+    from sglang_pic.span_adapter.trainer import TrainConfig
+
+    return TrainConfig(**{"model_path": str(model), "out": str(out), "steps": 1, "batch_size": 1, "rank": 4,
+                          "alpha": 8.0, "answer_tokens": 2, "sizes": ExampleSizes(2, 2, 16, 32), "device": "cpu",
+                          **fields})
+
+
 def _continued_at_lr_0(folder, model: Path, out: Path, rank: int, alpha: float) -> tuple[SpanAdapter, SpanAdapter]:
     """One training step at lr 0 from the adapter in `folder`: (that adapter, the one the run wrote)."""
-    from sglang_pic.span_adapter.examples import ExampleSizes
-    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
+    from sglang_pic.span_adapter.trainer import Trainer
 
-    config = TrainConfig(model_path=str(model), out=str(out), steps=1, batch_size=1, lr=0.0, rank=rank, alpha=alpha,
-                         answer_tokens=2, sizes=ExampleSizes(2, 2, 16, 32), device="cpu", init_adapter=str(folder))
-    Trainer(config).train()
+    Trainer(_one_step_config(model, out, lr=0.0, rank=rank, alpha=alpha, init_adapter=str(folder))).train()
     return load_adapter(folder), load_adapter(out)
 
 
@@ -262,11 +270,9 @@ def test_a_saved_adapter_goes_on_at_a_higher_rank(adapted, tiny_qwen2, tmp_path)
 def test_a_non_finite_gradient_skips_the_update_and_names_its_layer(tiny_qwen2, tmp_path):
     """A NaN in one layer's gradient: the step leaves every factor as it was, and the record says how many layers got
     one and which is deepest (where it appeared)."""
-    from sglang_pic.span_adapter.examples import ExampleSizes
-    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer
+    from sglang_pic.span_adapter.trainer import Trainer
 
-    trainer = Trainer(TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / "nan"), steps=1, batch_size=1,
-                                  rank=4, alpha=8.0, answer_tokens=2, sizes=ExampleSizes(2, 2, 16, 32), device="cpu"))
+    trainer = Trainer(_one_step_config(tiny_qwen2, tmp_path / "nan"))
     name = list(trainer.layers)[3]
     trainer.layers[name].lora_A.register_hook(lambda grad: grad * float("nan"))
     before = {n: (layer.lora_A.detach().clone(), layer.lora_B.detach().clone()) for n, layer in trainer.layers.items()}
@@ -283,14 +289,11 @@ def test_span_state_error_adds_to_the_loss_and_trains_the_adapter(tiny_qwen2, tm
     """--span-state-weight: the same step (same seed, so the same examples) with the span tokens' per-layer state
     error has a larger loss, by that error, which is zero for a student equal to the teacher (a fresh adapter
     under full attention) and positive under span attention; its gradient reaches the adapter."""
-    from sglang_pic.span_adapter.examples import ExampleSizes
-    from sglang_pic.span_adapter.trainer import TrainConfig, Trainer, decoder_states, state_error_sum
+    from sglang_pic.span_adapter.trainer import Trainer, decoder_states, state_error_sum
 
     def trainer(weight: float, dense_share: float) -> Trainer:
-        return Trainer(TrainConfig(model_path=str(tiny_qwen2), out=str(tmp_path / f"w{weight}_{dense_share}"),
-                                   steps=1, batch_size=2, rank=4, alpha=8.0, answer_tokens=2, seed=5,
-                                   dense_share=dense_share, sizes=ExampleSizes(2, 2, 16, 32), device="cpu",
-                                   span_state_weight=weight))
+        return Trainer(_one_step_config(tiny_qwen2, tmp_path / f"w{weight}_{dense_share}", batch_size=2, seed=5,
+                                        dense_share=dense_share, span_state_weight=weight))
 
     plain, with_states = trainer(0.0, 0.0).train_step(), trainer(1.0, 0.0).train_step()
     assert with_states["applied"] and with_states["loss"] > plain["loss"] + 1e-4
