@@ -157,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.quantization and args.hf_subset:
+        p.error("--quantization needs --hf-subset 0: the transformers reference runs the unquantized weights")
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(args.modes) - set(MODES))
     if unknown:
@@ -207,6 +209,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="every decode reads its own keys (no shared reads of cached runs, kernels/shared_decode.py)")
     p.add_argument("--attention-backend", help="the server's --attention-backend (default: its default)")
     p.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype (e.g. fp8_e4m3)")
+    p.add_argument("--quantization", help="the server's --quantization (fp8: weights and GEMMs in float8)")
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -239,6 +242,8 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
         kwargs["span_query_share"] = args.span_query_share
     if args.span_select is not None:
         kwargs["span_select"] = args.span_select
+    if args.quantization is not None:
+        kwargs["quantization"] = args.quantization
     return kwargs
 
 

@@ -120,12 +120,19 @@ def test_unhonorable_passage_ranges_are_refused(tiny_count, passage_tokens, mess
     "flags, message",
     [(["--passage-tokens", "800"], "--passage-tokens takes MIN,MAX, got '800'"),
      (["--passage-tokens", "2000,800"], "passage_tokens 2000,800: need 1 <= min <= max"),
-     (["--num-passages", "12", "--corpus-size", "10"], "num_passages 12: need 1 <= num_passages <= corpus_size")],
+     (["--num-passages", "12", "--corpus-size", "10"], "num_passages 12: need 1 <= num_passages <= corpus_size"),
+     (["--quantization", "fp8", "--hf-subset", "4"], "--quantization needs --hf-subset 0")],
 )
 def test_the_benchmark_refuses_impossible_sizes(capsys, flags, message):
     with pytest.raises(SystemExit):
         bench_rag_spans.parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+def test_quantization_reaches_the_engine():
+    args = bench_rag_spans.parse_args(["--quantization", "fp8", "--hf-subset", "0"])
+    assert bench_rag_spans.engine_kwargs(args, "m", "t")["quantization"] == "fp8"
+    assert "quantization" not in bench_rag_spans.engine_kwargs(bench_rag_spans.parse_args([]), "m", "t")
 
 
 def test_sglang_program_renders_the_plain_prompt():
