@@ -323,12 +323,27 @@ def test_examples_leave_room_for_the_answer_in_the_context(tiny_qwen2):
         never.example(random.Random(0), {})
 
 
+def _label_offsets(text: str, lines: bool) -> dict[str, int]:
+    """Where each field of a record text starts, found by its label line or its sentence."""
+    from sglang_pic.span_adapter.examples import RECORD_SENTENCES
+
+    marks = {label: (f"{label.capitalize()}: " if lines else sentence.split("{value}")[0])
+             for label, sentence in RECORD_SENTENCES.items()}
+    return {label: text.find(mark) for label, mark in marks.items() if mark in text}
+
+
 def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):
     """Records turns: installed packages' metadata as spans of one shape, and a question (sometimes the second of
     a conversation, after the first one's answer) about a package among them."""
     from sglang_pic.frontend_lang.markers import PDEP_MARKER, SSEP_MARKER
     from sglang_pic.span_adapter.corpus import build_corpus
-    from sglang_pic.span_adapter.examples import RECORD_QUESTIONS, ExampleMaker, ExampleSizes
+    from sglang_pic.span_adapter.examples import (
+        RECORD_QUESTIONS,
+        ExampleMaker,
+        ExampleSizes,
+        _record_template,
+        _record_text,
+    )
 
     corpus = build_corpus()
     maker = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(2, 4, 16, 64), kinds={"records": 1.0, "docs": 0})
@@ -343,6 +358,15 @@ def test_record_turns_ask_about_a_package_their_spans_hold(tiny_qwen2):
         assert asked and all(name in records for name in asked)
         questions_asked.append(len(asked))
     assert set(questions_asked) == {1, 2}  # single questions and conversations both occur
+    template = _record_template(random.Random(0))
+    orders = {tuple(sorted(_label_offsets(_record_text(p, random.Random(i), template), template[0]).items(),
+                           key=lambda kv: kv[1])) for i, p in enumerate(corpus.packages[:20])}
+    shared = [label for label in template[1] if all(label in dict(p.facts) for p in corpus.packages[:20])]
+    assert len(shared) >= 3 and len({tuple(k for k, _ in o if k in shared) for o in orders}) == 1  # one field order
+    shuffled = {tuple(k for k, _ in sorted(_label_offsets(_record_text(p, random.Random(i)), lines).items(),
+                                           key=lambda kv: kv[1]) if k in shared)
+                for i, p in enumerate(corpus.packages[:20]) for lines in (True, False)}
+    assert len(shuffled) > 1  # without a template each record orders its fields its own way
     one_doc = ExampleMaker(str(tiny_qwen2), corpus, ExampleSizes(1, 1, 16, 64))  # --docs 1,1: no two records
     assert "records" not in one_doc.kinds
     for seed in range(8):

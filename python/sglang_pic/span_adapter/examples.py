@@ -2,8 +2,9 @@
 laid out as the engine attends to it (layout.py). Four kinds of turn: a user message holding passages of the corpus
 as spans and a question about them; the same with standard-library functions as code passages; a request for one
 of several tools whose descriptions are spans (`tool_spans`, as agents send them); and package records (metadata
-fields of installed distributions, one shape, rival values) as spans with a question about one field of one record,
-sometimes as the second question of a conversation whose first one the assistant answered. The questions are generic
+fields of installed distributions, one shape, rival values; in half the turns one template for all) as spans with a
+question about one field of one record, sometimes as the second question of a conversation whose first one the
+assistant answered. The questions are generic
 (summarize, locate, quote, continue a sentence, explain): the teacher's own answer is the target, so no question
 needs a gold answer. Quoting and continuing make the answer copy a span's exact words, which span attention loses
 first.
@@ -73,6 +74,10 @@ RECORD_SENTENCES = {
 PREFACES = ("", "", "Here are some documents.\n", "Read the following texts.\n")
 KINDS = {"docs": 0.45, "code": 0.15, "tools": 0.2, "records": 0.2}  # turn kinds and their default weights
 SECOND_QUESTION_SHARE = 0.35  # records turns asked as a conversation's second question
+# Records turns whose records share one template (one format, one field order), as a catalogue or a table rendered
+# to text writes them: a field sits at the same offset of every span, so only the record's name tells it apart from
+# its rivals, which span attention loses most (wrong answers under it mostly name another document's value).
+UNIFORM_RECORDS_SHARE = 0.5
 DRAWS = 50  # prompts drawn for one example before giving up on ever fitting the model's context
 
 
@@ -169,7 +174,8 @@ class ExampleMaker:
 
     def _records(self, rng: random.Random, system: dict) -> ChatCompletionRequest:
         packages = rng.sample(self.corpus.packages, rng.randint(max(2, self.sizes.min_docs), self.sizes.max_docs))
-        docs = [self._cut(_record_text(p, rng), self.sizes.max_passage_tokens) for p in packages]
+        template = _record_template(rng) if rng.random() < UNIFORM_RECORDS_SHARE else None
+        docs = [self._cut(_record_text(p, rng, template), self.sizes.max_passage_tokens) for p in packages]
         (first, answer), (second, _) = (_record_question(rng.choice(packages), rng) for _ in range(2))
         later = None
         if rng.random() < SECOND_QUESTION_SHARE:
@@ -213,12 +219,22 @@ def _ask(rng: random.Random, system: dict, docs: list[str], question: str, later
     return ChatCompletionRequest(messages=[system, {"role": "user", "content": user}, *(later or [])])
 
 
-def _record_text(package: Package, rng: random.Random) -> str:
-    """The package's facts in a shuffled order (a fact sits at a different offset in each record), as labelled
-    lines or as sentences."""
-    facts = list(package.facts)
-    rng.shuffle(facts)
-    if rng.random() < 0.5:
+def _record_template(rng: random.Random) -> tuple[bool, list[str]]:
+    """A records turn's shared template: labelled lines (True) or sentences, and the order of the fields."""
+    return rng.random() < 0.5, rng.sample(list(RECORD_SENTENCES), len(RECORD_SENTENCES))
+
+
+def _record_text(package: Package, rng: random.Random, template: tuple[bool, list[str]] | None = None) -> str:
+    """The package's facts as labelled lines or as sentences, in the template's order, or without one in a
+    shuffled order of their own (a fact sits at a different offset in each record)."""
+    if template is None:
+        facts = list(package.facts)
+        rng.shuffle(facts)
+        lines = rng.random() < 0.5
+    else:
+        lines, order = template
+        facts = sorted(package.facts, key=lambda fact: order.index(fact[0]))
+    if lines:
         return "\n".join([f"Package: {package.name}", *(f"{label.capitalize()}: {value}" for label, value in facts)])
     return f"About {package.name}. " + " ".join(RECORD_SENTENCES[label].format(value=value) for label, value in facts)
 
