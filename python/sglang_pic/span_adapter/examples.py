@@ -4,10 +4,9 @@ as spans and a question about them; the same with standard-library functions as 
 of several tools whose descriptions are spans (`tool_spans`, as agents send them); and package records (metadata
 fields of installed distributions, one shape, rival values; in half the turns one template for all) as spans with a
 question about one field of one record, sometimes as the second question of a conversation whose first one the
-assistant answered. The questions are generic
-(summarize, locate, quote, continue a sentence, explain): the teacher's own answer is the target, so no question
-needs a gold answer. Quoting and continuing make the answer copy a span's exact words, which span attention loses
-first.
+assistant answered. The questions are generic (summarize, locate, quote, continue a sentence, explain): the
+teacher's own answer is the target, so no question needs a gold answer. Quoting and continuing make the answer copy
+a span's exact words, which span attention loses first.
 """
 
 from __future__ import annotations
