@@ -11,7 +11,8 @@ uploads or a deviation pass, or timer rounding). Off CUDA the forward runs on th
 The bound is a roofline per step from the ceilings given: compute 2 * params * new tokens at the matmul peak plus
 attention (4 * layers * query heads * head_dim per query-key pair) at attention's peak, memory the weights (bytes
 per parameter * params) plus the KV read (each request's keys) and written; a step takes at least the larger of the
-two, and the bound is their sum over the steps, one after another. Wall time beyond it = device time beyond each step's bound + device idle.
+two, and the bound is their sum over the steps, one after another. Wall time beyond it = device time beyond each
+step's bound + device idle.
 
 Writes JSON (--out, default: beside the trace) and a PNG with the same stem: the timeline (device and host lanes),
 the attribution, and histograms of prefill chunk sizes and decode batch sizes.

@@ -113,10 +113,15 @@ def _sum_splits_kernel(part_ptr, scale_ptr, out_ptr, m_rows, n_rows, n_splits, B
     tl.store(out_ptr + row * n_rows + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _block_m(m: int) -> int:
+    """Activation rows per program: m padded to tl.dot's 16, or 32."""
+    return 16 if m <= 16 else 32
+
+
 def k_split(config: GemvConfig, m: int, n_rows: int, n_cols: int) -> tuple[int, int]:
     """(runs of K, BLOCK_K steps per run) of the launch for m rows of x and an [n_rows, n_cols] weight."""
     k_steps = triton.cdiv(n_cols, config.block_k)
-    programs = triton.cdiv(n_rows, config.block_n) * triton.cdiv(m, 16 if m <= 16 else 32)
+    programs = triton.cdiv(n_rows, config.block_n) * triton.cdiv(m, _block_m(m))
     wanted = max(1, triton.cdiv(config.min_programs, programs),
                  triton.cdiv(k_steps, config.max_k_steps) if config.max_k_steps else 1)
     steps = triton.cdiv(k_steps, min(k_steps, wanted))
@@ -138,7 +143,7 @@ def fp8_weight_matmul(
     m = rows.shape[0]
     out = torch.empty((m, n_rows), dtype=x.dtype, device=x.device)
     if m:
-        block_m = 16 if m <= 16 else 32
+        block_m = _block_m(m)
         split, steps_per_split = k_split(config, m, n_rows, n_cols)
         partials = torch.empty((split, m, n_rows), dtype=torch.float32, device=x.device) if split > 1 else out
         grid = (triton.cdiv(n_rows, config.block_n), split, triton.cdiv(m, block_m))
