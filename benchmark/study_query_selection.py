@@ -8,10 +8,14 @@ queries of the text after the last span (the question and the assistant header) 
 attention mass they give its key, summed over layers, heads and queries. The top `fraction` of all span tokens
 are then recomputed by the engine itself through each span's own `span_recompute` runs, and the answer is judged
 against the gold and against dense attention (the prompt's plain token ids). Baselines: the anchor alone, and the
-anchor with a recomputed head of 64 tokens (today's default).
+anchor with a recomputed head of 64 tokens. `--oracle` adds two modes that know the answer: the span holding the gold
+phrase recomputed whole (`target`), or every other span (`others`); they show whether a wrong answer comes from the
+asked document's own context-free KV or from its rivals'. `--span-adapter` serves every mode with an adapter (the
+probe still reads the base model's attention).
 
 Usage: python benchmark/study_query_selection.py --samples 10 --tasks factual_qa,rag_two_hop
        --fractions 0.05,0.1,0.15,0.25 [--out benchmark/results/query_selection.json]
+       python benchmark/study_query_selection.py --tasks factual_qa,multi_turn --fractions "" --oracle
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from sglang_pic.engine import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
 from sglang_pic.model_loader.loader import model_dirs
 from sglang_pic.radix_ext.segments import normalize_runs
-from sglang_pic.span_quality.items import SPLITS, item_seed
-from sglang_pic.span_quality.judging import judge
+from sglang_pic.span_quality.items import SPLITS, Gold, Item, item_seed
+from sglang_pic.span_quality.judging import judge, says
 from sglang_pic.span_quality.prompts import PromptBuilder
 from sglang_pic.span_quality.sizes import add_size_flags, sizes_from_flags
 
@@ -145,6 +149,16 @@ def with_runs(marked: str, ssep: str, settings_marker: str, runs: list[list[tupl
     return "".join(out)
 
 
+def oracle_runs(marked: str, ssep: str, pdep: str, item: Item, lengths: list[int]) -> dict[str, list]:
+    """Runs for the oracle modes: `target` recomputes the spans whose text says a gold phrase, `others` the rest."""
+    if not isinstance(item.gold, Gold):
+        raise ValueError("the oracle modes need a task whose gold answer is a phrase in a document")
+    texts = [part.split(pdep)[0] for part in marked.split(ssep)[1:]]
+    target = [any(says(t, g) for g in item.gold.phrases) for t in texts]
+    return {mode: [[(0, n)] if hit == (mode == "target") else [] for hit, n in zip(target, lengths)]
+            for mode in ("target", "others")}
+
+
 # ---- the study ----------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tasks", default="factual_qa,rag_two_hop")
     p.add_argument("--fractions", default="0.05,0.1,0.15,0.25")
     p.add_argument("--unit", choices=("tokens", "spans"), default="tokens", help="what the selection picks")
+    p.add_argument("--oracle", action="store_true", help="add the target and others modes (see above)")
+    p.add_argument("--span-adapter", help="serve every mode with this span adapter (launch_server's flag)")
     p.add_argument("--out", type=Path)
     p.add_argument("--model-path", help="an HF folder; default: the embedded model")
     p.add_argument("--chat-template", help="as launch_server's flag; default: the tokenizer's")
@@ -163,10 +179,12 @@ def main(argv: list[str] | None = None) -> dict:
     builder = PromptBuilder(model_dir, tokenizer_dir, args.chat_template)
     sizes = sizes_from_flags(p, args, BenchTaskSizes)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="probe").eval()
-    fractions = [float(f) for f in args.fractions.split(",")]
-    modes = ["dense", "anchor", "anchor+head64", *(f"query{f:g}" for f in fractions)]
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    modes = ["dense", "anchor", "anchor+head64", *(f"query{f:g}" for f in fractions),
+             *(("target", "others") if args.oracle else ())]
     results: dict[str, dict[str, list]] = {}
-    engine_args = dict(model_path=model_dir, tokenizer_path=tokenizer_dir, chat_template=args.chat_template)
+    engine_args = dict(model_path=model_dir, tokenizer_path=tokenizer_dir, chat_template=args.chat_template,
+                       span_adapter=args.span_adapter)
     with Engine(dtype="float32", **engine_args) as engine:
         sa = engine.server_args
         for task_name in args.tasks.split(","):
@@ -184,10 +202,12 @@ def main(argv: list[str] | None = None) -> dict:
                     "anchor+head64": ({"prompt": prompt.marked, "span_head_tokens": 64},
                                       sum(min(64, n) for n in lengths) / total),
                 }
-                for f in fractions:
-                    runs = select_runs(scores, f, args.unit)
+                chosen = {f"query{f:g}": select_runs(scores, f, args.unit) for f in fractions}
+                if args.oracle:
+                    chosen |= oracle_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, item, lengths)
+                for mode, runs in chosen.items():
                     marked = with_runs(prompt.marked, sa.ssep_marker, sa.span_settings_marker, runs)
-                    requests[f"query{f:g}"] = ({"prompt": marked}, sum(n for r in runs for _, n in r) / total)
+                    requests[mode] = ({"prompt": marked}, sum(n for r in runs for _, n in r) / total)
                 dense_first = None
                 for mode in modes:  # cache hits equal recomputation, so the modes share one warm cache
                     request, share = requests[mode]

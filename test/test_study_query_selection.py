@@ -1,5 +1,6 @@
 """benchmark/study_query_selection.py on a tiny model: the probe scores every span token, the chosen share of them is
-what the engine recomputes, and the runs it sends are the top-scored tokens."""
+what the engine recomputes, and the runs it sends are the top-scored tokens; the oracle modes split the spans at the
+one holding the gold phrase."""
 
 from __future__ import annotations
 
@@ -29,9 +30,14 @@ def test_study_runs_end_to_end(tiny_model_root: Path):
     if not (model / "config.json").is_file():
         build_tiny_model(tiny_model_root, "qwen2", name="qwen2_4k", max_position_embeddings=4096)
     results = study.main(["--model-path", str(model), "--chat-template", "chatml", "--samples", "2",
-                          "--tasks", "factual_qa", "--fractions", "0,0.5,1", "--qa-docs", "2", "--qa-pool", "3"])
+                          "--tasks", "factual_qa", "--fractions", "0,0.5,1", "--qa-docs", "2", "--qa-pool", "3",
+                          "--oracle"])
     rows = results["factual_qa"]
-    assert set(rows) == {"dense", "anchor", "anchor+head64", "query0", "query0.5", "query1"}
+    assert set(rows) == {"dense", "anchor", "anchor+head64", "query0", "query0.5", "query1", "target", "others"}
+    # the gold phrase is in exactly one of the two spans: the oracle modes recompute it, or the other one
+    for target, others in zip(rows["target"], rows["others"]):
+        assert 0 < target["recomputed_share"] < 1
+        assert target["recomputed_share"] + others["recomputed_share"] == pytest.approx(1)
     for mode, share in (("query0", 0.0), ("query0.5", 0.5), ("query1", 1.0)):
         assert [r["recomputed_share"] for r in rows[mode]] == pytest.approx([share] * 2, abs=0.01)  # rounded counts
     # every span token recomputed is dense attention over the same ids: the same answers
