@@ -155,6 +155,8 @@ def oracle_runs(marked: str, ssep: str, pdep: str, item: Item, lengths: list[int
         raise ValueError("the oracle modes need a task whose gold answer is a phrase in a document")
     texts = [part.split(pdep)[0] for part in marked.split(ssep)[1:]]
     target = [any(says(t, g) for g in item.gold.phrases) for t in texts]
+    if not any(target):
+        raise ValueError(f"no span says the gold answer {item.gold.phrases}: the oracle modes have no target")
     return {mode: [[(0, n)] if hit == (mode == "target") else [] for hit, n in zip(target, lengths)]
             for mode in ("target", "others")}
 

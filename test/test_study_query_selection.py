@@ -23,6 +23,16 @@ def test_top_scored_tokens_become_each_spans_runs():
     assert marked == 'a<S><T>{"span_recompute": [[1, 2]]}b<P><S><T>{"span_recompute": []}c<P>q'
 
 
+def test_oracle_targets_the_span_that_says_the_gold_phrase():
+    from sglang_pic.span_quality.items import Gold, Item
+
+    item = Item("sys", "", Gold(("Oslo",), ("Rome",)))
+    runs = study.oracle_runs("a<S>Rome is far<P><S>Oslo is near<P>q", "<S>", "<P>", item, [3, 4])
+    assert runs == {"target": [[], [(0, 4)]], "others": [[(0, 3)], []]}
+    with pytest.raises(ValueError, match="no span says"):
+        study.oracle_runs("a<S>Rome<P>q", "<S>", "<P>", item, [1])
+
+
 def test_study_runs_end_to_end(tiny_model_root: Path):
     from tiny_models import build_tiny_model
 
