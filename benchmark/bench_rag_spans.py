@@ -45,6 +45,7 @@ from sglang_pic.managers.io_struct import GenerateReqInput  # noqa: E402
 from sglang_pic.managers.output_format import output_of  # noqa: E402
 from sglang_pic.managers.req import Req, ReqSegment  # noqa: E402
 from sglang_pic.model_config import resolve_dtype  # noqa: E402
+from sglang_pic.span_policy import SELECT_CHOICES  # noqa: E402
 from sglang_pic.tokenizer import load_tokenizer  # noqa: E402
 
 MODES = ("no_cache", "prefix_cache", "pic_barrier", "pic_isps")
@@ -201,7 +202,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the server's --span-head-tokens for the span modes (default: its default)")
     p.add_argument("--span-query-share", type=float,
                    help="the server's --span-query-share for the span modes (default: its default, no probe)")
-    p.add_argument("--span-select", choices=("query", "deviation"),
+    p.add_argument("--span-select", choices=SELECT_CHOICES,
                    help="the server's --span-select: how --span-query-share picks its tokens (default: query)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="commit each step's tokens before launching the next")

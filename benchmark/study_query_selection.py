@@ -10,8 +10,9 @@ are then recomputed by the engine itself through each span's own `span_recompute
 against the gold and against dense attention (the prompt's plain token ids). Baselines: the anchor alone, and the
 anchor with a recomputed head of 64 tokens. `--oracle` adds two modes that know the answer: the span holding the gold
 phrase recomputed whole (`target`), or every other span (`others`); they show whether a wrong answer comes from the
-asked document's own context-free KV or from its rivals'. `--span-adapter` serves every mode with an adapter (the
-probe still reads the base model's attention).
+asked document's own context-free KV or from its rivals'. `--lexical` adds a mode that picks without the answer
+and without a probe: the one span sharing the most rare words with the question's line (lexical_runs).
+`--span-adapter` serves every mode with an adapter (the probe still reads the base model's attention).
 
 Usage: python benchmark/study_query_selection.py --samples 10 --tasks factual_qa,rag_two_hop
        --fractions 0.05,0.1,0.15,0.25 [--out benchmark/results/query_selection.json]
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,6 +163,25 @@ def oracle_runs(marked: str, ssep: str, pdep: str, item: Item, lengths: list[int
             for mode in ("target", "others")}
 
 
+def lexical_runs(marked: str, ssep: str, pdep: str, lengths: list[int]) -> list[list[tuple[int, int]]]:
+    """Recompute whole the span whose words best match the question: the last line after the last span that says a
+    rare word (a conversation's latest question, not its earlier turns). Each shared word counts log(spans / spans
+    holding it), so a word every span says (a shared template's) counts nothing and a name only one says counts
+    most; no span is recomputed when no line says a rare word."""
+    parts = marked.split(ssep)[1:]
+    spans = [set(re.findall(r"[a-z0-9]+", part.split(pdep)[0].lower())) for part in parts]
+    after = parts[-1].split(pdep, 1)
+    weight = {}
+    for line in reversed((after[1] if len(after) > 1 else "").splitlines()):
+        words = set(re.findall(r"[a-z0-9]+", line.lower()))
+        weight = {w: math.log(len(spans) / df) for w in words if 0 < (df := sum(w in s for s in spans)) < len(spans)}
+        if weight:
+            break
+    scores = [sum(weight.get(w, 0.0) for w in words) for words in spans]
+    best = max(range(len(spans)), key=lambda i: scores[i])
+    return [[(0, n)] if i == best and scores[best] > 0 else [] for i, n in enumerate(lengths)]
+
+
 # ---- the study ----------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fractions", default="0.05,0.1,0.15,0.25")
     p.add_argument("--unit", choices=("tokens", "spans"), default="tokens", help="what the selection picks")
     p.add_argument("--oracle", action="store_true", help="add the target and others modes (see above)")
+    p.add_argument("--lexical", action="store_true", help="add the lexical mode (see above)")
     p.add_argument("--span-adapter", help="serve every mode with this span adapter (launch_server's flag)")
     p.add_argument("--out", type=Path)
     p.add_argument("--model-path", help="an HF folder; default: the embedded model")
@@ -183,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="probe").eval()
     fractions = [float(f) for f in args.fractions.split(",") if f]
     modes = ["dense", "anchor", "anchor+head64", *(f"query{f:g}" for f in fractions),
-             *(("target", "others") if args.oracle else ())]
+             *(("target", "others") if args.oracle else ()), *(("lexical",) if args.lexical else ())]
     results: dict[str, dict[str, list]] = {}
     engine_args = dict(model_path=model_dir, tokenizer_path=tokenizer_dir, chat_template=args.chat_template,
                        span_adapter=args.span_adapter)
@@ -207,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
                 chosen = {f"query{f:g}": select_runs(scores, f, args.unit) for f in fractions}
                 if args.oracle:
                     chosen |= oracle_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, item, lengths)
+                if args.lexical:
+                    chosen["lexical"] = lexical_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, lengths)
                 for mode, runs in chosen.items():
                     marked = with_runs(prompt.marked, sa.ssep_marker, sa.span_settings_marker, runs)
                     requests[mode] = ({"prompt": marked}, sum(n for r in runs for _, n in r) / total)

@@ -44,10 +44,10 @@ def span(
     recompute: Sequence[tuple[int, int]] | None = None,
 ) -> str:
     """A reusable span: its KV depends only on `text` (and its anchor), so it is computed once and reused at any
-    offset. `anchor` (auto, none or prefix), `head_tokens`, `tail_tokens`, `query_share`, `select` (query or
-    deviation) and APE's `attention_temperature` and `attention_scale` override the request's span settings for this
-    span; `recompute`, (offset, length) runs of the span's tokens, names exactly which ones this request
-    recomputes."""
+    offset. `anchor` (auto, none or prefix), `head_tokens`, `tail_tokens`, `query_share`, `select` (query,
+    deviation or lexical) and APE's `attention_temperature` and `attention_scale` override the request's span
+    settings for this span; `recompute`, (offset, length) runs of the span's tokens, names exactly which ones this
+    request recomputes."""
     if not _check_text(text, "span text"):
         raise ValueError("span text is empty")
     settings = {"span_anchor": anchor, "span_head_tokens": head_tokens, "span_tail_tokens": tail_tokens,

@@ -136,6 +136,9 @@ def test_mode_names():
     flags = "--span-anchor auto --span-head-tokens 16 --span-tail-tokens 16"
     assert ALL_MODES["anchor+seams16"].server_flags() == flags
     assert ALL_MODES["anchor+head16"].engine_kwargs == {"span_anchor": "auto", "span_head_tokens": 16}
+    assert span_mode_name("auto", 0, 0, 0.1, select="lexical") == "anchor+lex10"
+    lexical = "--span-anchor auto --span-head-tokens 0 --span-query-share 0.1 --span-select lexical"
+    assert ALL_MODES["anchor+lex10"].server_flags() == lexical
 
 
 def test_dense_and_span_prompts_are_the_same_ids(setup):

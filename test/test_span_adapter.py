@@ -308,6 +308,27 @@ def test_span_state_error_adds_to_the_loss_and_trains_the_adapter(tiny_qwen2, tm
     assert any(g is not None and bool(g.abs().sum() > 0) for g in grads)
 
 
+def test_hard_row_share_takes_the_kl_of_the_hardest_rows_only():
+    """--hard-row-share: the loss sums the weighted KL of the highest-KL share of rows (rounded up), and only those
+    rows get a gradient."""
+    from sglang_pic.span_adapter.trainer import kl_sum
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 32, bias=False)
+    student = torch.randn(5, 8, requires_grad=True)
+    teacher = student.detach() + torch.tensor([0.0, 2.0, 0.1, 1.0, 0.5])[:, None] * torch.randn(5, 8)
+    weights = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0])
+    each = torch.stack([kl_sum(student[i: i + 1], teacher[i: i + 1], weights[i: i + 1], head) for i in range(5)])
+    each = each.detach()
+    assert float(kl_sum(student, teacher, weights, head).detach()) == pytest.approx(float(each.sum()), rel=1e-5)
+    hardest = each.topk(2).indices
+    loss = kl_sum(student, teacher, weights, head, hard_share=0.4)
+    assert float(loss.detach()) == pytest.approx(float(each[hardest].sum()), rel=1e-5)
+    loss.backward()
+    touched = {i for i in range(5) if bool(student.grad[i].abs().sum() > 0)}
+    assert touched == set(hardest.tolist())
+
+
 def test_examples_leave_room_for_the_answer_in_the_context(tiny_qwen2):
     """Prompts that would overflow the tiny model's 256-token context are drawn again; sizes that never fit say so."""
     from sglang_pic.span_adapter.corpus import build_corpus
@@ -388,3 +409,7 @@ def test_train_command_refuses_bad_ranges(tiny_qwen2, tmp_path):
     with pytest.raises(SystemExit):
         parse_args([*base, "--span-state-weight", "-1"])
     assert parse_args([*base, "--span-state-weight", "0.5"]).span_state_weight == 0.5
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            parse_args([*base, "--hard-row-share", bad])
+    assert parse_args([*base, "--hard-row-share", "0.1"]).hard_row_share == 0.1

@@ -1,6 +1,6 @@
 """benchmark/study_query_selection.py on a tiny model: the probe scores every span token, the chosen share of them is
 what the engine recomputes, and the runs it sends are the top-scored tokens; the oracle modes split the spans at the
-one holding the gold phrase."""
+one holding the gold phrase; the lexical mode picks the span that names the question's rare words."""
 
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ def test_oracle_targets_the_span_that_says_the_gold_phrase():
     assert runs == {"target": [[], [(0, 4)]], "others": [[(0, 3)], []]}
     with pytest.raises(ValueError, match="no span says"):
         study.oracle_runs("a<S>Rome<P>q", "<S>", "<P>", item, [1])
+
+
+def test_lexical_mode_recomputes_the_span_naming_the_questions_rare_words():
+    marked = ("a<S>Orvent Works was founded in Pineford<P><S>Solara Works was founded in Glendale<P>"
+              "<S>Velex Works was founded in Thornfield<P>Where was Solara Works founded?")
+    assert study.lexical_runs(marked, "<S>", "<P>", [6, 6, 6]) == [[], [(0, 6)], []]
+    shared_words_only = marked.replace("Where was Solara Works founded?", "Which works were founded?")
+    assert study.lexical_runs(shared_words_only, "<S>", "<P>", [6, 6, 6]) == [[], [], []]
+    second_question = marked + "\nSolara Works, Glendale.\nAnd where was Velex Works founded?\n"
+    assert study.lexical_runs(second_question, "<S>", "<P>", [6, 6, 6]) == [[], [], [(0, 6)]]
 
 
 def test_study_runs_end_to_end(tiny_model_root: Path):

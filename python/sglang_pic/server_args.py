@@ -255,16 +255,16 @@ class ServerArgs:
     )
     span_query_share: float = _arg(
         0.0,
-        "Share of each request's span tokens it also recomputes, chosen per request by a probe pass: the text after "
-        "the last span runs over the reused span KV, and the span tokens its queries attend to most are recomputed "
-        "(0: no probe). Needs the radix cache and --page-size 1.",
+        "Share of each request's span tokens it also recomputes, chosen per request as --span-select says (by "
+        "default a probe pass: the text after the last span runs over the reused span KV, and the span tokens its "
+        "queries attend to most are recomputed; 0: none). Needs the radix cache and --page-size 1.",
     )
     span_select: str = _arg(
         "query",
         "How each request chooses the --span-query-share of span tokens it recomputes: query (a probe pass scores "
-        "them by the attention the text after the spans pays them) or deviation (a pass through the first layers "
-        "scores them by how far their KV with full attention is from the shared copy). A request or a span may "
-        "override it.",
+        "them by the attention the text after the spans pays them), deviation (a pass through the first layers "
+        "scores them by how far their KV with full attention is from the shared copy) or lexical (no pass: whole "
+        "spans that share the question's rarest words, at least the best one). A request or a span may override it.",
     )
     span_attention_temperature: float = _arg(
         1.0,

@@ -18,7 +18,9 @@ full attention answers, and both keep the shared KV one unmodified copy:
                             span tokens its queries attend to most (ProphetKV; managers/span_probe.py);
                  deviation  a pass through the first layers computes every prompt token with full attention and
                             scores each span token by how far its KV there is from the shared copy (CacheBlend;
-                            managers/span_deviation.py).
+                            managers/span_deviation.py);
+                 lexical    no pass: whole spans, those sharing the question's rarest words, best first, at least
+                            the best one (managers/span_lexical.py).
   attention temperature and scale: APE's reweighting, with no recompute, of the attention a request's own
                tokens pay to the span KV it reads (kernels/paged_layout.py, SpanScaling). APE weighs the spans
                as one group; with per-span factors, the spans with equal factors form one group each.
@@ -43,7 +45,7 @@ from typing import Any
 DEFAULT_HEAD_TOKENS = 128
 ANCHOR_CHOICES = ("auto", "none", "prefix")  # the server flag also takes any other text: the anchor itself
 ATTENTION_FIELDS = ("span_attention_temperature", "span_attention_scale")
-SELECT_CHOICES = ("query", "deviation")
+SELECT_CHOICES = ("query", "deviation", "lexical")
 SETTING_FIELDS = ("span_anchor", "span_head_tokens", "span_tail_tokens", "span_query_share", "span_select",
                   *ATTENTION_FIELDS)
 SPAN_FIELDS = (*SETTING_FIELDS, "span_recompute")  # a span's own settings: the request's, and its exact runs

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--span-state-weight", type=float, default=d.span_state_weight,
                         help="weight of the span tokens' hidden states at every layer against the teacher's "
                         "(squared error relative to the teacher's norm, averaged over rows and layers)")
+    parser.add_argument("--hard-row-share", type=float, default=d.hard_row_share,
+                        help="share of each micro-batch's loss rows, those of highest KL, that the KL is taken on")
     parser.add_argument("--answer-tokens", type=int, default=d.answer_tokens, help="teacher answer length limit")
     parser.add_argument("--teacher-batch", type=int, default=d.teacher_batch,
                         help="prompts the teacher answers per generate call, over this and the next steps")
@@ -78,11 +80,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         parser.error("--dense-share must be in [0, 1]")
     if min(a.span_token_weight, a.span_state_weight) < 0:
         parser.error("--span-token-weight and --span-state-weight must be >= 0")
+    if not 0 < a.hard_row_share <= 1:
+        parser.error("--hard-row-share must be in (0, 1]")
     return TrainConfig(
         model_path=a.model_path, out=a.out, steps=a.steps, batch_size=a.batch_size, micro_batch=a.micro_batch,
         lr=a.lr, rank=a.rank, alpha=a.alpha, seed=a.seed, dense_share=a.dense_share, settings=settings,
         serve_settings=serve, span_token_weight=a.span_token_weight, span_state_weight=a.span_state_weight,
-        answer_tokens=a.answer_tokens, teacher_batch=a.teacher_batch, turn_kinds=kinds,
+        hard_row_share=a.hard_row_share, answer_tokens=a.answer_tokens, teacher_batch=a.teacher_batch, turn_kinds=kinds,
         sizes=ExampleSizes(docs[0], docs[1], passage[0], passage[1]), checkpoint_every=a.checkpoint_every,
         max_minutes=a.max_minutes, init_adapter=a.init_adapter, device=a.device,
     )

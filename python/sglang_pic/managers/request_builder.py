@@ -13,6 +13,7 @@ from typing import Any
 
 from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq, TokenizedSegment, wire_segments
 from sglang_pic.managers.segmenter import PromptSegmenter
+from sglang_pic.managers.span_lexical import choose_lexical
 from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
@@ -272,7 +273,8 @@ class RequestBuilder:
         return policy
 
     def _apply(self, policy: SpanPolicy, segments: list[Segment], own: dict[int, dict]) -> list[Segment]:
-        """Each span with its settings: its own (`own`, by segment index) over the request's `policy`."""
+        """Each span with its settings: its own (`own`, by segment index) over the request's `policy`; spans that
+        select lexically have chosen (span_lexical.py)."""
         prefix = segments[0].token_ids if segments[0].kind == "prefix" else ()
         out = []
         for i, seg in enumerate(segments):
@@ -284,6 +286,11 @@ class RequestBuilder:
                 seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.recompute_runs(len(seg.token_ids)),
                               query_share=p.query_share, select=p.select, attention=p.attention)
             out.append(seg)
+        if any(seg.kind == "span" and seg.query_share > 0 and seg.select == "lexical" for seg in out):
+            if self._decode is None:
+                raise ValueError("span_select lexical reads the prompt's words; this engine runs with "
+                                 "skip_tokenizer_init")
+            out = choose_lexical(out, lambda ids: self._decode(ids, skip_special_tokens=True))
         return out
 
     @staticmethod

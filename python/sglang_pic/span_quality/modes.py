@@ -10,6 +10,8 @@
                  attends to most (span_query_share);
   ...+devP       likewise, those whose KV at the second layer deviates most from the shared copy
                  (span_select deviation);
+  ...+lexP       likewise, whole spans sharing the question's rarest words, at least the best one, with no pass
+                 (span_select lexical);
   ...+apeTxSy    APE's reweighting of the attention to span keys: temperature x and scale y in percent
                  (span_attention_temperature, span_attention_scale);
   anchor+...     the anchor with a head, tail or seams;
@@ -37,6 +39,7 @@ class Mode:
 
 
 MARKINGS = ("dense", "spans")
+SELECT_NAMES = {"query": "query", "deviation": "dev", "lexical": "lex"}  # span_select -> its mode name part
 REFERENCE = "dense"  # the answers and first-token distributions the other modes are compared with
 BASELINE = "naive"  # extra prefill tokens are counted over this mode's
 
@@ -59,15 +62,15 @@ def span_mode(anchor: str, head_tokens: int, tail_tokens: int = 0, query_share: 
 
 def span_mode_name(anchor: str, head_tokens: int, tail_tokens: int = 0, query_share: float = 0.0,
                    temperature: float = 1.0, scale: float = 1.0, select: str = "query") -> str:
-    """naive, anchor, headK, tailK, seamsK (a head and a tail of K each) or headK+tailJ, then queryP or devP (P
-    percent of the span tokens chosen by the query probe or by KV deviation), then apeTxSy (APE's temperature x and
-    scale y, in percent), all after `anchor+` when the anchor is on."""
+    """naive, anchor, headK, tailK, seamsK (a head and a tail of K each) or headK+tailJ, then queryP, devP or lexP
+    (P percent of the span tokens chosen by the query probe, by KV deviation or lexically), then apeTxSy (APE's
+    temperature x and scale y, in percent), all after `anchor+` when the anchor is on."""
     if head_tokens and head_tokens == tail_tokens:
         parts = [f"seams{head_tokens}"]
     else:
         parts = [f"{what}{k}" for what, k in (("head", head_tokens), ("tail", tail_tokens)) if k]
     if query_share:
-        parts.append(f"{'query' if select == 'query' else 'dev'}{round(100 * query_share)}")
+        parts.append(f"{SELECT_NAMES[select]}{round(100 * query_share)}")
     if (temperature, scale) != (1.0, 1.0):
         parts.append(f"apeT{round(100 * temperature)}S{round(100 * scale)}")
     if anchor == "auto":
@@ -84,11 +87,12 @@ _SPAN_SETTINGS = (
     *(("auto", k, 0, 0.0, t, s) for k in (0, 16) for t, s in ((0.7, 1.1), (0.8, 1.0), (0.9, 0.9), (1.0, 1.2))),
     *(("auto", k, 0, share, 1.0, 1.0, "deviation") for k, shares in ((8, (0.1, 0.2, 0.3, 0.5)), (128, (0.1, 0.2)))
       for share in shares),
+    *(("auto", k, 0, 0.1, 1.0, 1.0, "lexical") for k in (0, 16)),
 )
 _SPAN_MODES = {span_mode_name(*setting): span_mode(*setting) for setting in _SPAN_SETTINGS}
 ADAPTER_FOLDER = "DIR"  # +adapter modes' placeholder for the folder a run names
 ADAPTER_SETTINGS = ("naive", "anchor", "anchor+head4", "anchor+head8", "anchor+head16", "anchor+head128",
-                    "anchor+tail8", "anchor+tail16")
+                    "anchor+tail8", "anchor+tail16", "anchor+lex10")
 DEFAULT_SPANS = "anchor+head128"  # the server's default span setting
 MODES: dict[str, Mode] = {
     REFERENCE: Mode("dense"),
