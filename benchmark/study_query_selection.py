@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sglang_pic.engine import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
+from sglang_pic.managers.span_lexical import question_weights, words
 from sglang_pic.model_loader.loader import model_dirs
 from sglang_pic.radix_ext.segments import normalize_runs
 from sglang_pic.span_quality.items import SPLITS, Gold, Item, item_seed
@@ -164,20 +164,13 @@ def oracle_runs(marked: str, ssep: str, pdep: str, item: Item, lengths: list[int
 
 
 def lexical_runs(marked: str, ssep: str, pdep: str, lengths: list[int]) -> list[list[tuple[int, int]]]:
-    """Recompute whole the span whose words best match the question: the last line after the last span that says a
-    rare word (a conversation's latest question, not its earlier turns). Each shared word counts log(spans / spans
-    holding it), so a word every span says (a shared template's) counts nothing and a name only one says counts
-    most; no span is recomputed when no line says a rare word."""
+    """Recompute whole the one span the engine's lexical selection scores best (managers/span_lexical.py: the rare
+    words of the question line, each weighted log(spans / spans holding it)); none when no line says a rare word."""
     parts = marked.split(ssep)[1:]
-    spans = [set(re.findall(r"[a-z0-9]+", part.split(pdep)[0].lower())) for part in parts]
+    spans = [words(part.split(pdep)[0]) for part in parts]
     after = parts[-1].split(pdep, 1)
-    weight = {}
-    for line in reversed((after[1] if len(after) > 1 else "").splitlines()):
-        words = set(re.findall(r"[a-z0-9]+", line.lower()))
-        weight = {w: math.log(len(spans) / df) for w in words if 0 < (df := sum(w in s for s in spans)) < len(spans)}
-        if weight:
-            break
-    scores = [sum(weight.get(w, 0.0) for w in words) for words in spans]
+    weights = question_weights(spans, after[1] if len(after) > 1 else "")
+    scores = [sum(weights.get(w, 0.0) for w in span) for span in spans]
     best = max(range(len(spans)), key=lambda i: scores[i])
     return [[(0, n)] if i == best and scores[best] > 0 else [] for i, n in enumerate(lengths)]
 

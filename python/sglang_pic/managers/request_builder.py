@@ -13,7 +13,7 @@ from typing import Any
 
 from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq, TokenizedSegment, wire_segments
 from sglang_pic.managers.segmenter import PromptSegmenter
-from sglang_pic.managers.span_lexical import choose_lexical
+from sglang_pic.managers.span_lexical import choose_lexical, selects_lexically
 from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
@@ -286,7 +286,7 @@ class RequestBuilder:
                 seg = Segment("span", seg.token_ids, p.anchor_for(prefix), p.recompute_runs(len(seg.token_ids)),
                               query_share=p.query_share, select=p.select, attention=p.attention)
             out.append(seg)
-        if any(seg.kind == "span" and seg.query_share > 0 and seg.select == "lexical" for seg in out):
+        if any(selects_lexically(seg) for seg in out):
             if self._decode is None:
                 raise ValueError("span_select lexical reads the prompt's words; this engine runs with "
                                  "skip_tokenizer_init")

@@ -23,15 +23,19 @@ from sglang_pic.radix_ext.segments import Segment
 WORD = re.compile(r"[^\W_]+")
 
 
-def _words(text: str) -> set[str]:
+def words(text: str) -> set[str]:
     return set(WORD.findall(text.lower()))
+
+
+def selects_lexically(seg: Segment) -> bool:
+    return seg.kind == "span" and seg.query_share > 0 and seg.select == "lexical"
 
 
 def question_weights(spans: list[set[str]], after: str) -> dict[str, float]:
     """The rare words of the question line of `after` (the text after the last span), with their weights."""
     for line in reversed(after.splitlines()):
         weights = {}
-        for word in _words(line):
+        for word in words(line):
             holding = sum(word in span for span in spans)
             if 0 < holding < len(spans):
                 weights[word] = math.log(len(spans) / holding)
@@ -42,15 +46,14 @@ def question_weights(spans: list[set[str]], after: str) -> dict[str, float]:
 
 def choose_lexical(segments: list[Segment], decode: Callable[[list[int]], str]) -> list[Segment]:
     """`segments` with the chosen lexical spans recomputed whole and every lexical span's query share spent (0)."""
-    lexical = [i for i, seg in enumerate(segments) if seg.kind == "span" and seg.query_share > 0
-               and seg.select == "lexical"]
+    lexical = [i for i, seg in enumerate(segments) if selects_lexically(seg)]
     if not lexical:
         return segments
     last = max(i for i, seg in enumerate(segments) if seg.kind == "span")
     after = decode([t for seg in segments[last + 1:] for t in seg.token_ids])
-    spans = [_words(decode(list(segments[i].token_ids))) for i in lexical]
+    spans = [words(decode(list(segments[i].token_ids))) for i in lexical]
     weights = question_weights(spans, after)
-    scores = [sum(weights.get(word, 0.0) for word in words) for words in spans]
+    scores = [sum(weights.get(word, 0.0) for word in span) for span in spans]
     budget = sum(segments[i].query_share * len(segments[i].token_ids) for i in lexical)
     out, taken = list(segments), 0
     for k in sorted(range(len(lexical)), key=lambda k: (-scores[k], k)):
