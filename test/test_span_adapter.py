@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from real_models import default_model_installed
 
 from sglang_pic import Engine
 from sglang_pic.frontend_lang.markers import span
@@ -39,6 +40,7 @@ SETTINGS = {
     "isolated": {"span_anchor": "none", "span_head_tokens": 0},
     "anchor+head": {"span_anchor": "auto", "span_head_tokens": 3},
     "anchor+tail": {"span_anchor": "auto", "span_head_tokens": 0, "span_tail_tokens": 3},
+    "anchor+lexical": {"span_anchor": "auto", "span_head_tokens": 0, "span_query_share": 0.1, "span_select": "lexical"},
 }
 
 
@@ -85,6 +87,9 @@ def test_training_layout_equals_the_engine_with_the_adapter_merged(adapted, name
     model, _, _, engine = adapted
     given = SETTINGS[name]
     layout = segments_layout(engine.make_reqs(GenerateReqInput(text=PROMPT, **given))[0].segments)
+    if "span_select" in given:  # the span naming Paris is recomputed in context: fewer tokens under span scope
+        anchor = segments_layout(engine.make_reqs(GenerateReqInput(text=PROMPT, **SETTINGS["anchor"]))[0].segments)
+        assert sum(s is not None for s in layout.scope) < sum(s is not None for s in anchor.scope)
     want_tokens, want_logps = student_greedy(model, layout, NEW)
     for _ in range(2):  # cold, then with every span cached
         tokens, logps = served(engine, PROMPT, given)
@@ -170,12 +175,56 @@ def test_recorded_span_settings_are_defaults_that_flags_override(adapted):
     assert args.span_tail_tokens == 0 and ServerArgs.from_kwargs(model_path="m").span_tail_tokens == 0
 
 
-def test_a_recorded_tail_is_the_default_tail(tmp_path):
+def test_a_recorded_tail_and_selection_are_the_defaults(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")
     (tmp_path / "span_adapter.json").write_text(json.dumps({"span_settings": {
-        "span_anchor": "auto", "span_head_tokens": 0, "span_tail_tokens": 8}}))
-    assert ServerArgs.from_kwargs(model_path="m", span_adapter=str(tmp_path)).span_tail_tokens == 8
-    assert ServerArgs.from_kwargs(model_path="m", span_adapter=str(tmp_path), span_tail_tokens=2).span_tail_tokens == 2
+        "span_anchor": "auto", "span_head_tokens": 0, "span_tail_tokens": 8, "span_query_share": 0.1,
+        "span_select": "lexical"}}))
+    args = ServerArgs.from_kwargs(model_path="m", span_adapter=str(tmp_path))
+    assert (args.span_tail_tokens, args.span_query_share, args.span_select) == (8, 0.1, "lexical")
+    args = ServerArgs.from_kwargs(model_path="m", span_adapter=str(tmp_path), span_tail_tokens=2, span_query_share=0,
+                                  span_select="query")
+    assert (args.span_tail_tokens, args.span_query_share, args.span_select) == (2, 0, "query")
+    plain = ServerArgs.from_kwargs(model_path="m")
+    assert (plain.span_query_share, plain.span_select) == (0.0, "query")
+
+
+def test_auto_names_the_shipped_adapter_with_its_settings(tmp_path, monkeypatch):
+    """--span-adapter auto: the adapter shipped for the embedded model, verified, served at its recorded setting."""
+    from sglang_pic import shipped_adapter
+
+    args = ServerArgs.from_kwargs(model_path="m", span_adapter="auto")
+    assert Path(args.span_adapter) == shipped_adapter.FOLDER.resolve()
+    settings = (args.span_anchor, args.span_head_tokens, args.span_query_share, args.span_select)
+    assert settings == ("auto", 0, 0.1, "lexical")
+    adapter = load_adapter(args.span_adapter)
+    assert adapter.rank == 16 and len(adapter.factors) == 24 * 7  # every decoder linear of Qwen2.5-0.5B's 24 layers
+    damaged = tmp_path / "span_adapter"
+    damaged.mkdir()
+    for f in shipped_adapter.FOLDER.iterdir():
+        (damaged / f.name).write_bytes(f.read_bytes()[:-1] if f.suffix == ".safetensors" else f.read_bytes())
+    monkeypatch.setattr(shipped_adapter, "FOLDER", damaged)
+    with pytest.raises(ValueError, match="sha256"):
+        ServerArgs.from_kwargs(model_path="m", span_adapter="auto")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not default_model_installed(), reason="default-model packages not installed")
+def test_the_embedded_model_with_auto_answers_from_the_asked_record():
+    """The shipped adapter merged into the embedded model, at its setting: the record the question names is
+    recomputed, the others reused, and the answer is that record's (anchored spans without it answer MIT here)."""
+    records = ["Package: rivulet\nVersion: 3.2.1\nLicense: MIT\nAuthor: Dana Okafor",
+               "Package: brambleweb\nVersion: 0.9.4\nLicense: Apache-2.0\nAuthor: Lars Lindqvist",
+               "Package: quillstone\nVersion: 7.0.0\nLicense: BSD-3-Clause\nAuthor: Mei Tanaka"]
+    prompt = ("<|im_start|>user\nHere are records." + "".join(span(r + "\n") for r in records)
+              + "Which license does brambleweb use? Answer with the license name only.<|im_end|>\n"
+              "<|im_start|>assistant\n")
+    engine = Engine(span_adapter="auto", dtype="float32", max_total_tokens=8192)
+    try:
+        out = engine.generate(prompt=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8})
+    finally:
+        engine.shutdown()
+    assert out["text"].strip() == "Apache-2.0"
 
 
 def test_train_command_runs_and_resumes_on_a_tiny_model(tiny_qwen2, tmp_path):

@@ -12,6 +12,7 @@ from sglang_pic.kv_cache_dtype import KV_CACHE_DTYPES
 from sglang_pic.parser_names import REASONING_PARSER_NAMES as REASONING_PARSERS
 from sglang_pic.parser_names import TOOL_CALL_PARSER_NAMES as TOOL_CALL_PARSERS
 from sglang_pic.quant_config import check_quantization
+from sglang_pic.shipped_adapter import AUTO, shipped_adapter
 from sglang_pic.span_policy import DEFAULT_HEAD_TOKENS, check_settings
 
 
@@ -225,9 +226,11 @@ class ServerArgs:
     )
     span_adapter: str | None = _arg(
         None,
-        "A span adapter folder (made by python -m sglang_pic.train_span_adapter, or any PEFT LoRA of the model), "
+        "A span adapter folder (made by python -m sglang_pic.train_span_adapter, or any PEFT LoRA of the model), or "
+        "auto: the one shipped for the embedded model (Qwen2.5-Coder-0.5B-Instruct; docs/server.md), "
         "merged into the weights at load, so it costs nothing per token; its recorded span settings become the "
-        "defaults of --span-anchor, --span-head-tokens and --span-tail-tokens. default: none.",
+        "defaults of --span-anchor, --span-head-tokens, --span-tail-tokens, --span-query-share and --span-select. "
+        "default: none.",
     )
     span_anchor: str | None = _arg(
         None,
@@ -253,18 +256,20 @@ class ServerArgs:
         "agents that resend their tools in another order or subset reuse them without any extra field; a request's "
         "own tool_spans overrides it. off: only requests asking for it.",
     )
-    span_query_share: float = _arg(
-        0.0,
+    span_query_share: float | None = _arg(
+        None,
         "Share of each request's span tokens it also recomputes, chosen per request as --span-select says (by "
         "default a probe pass: the text after the last span runs over the reused span KV, and the span tokens its "
-        "queries attend to most are recomputed; 0: none). Needs the radix cache and --page-size 1.",
+        "queries attend to most are recomputed; 0: none). Needs the radix cache and --page-size 1. default: the "
+        "span adapter's recorded share, else 0.",
     )
-    span_select: str = _arg(
-        "query",
+    span_select: str | None = _arg(
+        None,
         "How each request chooses the --span-query-share of span tokens it recomputes: query (a probe pass scores "
         "them by the attention the text after the spans pays them), deviation (a pass through the first layers "
         "scores them by how far their KV with full attention is from the shared copy) or lexical (no pass: whole "
-        "spans that share the question's rarest words, at least the best one). A request or a span may override it.",
+        "spans that share the question's rarest words, at least the best one). A request or a span may override it. "
+        "default: the span adapter's recorded choice, else query.",
     )
     span_attention_temperature: float = _arg(
         1.0,
@@ -436,7 +441,7 @@ class ServerArgs:
         """Check --span-adapter's folder and fill the span settings left unset from its record."""
         recorded: dict[str, Any] = {}
         if self.span_adapter is not None:
-            folder = Path(self.span_adapter).expanduser()
+            folder = shipped_adapter() if self.span_adapter == AUTO else Path(self.span_adapter).expanduser()
             if not (folder / "adapter_config.json").is_file():
                 raise ValueError(f"span_adapter {self.span_adapter!r} is no adapter folder (no adapter_config.json)")
             self.span_adapter = str(folder.resolve())
@@ -448,6 +453,10 @@ class ServerArgs:
             self.span_head_tokens = recorded.get("span_head_tokens")
         if self.span_tail_tokens is None:
             self.span_tail_tokens = recorded.get("span_tail_tokens", 0)
+        if self.span_query_share is None:
+            self.span_query_share = recorded.get("span_query_share", 0.0)
+        if self.span_select is None:
+            self.span_select = recorded.get("span_select", "query")
 
     def spans_from_jobs(self) -> bool:
         """Whether anchored spans and recomputed heads can be served (span_policy.py): their KV lives only in the
