@@ -8,7 +8,7 @@ import pytest
 from sglang_pic import Engine
 from sglang_pic.frontend_lang.markers import span
 from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.managers.span_lexical import choose_lexical
+from sglang_pic.managers.span_lexical import SpanWords, choose_lexical
 from sglang_pic.radix_ext.segments import Segment
 from test_span_policy import PARAMS
 
@@ -38,7 +38,7 @@ def recomputed(segments: list[Segment]) -> list[bool]:
 
 def test_the_span_naming_the_questions_rare_words_is_recomputed_whole():
     out = choose_lexical([Segment("prefix", ids("which")), *SPANS, Segment("pdep", ids("where was solara founded"))],
-                         decode)
+                         SpanWords(decode))
     assert recomputed(out) == [False, True, False]
     assert out[2].recompute == ((0, len(SPANS[1].token_ids)),)
     assert all(s.query_share == 0 for s in out if s.kind == "span")  # chosen: no pass runs for them
@@ -46,22 +46,34 @@ def test_the_span_naming_the_questions_rare_words_is_recomputed_whole():
 
 def test_the_latest_question_line_chooses_and_shared_words_choose_nothing():
     conversation = Segment("pdep", ids("where was solara founded \n glendale \n and velex"))
-    assert recomputed(choose_lexical([*SPANS, conversation], decode)) == [False, False, True]
+    assert recomputed(choose_lexical([*SPANS, conversation], SpanWords(decode))) == [False, False, True]
     template_only = Segment("pdep", ids("where was works founded"))
-    assert recomputed(choose_lexical([*SPANS, template_only], decode)) == [False, False, False]
+    assert recomputed(choose_lexical([*SPANS, template_only], SpanWords(decode))) == [False, False, False]
 
 
 def test_spans_are_taken_best_first_until_the_share():
     question = Segment("pdep", ids("solara in pineford"))  # solara and pineford weigh alike: the earlier span first
-    assert recomputed(choose_lexical([*SPANS, question], decode)) == [True, False, False]
+    assert recomputed(choose_lexical([*SPANS, question], SpanWords(decode))) == [True, False, False]
     wide = [lexical_span(decode(list(s.token_ids)), share=0.5) for s in SPANS]
-    assert recomputed(choose_lexical([*wide, question], decode)) == [True, True, False]
+    assert recomputed(choose_lexical([*wide, question], SpanWords(decode))) == [True, True, False]
 
 
 def test_other_selectors_spans_keep_their_share():
     query_span = Segment("span", SPANS[1].token_ids, query_share=0.2, select="query")
-    out = choose_lexical([SPANS[0], query_span, Segment("pdep", ids("where was solara founded"))], decode)
+    out = choose_lexical([SPANS[0], query_span, Segment("pdep", ids("where was solara founded"))], SpanWords(decode))
     assert out[1] == query_span and recomputed(out) == [False, False]
+
+
+def test_a_spans_words_are_decoded_once_while_it_recurs():
+    decoded = []
+    span_words = SpanWords(lambda ids: decoded.append(tuple(ids)) or decode(ids), size=2)
+    question = Segment("pdep", ids("where was solara founded"))
+    for _ in range(3):
+        assert recomputed(choose_lexical([*SPANS[:2], question], span_words)) == [False, True]
+    assert decoded.count(SPANS[0].token_ids) == 1 and decoded.count(SPANS[1].token_ids) == 1
+    choose_lexical([SPANS[2], question], span_words)  # a third span pushes out the least recent
+    choose_lexical([SPANS[0], question], span_words)
+    assert decoded.count(SPANS[0].token_ids) == 2
 
 
 @pytest.fixture(scope="module")

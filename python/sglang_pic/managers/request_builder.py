@@ -13,7 +13,7 @@ from typing import Any
 
 from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq, TokenizedSegment, wire_segments
 from sglang_pic.managers.segmenter import PromptSegmenter
-from sglang_pic.managers.span_lexical import choose_lexical, selects_lexically
+from sglang_pic.managers.span_lexical import SpanWords, choose_lexical, selects_lexically
 from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
@@ -63,6 +63,8 @@ class RequestBuilder:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self._decode = fast_decode(tokenizer) if tokenizer is not None else None
+        self._span_words = None if tokenizer is None else SpanWords(
+            lambda ids: self._decode(ids, skip_special_tokens=True))
         self.model_config = model_config
         self.context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
@@ -287,10 +289,10 @@ class RequestBuilder:
                               query_share=p.query_share, select=p.select, attention=p.attention)
             out.append(seg)
         if any(selects_lexically(seg) for seg in out):
-            if self._decode is None:
+            if self._span_words is None:
                 raise ValueError("span_select lexical reads the prompt's words; this engine runs with "
                                  "skip_tokenizer_init")
-            out = choose_lexical(out, lambda ids: self._decode(ids, skip_special_tokens=True))
+            out = choose_lexical(out, self._span_words)
         return out
 
     @staticmethod

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence, Set
 from dataclasses import replace
+from functools import lru_cache
 
 from sglang_pic.radix_ext.segments import Segment
 
@@ -31,7 +32,7 @@ def selects_lexically(seg: Segment) -> bool:
     return seg.kind == "span" and seg.query_share > 0 and seg.select == "lexical"
 
 
-def question_weights(spans: list[set[str]], after: str) -> dict[str, float]:
+def question_weights(spans: Sequence[Set[str]], after: str) -> dict[str, float]:
     """The rare words of the question line of `after` (the text after the last span), with their weights."""
     for line in reversed(after.splitlines()):
         weights = {}
@@ -44,14 +45,26 @@ def question_weights(spans: list[set[str]], after: str) -> dict[str, float]:
     return {}
 
 
-def choose_lexical(segments: list[Segment], decode: Callable[[list[int]], str]) -> list[Segment]:
+class SpanWords:
+    """Each span's word set by its token ids, kept for the spans seen last: spans recur, so most are decoded once
+    (building 600 ten-passage RAG requests took 366 ms more with lexical selection than without, 175 ms kept)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], size: int = 4096) -> None:
+        self.decode = decode
+        self.words = lru_cache(maxsize=size)(self._words)
+
+    def _words(self, token_ids: tuple[int, ...]) -> frozenset[str]:
+        return frozenset(words(self.decode(list(token_ids))))
+
+
+def choose_lexical(segments: list[Segment], span_words: SpanWords) -> list[Segment]:
     """`segments` with the chosen lexical spans recomputed whole and every lexical span's query share spent (0)."""
     lexical = [i for i, seg in enumerate(segments) if selects_lexically(seg)]
     if not lexical:
         return segments
     last = max(i for i, seg in enumerate(segments) if seg.kind == "span")
-    after = decode([t for seg in segments[last + 1:] for t in seg.token_ids])
-    spans = [words(decode(list(segments[i].token_ids))) for i in lexical]
+    after = span_words.decode([t for seg in segments[last + 1:] for t in seg.token_ids])
+    spans = [span_words.words(tuple(segments[i].token_ids)) for i in lexical]
     weights = question_weights(spans, after)
     scores = [sum(weights.get(word, 0.0) for word in span) for span in spans]
     budget = sum(segments[i].query_share * len(segments[i].token_ids) for i in lexical)
