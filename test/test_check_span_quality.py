@@ -23,7 +23,7 @@ from sglang_pic.span_quality.tasks import TASKS
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--qa-docs", "2", "--qa-pool", "3", "--num-tools", "2", "--needle-spans", "3", "--needle-pool", "3",
          "--depth-buckets", "2"]
-SETTINGS = ("naive", "anchor", "anchor+head16", "anchor+seams8")
+SETTINGS = ("naive", "anchor", "anchor+head16", "anchor+seams8", "anchor+lex10")
 # Three of the tasks keep this a fast test (the benchmark's test runs them all): spans in the user turn, in an earlier
 # turn, and as tools.
 CHECKED_TASKS = ("needle", "multi_turn", "tool_selection")
@@ -93,7 +93,8 @@ def test_recommendation_is_the_cheapest_setting_near_dense_on_every_task():
 @pytest.mark.parametrize("flags", [["--head-tokens", "16,16"], ["--head-tokens", "-1"], ["--head-tokens", "x"],
                                    ["--head-tokens", ""], ["--seam-tokens", "0"], ["--seam-tokens", "8,8"],
                                    ["--tasks", "rag_two_hop"], ["--tolerance", "2"], ["--needle-spans", "2"],
-                                   ["--long-tokens", "100,150"]])
+                                   ["--long-tokens", "100,150"], ["--lexical-shares", "0"],
+                                   ["--lexical-shares", "x"], ["--lexical-shares", "0.1,0.1"]])
 def test_bad_flags_are_refused(flags, capsys):
     with pytest.raises(SystemExit):
         check.parse_args(flags)

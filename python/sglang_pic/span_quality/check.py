@@ -3,11 +3,12 @@
 Spans trade answer quality for prefill work, and how much depends on the model. This runs the package's tasks
 (tasks.py: factual QA, tool selection, needle, late record fields, code retrieval, long spans, a multi-turn chat)
 with dense attention and with spans under each setting: isolated (`--span-anchor none`), anchored with each K of
---head-tokens (`--span-anchor auto --span-head-tokens K`, K = 0 being the anchor alone) and anchored with each K of
---seam-tokens (head and tail of K each: `--span-tail-tokens K` too). Per task and setting it prints the accuracy,
-how often the answer agrees with dense attention's, how often the first token does, the share of span tokens
-recomputed, and how many more prefill tokens a request computes than with isolated spans. It recommends a setting
-by recommend.RULE, with the server flags that select it.
+--head-tokens (`--span-anchor auto --span-head-tokens K`, K = 0 being the anchor alone), anchored with each K of
+--seam-tokens (head and tail of K each: `--span-tail-tokens K` too) and anchored with each share of --lexical-shares
+(`--span-query-share F --span-select lexical`). Per task and setting it prints the accuracy, how often the answer
+agrees with dense attention's, how often the first token does, the share of span tokens recomputed, and how many
+more prefill tokens a request computes than with isolated spans. It recommends a setting by recommend.RULE, with the
+server flags that select it.
 
 The recommendation is chosen on the tuning split's items and then reported on held-out items (seeds disjoint from
 the tuning ones), run with dense attention, isolated spans and the recommended setting only: the held-out numbers
@@ -33,13 +34,13 @@ from sglang_pic.span_quality.tasks import TASKS
 
 DESCRIPTION = (
     "A quick span-quality run on your own model: every task with dense attention and with spans under each setting "
-    "tried (isolated, the anchor with each --head-tokens and --seam-tokens length), a row per task and setting. It "
-    "recommends the cheapest setting whose accuracy on every task stays within --tolerance of dense attention's "
-    "(else the closest one), chosen on tuning items and reported on held-out items, with the server flags that "
-    "select it."
+    "tried (isolated, the anchor with each --head-tokens and --seam-tokens length and each --lexical-shares "
+    "share), a row per task and setting. It recommends the cheapest setting whose accuracy on every task stays "
+    "within --tolerance of dense attention's (else the closest one), chosen on tuning items and reported on "
+    "held-out items, with the server flags that select it."
 )
 RUN_TIME = (
-    "Run time on a CPU: the defaults send 560 requests (7 tasks x 8 items through 7 settings on the tuning items "
+    "Run time on a CPU: the defaults send 616 requests (7 tasks x 8 items through 8 settings on the tuning items "
     "and 3 on the held-out ones). On 2 CPU cores with the embedded 0.5B model, --samples 1 took 84 minutes while "
     "other jobs shared the cores (59 minutes of CPU time, 10 GB of memory at peak), so the defaults take an "
     "estimated 4 to 11 hours, about half of it long_spans' prompts of 6-10K tokens. For a first look use --samples "
@@ -133,6 +134,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seam-tokens", default="",
                    help="comma-separated seam lengths K tried behind the anchor: head and tail of K each, e.g. 16 "
                         "(default: none, to keep the run short)")
+    p.add_argument("--lexical-shares", default="0.1",
+                   help="comma-separated query shares tried behind the anchor with lexical selection (each request "
+                        "recomputes whole the spans sharing the question's rarest words, at least one); empty: none "
+                        "(default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="how far below dense attention's accuracy a recommended setting may fall on any task "
                         "(default: %(default)s)")
@@ -149,6 +154,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.seam_tokens = _lengths(p, "--seam-tokens", args.seam_tokens, minimum=1)
     if not args.head_tokens:
         p.error("--head-tokens must list at least one length")
+    try:
+        args.lexical_shares = [float(f) for f in args.lexical_shares.split(",") if f.strip()]
+    except ValueError:
+        p.error(f"--lexical-shares must be comma-separated numbers, got {args.lexical_shares!r}")
+    if any(not 0 < f <= 1 for f in args.lexical_shares) or len(set(args.lexical_shares)) < len(args.lexical_shares):
+        p.error("--lexical-shares must list distinct shares in (0, 1]")
     if args.samples < 1 or args.batch_size < 1 or not 0 <= args.tolerance <= 1:
         p.error("--samples and --batch-size must be positive and --tolerance in [0, 1]")
     return args
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> Recommendation:
     }
     if args.max_total_tokens is not None:
         engine_kwargs["max_total_tokens"] = args.max_total_tokens
-    modes = settings(args.head_tokens, args.seam_tokens)
+    modes = settings(args.head_tokens, args.seam_tokens, args.lexical_shares)
     print("tuning: every setting on the tuning items", flush=True)
     scores = _scores(modes, workloads["tuning"], builder, engine_kwargs, args.batch_size)
     per_setting = setting_scores(scores, modes)

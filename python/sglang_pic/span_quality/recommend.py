@@ -44,10 +44,12 @@ def recommend(scores: Sequence[SettingScore], tolerance: float) -> SettingScore:
     return min(fits, key=lambda s: (s.extra_tokens, s.worst_gap, -s.agreement))
 
 
-def settings(head_tokens: Sequence[int], seam_tokens: Sequence[int] = ()) -> dict[str, Mode]:
-    """dense (the reference), isolated spans (the cost baseline), then the anchor with each head length and with
-    each seams length."""
+def settings(head_tokens: Sequence[int], seam_tokens: Sequence[int] = (),
+             lexical_shares: Sequence[float] = ()) -> dict[str, Mode]:
+    """dense (the reference), isolated spans (the cost baseline), then the anchor with each head length, with each
+    seams length and with each query share chosen lexically."""
     tried = [("auto", k, 0) for k in head_tokens] + [("auto", k, k) for k in seam_tokens]
+    tried += [("auto", 0, 0, share, 1.0, 1.0, "lexical") for share in lexical_shares]
     anchored = {span_mode_name(*s): span_mode(*s) for s in tried}
     return {REFERENCE: MODES[REFERENCE], BASELINE: MODES[BASELINE], **anchored}
 
