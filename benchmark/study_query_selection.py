@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sglang_pic.engine import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.managers.span_lexical import question_weights, words
+from sglang_pic.managers.span_lexical import lexical_scores, words
 from sglang_pic.model_loader.loader import model_dirs
 from sglang_pic.radix_ext.segments import normalize_runs
 from sglang_pic.span_quality.items import SPLITS, Gold, Item, item_seed
@@ -169,8 +169,7 @@ def lexical_runs(marked: str, ssep: str, pdep: str, lengths: list[int]) -> list[
     parts = marked.split(ssep)[1:]
     spans = [words(part.split(pdep)[0]) for part in parts]
     after = parts[-1].split(pdep, 1)
-    weights = question_weights(spans, after[1] if len(after) > 1 else "")
-    scores = [sum(weights.get(w, 0.0) for w in span) for span in spans]
+    scores = lexical_scores(spans, after[1] if len(after) > 1 else "")
     best = max(range(len(spans)), key=lambda i: scores[i])
     return [[(0, n)] if i == best and scores[best] > 0 else [] for i, n in enumerate(lengths)]
 

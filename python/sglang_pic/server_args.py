@@ -24,6 +24,12 @@ def _arg(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+# The span settings a span adapter's record may set, with their values where it does not (span_head_tokens: None
+# stays for resolved_span_head_tokens to choose).
+UNRECORDED_SPAN_SETTINGS: dict[str, Any] = {"span_anchor": "auto", "span_head_tokens": None, "span_tail_tokens": 0,
+                                            "span_query_share": 0.0, "span_select": "query"}
+
+
 @dataclass
 class ServerArgs:
     model_path: str | None = _arg(
@@ -447,16 +453,9 @@ class ServerArgs:
             self.span_adapter = str(folder.resolve())
             record = folder / "span_adapter.json"
             recorded = json.loads(record.read_text()).get("span_settings", {}) if record.is_file() else {}
-        if self.span_anchor is None:
-            self.span_anchor = recorded.get("span_anchor", "auto")
-        if self.span_head_tokens is None:
-            self.span_head_tokens = recorded.get("span_head_tokens")
-        if self.span_tail_tokens is None:
-            self.span_tail_tokens = recorded.get("span_tail_tokens", 0)
-        if self.span_query_share is None:
-            self.span_query_share = recorded.get("span_query_share", 0.0)
-        if self.span_select is None:
-            self.span_select = recorded.get("span_select", "query")
+        for name, default in UNRECORDED_SPAN_SETTINGS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, recorded.get(name, default))
 
     def spans_from_jobs(self) -> bool:
         """Whether anchored spans and recomputed heads can be served (span_policy.py): their KV lives only in the
