@@ -211,6 +211,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", help="the server's --attention-backend (default: its default)")
     p.add_argument("--kv-cache-dtype", default="auto", help="the server's --kv-cache-dtype (e.g. fp8_e4m3)")
     p.add_argument("--quantization", help="the server's --quantization (fp8: weights and GEMMs in float8)")
+    p.add_argument("--span-adapter", help="the server's --span-adapter (a folder, or auto)")
+    p.add_argument("--span-adapter-scope", help="the server's --span-adapter-scope (default: spans)")
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
@@ -245,6 +247,10 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) 
         kwargs["span_select"] = args.span_select
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization
+    if args.span_adapter is not None:
+        kwargs["span_adapter"] = args.span_adapter
+    if args.span_adapter_scope is not None:
+        kwargs["span_adapter_scope"] = args.span_adapter_scope
     return kwargs
 
 

@@ -5,6 +5,9 @@ A prompt is an optional prefix, then spans and PDEP (prompt-dependent) segments.
   span    its own tokens                        -> namespace "span", shared whatever precedes it
   pdep    the whole marker-aware prompt before  -> namespace "pdep:<sha256 of that structure>"
 so each segment is keyed by exactly what its KV depends on. Generated tokens are cached under `tail_key`.
+A span adapter served apart from the weights (layers/row_lora.py) runs only prompts that keep a span, so their KV
+differs from a plain prompt's even where their tokens agree: their plain keys (namespace None) move to
+ADAPTER_NAMESPACE (managers/io_struct.wire_segments), and every other namespace they use only span prompts reach.
 
 A span may carry the quality settings a request chose for it (span_policy.py): an `anchor`, tokens it was
 prefilled behind (its KV then comes from a span job, never from a request's own row), and `recompute`, the runs
@@ -31,6 +34,7 @@ from sglang_pic.radix_ext.radix_tree import RadixKey
 
 SegmentKind = Literal["prefix", "span", "pdep"]
 SPAN_NAMESPACE = "span"
+ADAPTER_NAMESPACE = "adapter"
 PDEP_NAMESPACE_PREFIX = "pdep:"
 _KINDS = ("prefix", "span", "pdep")
 _HASH_TAG = b"sglang_pic.segments.v4\0"

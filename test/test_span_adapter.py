@@ -8,6 +8,7 @@ engine will run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -47,7 +48,8 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def adapted(tiny_qwen2, tmp_path_factory):
     """The tiny model with LoRA factors drawn at random (B nonzero, so the adapter changes every answer), that
-    adapter saved, and an engine serving it merged."""
+    adapter saved, and two engines serving it: apart from the weights, to requests that keep a span (the default
+    scope), and merged into them (scope all)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
@@ -57,9 +59,11 @@ def adapted(tiny_qwen2, tmp_path_factory):
         layer.lora_B.data.normal_(0.0, 0.05, generator=gen)
     folder = tmp_path_factory.mktemp("adapter")
     save_adapter(folder, to_adapter(layers, 4, 8.0, {"span_settings": SETTINGS["anchor+head"]}), str(tiny_qwen2))
-    engine = Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096, span_adapter=str(folder))
-    yield model, layers, folder, engine
-    engine.shutdown()
+    engines = {scope: Engine(model_path=str(tiny_qwen2), dtype="float32", max_total_tokens=4096,
+                             span_adapter=str(folder), span_adapter_scope=scope) for scope in ("spans", "all")}
+    yield model, layers, folder, engines
+    for engine in engines.values():
+        engine.shutdown()
 
 
 def student_greedy(model, layout: SpanLayout, n: int) -> tuple[list[int], list[float]]:
@@ -82,9 +86,12 @@ def served(engine: Engine, prompt, given: dict) -> tuple[list[int], list[float]]
     return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
 
 
+@pytest.mark.parametrize("scope", ["spans", "all"])
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_training_layout_equals_the_engine_with_the_adapter_merged(adapted, name):
-    model, _, _, engine = adapted
+def test_training_layout_equals_the_engine_with_the_adapter(adapted, name, scope):
+    """Apart from the weights or merged into them, a span prompt runs under the adapter as training ran it."""
+    model, _, _, engines = adapted
+    engine = engines[scope]
     given = SETTINGS[name]
     layout = segments_layout(engine.make_reqs(GenerateReqInput(text=PROMPT, **given))[0].segments)
     if "span_select" in given:  # the span naming Paris is recomputed in context: fewer tokens under span scope
@@ -119,15 +126,69 @@ def test_a_padded_batch_holds_each_layouts_mask():
     assert torch.equal(mask[0, 0, 10:], eye[10:]) and torch.equal(mask[1, 0, 4:], eye[4:])
 
 
-def test_dense_turns_equal_the_engine_with_the_adapter_merged(adapted):
-    model, _, _, engine = adapted
+@pytest.mark.parametrize("scope", ["spans", "all"])
+def test_dense_turns_run_on_the_base_weights_unless_the_adapter_is_merged(adapted, scope):
+    """A dense prompt runs under the merged adapter as training's dense turns do; with the adapter apart, on the
+    base weights (the student with its LoRA off)."""
+    model, layers, _, engines = adapted
+    engine = engines[scope]
     layout = segments_layout(engine.make_reqs(GenerateReqInput(text=PROMPT, **SETTINGS["isolated"]))[0].segments)
     dense = SpanLayout()
     dense.add(layout.dense_ids(), 0, None, True)
-    want_tokens, want_logps = student_greedy(model, dense, NEW)
+    with lora_off(layers) if scope == "spans" else contextlib.nullcontext():
+        want_tokens, want_logps = student_greedy(model, dense, NEW)
     tokens, logps = served(engine, dense.ids, {})
     assert tokens == want_tokens
     torch.testing.assert_close(torch.tensor(logps), torch.tensor(want_logps), atol=2e-4, rtol=1e-4)
+
+
+def test_dense_and_span_prompts_share_no_kv_and_batch_together_with_the_adapter_apart(adapted):
+    """The span prompt's plain prefix ("Answer the question.") was computed on the base weights by a dense prompt
+    that starts with the same text: under the adapter it must be computed again, not read from the cache. Sent in
+    one batch, each runs on its own weights."""
+    model, layers, _, engines = adapted
+    engine = engines["spans"]
+    engine.flush_cache()
+    given = SETTINGS["anchor+head"]
+    dense_text = "Answer the question." + "".join(DOCS) + "Where is Paris?"
+    layout = segments_layout(engine.make_reqs(GenerateReqInput(text=PROMPT, **given))[0].segments)
+    dense = segments_layout(engine.make_reqs(GenerateReqInput(text=dense_text))[0].segments)
+    want = {PROMPT: student_greedy(model, layout, NEW)}
+    with lora_off(layers):
+        want[dense_text] = student_greedy(model, dense, NEW)
+    assert served(engine, dense_text, {})[0] == want[dense_text][0]
+    params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    outs = engine.generate(prompt=[PROMPT, dense_text], sampling_params=params, return_logprob=True, **given)
+    for text, out in zip([PROMPT, dense_text], outs):
+        assert out["output_ids"] == want[text][0]
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want[text][1]), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_serve_the_adapter_apart_per_row(adapted, tiny_qwen2):
+    """On CUDA (Triton, decode graphs captured with the row switch inside), in one batch: the span prompt answers as
+    the merged adapter does, the dense prompt as the base model does."""
+    _, _, folder, _ = adapted
+    dense_text = "Answer the question." + "".join(DOCS) + "Where is Paris?"
+    params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    outs = {}
+    for name, kwargs in {"spans": {"span_adapter": str(folder)}, "all": {"span_adapter": str(folder),
+                         "span_adapter_scope": "all"}, "base": {}}.items():
+        with Engine(model_path=str(tiny_qwen2), dtype="float32", device="cuda", attention_backend="triton",
+                    max_total_tokens=4096, **kwargs) as engine:
+            outs[name] = [engine.generate(prompt=[PROMPT, dense_text], sampling_params=params, return_logprob=True,
+                                          **SETTINGS["anchor+head"]) for _ in range(2)]  # cold, then cached
+
+    def logps(out):
+        return torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+
+    for spans, merged, base in zip(outs["spans"], outs["all"], outs["base"]):
+        assert spans[0]["output_ids"] == merged[0]["output_ids"] != base[0]["output_ids"]
+        torch.testing.assert_close(logps(spans[0]), logps(merged[0]), atol=2e-3, rtol=0)
+        assert spans[1]["output_ids"] == base[1]["output_ids"]
+        torch.testing.assert_close(logps(spans[1]), logps(base[1]), atol=1e-5, rtol=0)
 
 
 def test_the_adapter_changes_answers_and_lora_off_is_the_base_model(adapted, tiny_qwen2):

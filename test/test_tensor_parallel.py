@@ -7,12 +7,19 @@ variant runs tp 2 and 4 on CUDA (NCCL, Triton, CUDA graphs) against the CPU tp 1
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from sglang_pic import Engine
 from sglang_pic.frontend_lang.markers import span
+from sglang_pic.model_loader.span_adapter import save_adapter
 from tiny_models import build_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+from make_adapter import random_adapter  # noqa: E402
 
 DOC = "The capital of France is Paris, the capital of Japan is Tokyo."
 PROMPTS = [
@@ -72,6 +79,19 @@ def test_tp2_probe_chooses_what_tp1_chooses(tiny_llama, monkeypatch, select):
             outs[tp_size] = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
     assert len(choices[1]) == 2 and sorted(map(repr, choices[2])) == sorted(map(repr, choices[1]))
     assert outs[2] == outs[1]
+
+
+def test_tp2_serves_a_span_adapter_apart_as_tp1(tiny_qwen2, tmp_path):
+    """The adapter's factors sharded as the weights are (packed q|k|v and gate|up by output rows, o and down by
+    input columns, their partial products summed with the layer's): tp 2 answers as tp 1, and otherwise than
+    without the adapter."""
+    save_adapter(tmp_path, random_adapter(tiny_qwen2, rank=4), str(tiny_qwen2))
+    cold1, warm1, lp1, _ = run(tiny_qwen2, 1, span_adapter=str(tmp_path))
+    cold2, warm2, lp2, reused = run(tiny_qwen2, 2, span_adapter=str(tmp_path))
+    assert cold2 == warm2 == warm1 == cold1 and reused > 0
+    assert lp2 == pytest.approx(lp1, abs=LOGPROB_ATOL)
+    base = run(tiny_qwen2, 1)[0]
+    assert base[:2] == cold1[:2] and base[2:] != cold1[2:]  # dense prompts on the base weights, span prompts not
 
 
 def test_tp2_replicates_a_single_kv_head(tiny_model_root):

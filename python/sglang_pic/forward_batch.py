@@ -4,7 +4,8 @@ A request contributes `extend_seq_len` new tokens, in increasing position order.
 request: cached spans may sit between them. Every new token carries its logical position (its index in the request)
 and `attn_lo`, the lowest key index it may see (0 for prefix, PDEP and decode tokens, the span's start for span
 tokens). A query at position p sees keys j with attn_lo <= j <= p, read through req_to_token[req_pool_index, j] and
-rotated by j.
+rotated by j. `span_adapter_rows` marks the tokens of requests that run under a span adapter kept apart from the
+weights (layers/row_lora.py): those whose prompt keeps a span, and span jobs.
 
 Every producer (scheduler, speculation, CUDA graphs, benchmarks) fills `BatchRows` with host lists and calls
 `ForwardBatch.build`, which uploads them in one copy and derives the rest; tensor parallelism ships a batch with
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
     from sglang_pic.layers.attention_backend import AttentionBackend
     from sglang_pic.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
-TOKEN_FIELDS = ("input_ids", "positions", "attn_lo", "out_cache_loc")  # int64 [T] device tensors
+# int64 [T] device tensors
+TOKEN_FIELDS = ("input_ids", "positions", "attn_lo", "span_adapter_rows", "out_cache_loc")
 REQUEST_FIELDS = ("req_pool_indices", "seq_lens", "extend_seq_lens", "extend_start_loc")  # int64 [B] device tensors
 HOST_FIELDS = ("req_pool_indices_cpu", "seq_lens_cpu", "extend_seq_lens_cpu")  # host copies of request fields
 # Host copies of token fields: a backend that plans on the host (FlashInfer) reads them instead of syncing with the
@@ -56,6 +58,7 @@ class BatchRows:
     input_ids: list[int] = field(default_factory=list)  # per new token (left empty when they come as a tensor)
     positions: list[int] = field(default_factory=list)
     attn_lo: list[int] = field(default_factory=list)
+    span_adapter_rows: list[int] = field(default_factory=list)  # 1: the token's request runs under the span adapter
     req_pool_indices: list[int] = field(default_factory=list)  # per request
     seq_lens: list[int] = field(default_factory=list)
     extend_seq_lens: list[int] = field(default_factory=list)
@@ -65,11 +68,16 @@ class BatchRows:
     def num_tokens(self) -> int:
         return len(self.positions)
 
-    def add(self, row: int, positions: list[int] | range, attn_lo: list[int], seq_len: int | None = None) -> None:
+    def add(
+        self, row: int, positions: list[int] | range, attn_lo: list[int], seq_len: int | None = None,
+        span_adapter: bool = False,
+    ) -> None:
         """A request of table row `row` whose new tokens sit at `positions`, each seeing keys from its attn_lo
-        on; its keys 0..seq_len-1 are addressable (by default through its last new token)."""
+        on; its keys 0..seq_len-1 are addressable (by default through its last new token). `span_adapter`: its
+        tokens run under the span adapter (when one is served apart from the weights)."""
         self.positions += positions
         self.attn_lo += attn_lo
+        self.span_adapter_rows += [int(span_adapter)] * len(positions)
         self.req_pool_indices.append(row)
         self.seq_lens.append(positions[-1] + 1 if seq_len is None else seq_len)
         self.extend_seq_lens.append(len(positions))
@@ -112,6 +120,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, logical position of each new token
     attn_lo: torch.Tensor  # [T] int64, lowest visible key index per new token
+    span_adapter_rows: torch.Tensor  # [T] int64, 1 where the token's request runs under the span adapter
     out_cache_loc: torch.Tensor  # [T] int64, KV slot written for each new token
     req_pool_indices: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int64, keys 0..seq_len-1 are addressable (= max query position + 1)

@@ -233,10 +233,16 @@ class ServerArgs:
     span_adapter: str | None = _arg(
         None,
         "A span adapter folder (made by python -m sglang_pic.train_span_adapter, or any PEFT LoRA of the model), or "
-        "auto: the one shipped for the embedded model (Qwen2.5-Coder-0.5B-Instruct; docs/server.md), "
-        "merged into the weights at load, so it costs nothing per token; its recorded span settings become the "
-        "defaults of --span-anchor, --span-head-tokens, --span-tail-tokens, --span-query-share and --span-select. "
-        "default: none.",
+        "auto: the one shipped for the embedded model (Qwen2.5-Coder-0.5B-Instruct; docs/server.md), served as "
+        "--span-adapter-scope says; its recorded span settings become the defaults of --span-anchor, "
+        "--span-head-tokens, --span-tail-tokens, --span-query-share and --span-select. default: none.",
+    )
+    span_adapter_scope: str = _arg(
+        "spans",
+        "Which requests run under the span adapter: spans (those whose prompt keeps a span after its settings "
+        "apply: the adapter is added on their rows only, dense requests run on the base weights and keep their "
+        "answers; their KV never shares a radix entry) or all (merged into the weights at load: no cost per token, "
+        "but dense requests run under it too, which cost the shipped adapter 1.9 points).",
     )
     span_anchor: str | None = _arg(
         None,
@@ -369,6 +375,11 @@ class ServerArgs:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp32", "fp16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         check_quantization(self.quantization)
+        if self.span_adapter_scope not in ("spans", "all"):
+            raise ValueError(f"span_adapter_scope must be spans or all, got {self.span_adapter_scope!r}")
+        if self.span_adapter is not None and self.span_adapter_scope == "spans" and self.quantization is not None:
+            raise ValueError("a span adapter kept apart from the weights needs dense ones; with --quantization, "
+                             "pass --span-adapter-scope all")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.schedule_policy is None:
@@ -456,6 +467,10 @@ class ServerArgs:
         for name, default in UNRECORDED_SPAN_SETTINGS.items():
             if getattr(self, name) is None:
                 setattr(self, name, recorded.get(name, default))
+
+    def span_adapter_apart(self) -> bool:
+        """Whether a span adapter is served apart from the weights, to requests that keep a span only."""
+        return self.span_adapter is not None and self.span_adapter_scope == "spans"
 
     def spans_from_jobs(self) -> bool:
         """Whether anchored spans and recomputed heads can be served (span_policy.py): their KV lives only in the

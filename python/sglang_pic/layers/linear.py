@@ -22,16 +22,19 @@ from torch import nn
 from sglang_pic.distributed.parallel_state import all_reduce, get_tp_group
 from sglang_pic.distributed.sharding import Shard, even_shard, kv_head_shard
 from sglang_pic.layers.quant_fp8 import FP8, Fp8Rows, channel_scales, fp8_linear
+from sglang_pic.layers.row_lora import RowLora
 from sglang_pic.quant_config import check_quantization
 
 
 class Linear(nn.Linear):
-    """`quant`: None (weights in the model's dtype) or fp8 (an fp8 weight and its per-row `weight_scale`)."""
+    """`quant`: None (weights in the model's dtype) or fp8 (an fp8 weight and its per-row `weight_scale`).
+    `lora`: a span adapter kept apart from the weights (layers/row_lora.py), added to this rank's product."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
         check_quantization(quant)
         self.quant = quant
+        self.lora: RowLora | None = None
         if quant is None:
             self.register_parameter("weight_scale", None)
             return
@@ -45,9 +48,10 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         """x, or activations an fp8 layer's producer already quantized (Fp8Rows), times the weight."""
-        if self.quant is None:
-            return F.linear(x, self.weight, bias)
-        return fp8_linear(x, self.weight, self.weight_scale, bias)
+        if self.quant is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias)
+        out = F.linear(x, self.weight, bias)
+        return out if self.lora is None else self.lora.add_to(out, x)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.matmul(x, self.bias)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sglang_pic.radix_ext.segments import Segment, recompute_namespaces, segment_keys, tail_key
+from sglang_pic.radix_ext.segments import ADAPTER_NAMESPACE, Segment, recompute_namespaces, segment_keys, tail_key
 from sglang_pic.sampling.sampling_params import SamplingParams
 from sglang_pic.sglang_fields import GENERATE_ALIASES, GENERATE_FIELDS, accept_fields
 from sglang_pic.span_policy import SETTING_FIELDS
@@ -123,10 +123,17 @@ class TokenizedSegment:
     attention: tuple[float, float] = (1.0, 1.0)
 
 
-def wire_segments(segments: Sequence[Segment]) -> list[TokenizedSegment]:
+def runs_span_adapter(segments: Sequence[Segment], apart: bool) -> bool:
+    """Whether a canonical prompt runs under the span adapter: one is served apart from the weights (`apart`) and
+    a span is left after the prompt's settings (a prompt whose spans are all recomputed whole attends densely)."""
+    return apart and any(seg.kind == "span" for seg in segments)
+
+
+def wire_segments(segments: Sequence[Segment], span_adapter: bool = False) -> list[TokenizedSegment]:
     """A span with recomputed runs becomes its pieces: each run a "head" segment, keyed like PDEP text on the
     structure before it (radix_ext.segments.recompute_namespaces), and each stretch between runs a span segment
-    read from the tree path of the whole anchored span (see managers/req.py)."""
+    read from the tree path of the whole anchored span (see managers/req.py). `span_adapter`: the prompt runs
+    under the span adapter (`runs_span_adapter`), so its plain keys move to ADAPTER_NAMESPACE."""
     out, start = [], 0
     for seg, key, spaces in zip(segments, segment_keys(segments), recompute_namespaces(segments)):
         tokens = seg.token_ids
@@ -147,6 +154,8 @@ def wire_segments(segments: Sequence[Segment]) -> list[TokenizedSegment]:
         start += len(tokens)
     if out[-1].kind == "span":
         out.append(TokenizedSegment("pdep", (), tail_key(segments, ()).extra_key, start=start))
+    if span_adapter:
+        out = [replace(seg, extra_key=ADAPTER_NAMESPACE) if seg.extra_key is None else seg for seg in out]
     return out
 
 
@@ -175,6 +184,7 @@ class TokenizedGenerateReq:
     # The canonical prompt, when one of its spans has a query share: the scheduler probes the request, then
     # re-keys it with the runs the probe chose (managers/span_probe.py). None: `segments` are final.
     probe: tuple[Segment, ...] | None = None
+    span_adapter: bool = False  # its rows run under the span adapter (runs_span_adapter)
 
     def prompt_ids(self) -> list[int]:
         return [t for seg in self.segments for t in seg.tokens]

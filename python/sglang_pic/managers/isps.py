@@ -37,11 +37,13 @@ if TYPE_CHECKING:
 
 def make_span_job(seg: ReqSegment, rid: str, arrival_step: int) -> Req:
     """A prefill-only request computing the whole span `seg` belongs to, behind the span's anchor (segments.py:
-    an anchored span's key is the prefix anchor + span)."""
+    an anchored span's key is the prefix anchor + span). Only requests that keep a span need spans, so the job runs
+    under the span adapter whenever one is served apart from the weights."""
     extra_key, tokens = seg.span_id
     return Req(
         rid=rid,
         segments=[ReqSegment("prefix" if extra_key is None else "span", list(tokens), extra_key)],
+        span_adapter=True,
         sampling_params=SamplingParams(max_new_tokens=0),
         prompt_len=len(tokens),
         warmup=True,

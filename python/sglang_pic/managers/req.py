@@ -153,6 +153,7 @@ class Req:
     probe_counts: tuple[int, int, int] | None = None
     probe_tokens: int = 0  # prompt tokens the prefill after the probe computes (all of them computed twice)
     deviation_tokens: int = 0  # its deviation pass (span_deviation.py), in whole-model token equivalents
+    span_adapter: bool = False  # its rows run under the span adapter (io_struct.runs_span_adapter; span jobs do)
 
     @classmethod
     def from_wire(cls, msg: TokenizedGenerateReq) -> "Req":
@@ -174,6 +175,7 @@ class Req:
             priority=msg.priority,
             generator=generator,
             probe=msg.probe,
+            span_adapter=msg.span_adapter,
             question_start=_question_start(msg.probe) if msg.probe is not None else 0,
         )
 

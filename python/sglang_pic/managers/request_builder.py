@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from sglang_pic.managers.io_struct import GenerateReqInput, TokenizedGenerateReq, TokenizedSegment, wire_segments
+from sglang_pic.managers.io_struct import (
+    GenerateReqInput, TokenizedGenerateReq, TokenizedSegment, runs_span_adapter, wire_segments,
+)
 from sglang_pic.managers.segmenter import PromptSegmenter
 from sglang_pic.managers.span_lexical import SpanWords, choose_lexical, selects_lexically
-from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys
+from sglang_pic.radix_ext.segments import ADAPTER_NAMESPACE, Segment, canonicalize, segment_keys
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
 from sglang_pic.server_args import ServerArgs
@@ -156,13 +159,15 @@ class RequestBuilder:
         if item["return_logprob"] and logprob_start_len >= 0:
             self._check_prompt_logprobs(segments, logprob_start_len)
         base_rid = item["rid"] or uuid.uuid4().hex
-        wire = wire_segments(segments)  # shared by the n copies: the scheduler copies what it grows
+        adapter = runs_span_adapter(segments, self.server_args.span_adapter_apart())
+        wire = wire_segments(segments, adapter)  # shared by the n copies: the scheduler copies what it grows
         probe = tuple(segments) if any(seg.query_share for seg in segments) else None
         return [
             TokenizedGenerateReq(
                 rid=base_rid if params.n == 1 else f"{base_rid}-{k}",
                 segments=wire,
                 probe=probe,
+                span_adapter=adapter,
                 sampling_params=params,
                 prompt_len=prompt_len,
                 eos_token_ids=self.eos_token_ids,
@@ -225,6 +230,8 @@ class RequestBuilder:
                 )
             key = segment_keys([Segment("span", tokens, anchor)])[0]
             out.append(TokenizedSegment("span", tokens, key.extra_key, key_lead=anchor))
+        if self.server_args.span_adapter_apart():  # spans only requests under the adapter read
+            out = [replace(seg, extra_key=seg.extra_key or ADAPTER_NAMESPACE) for seg in out]
         return out
 
     # ---- span quality settings (span_policy.py) ----------------------------------------------------------------

@@ -91,7 +91,7 @@ def _add_entry(rows: BatchRows, e: BatchEntry) -> None:
     if e.completes and e.req.samples():
         rows.logits_indices.append(start + e.num_tokens - 1)
     rows.input_ids += e.input_ids
-    rows.add(e.req.req_pool_idx, e.positions, e.attn_lo)
+    rows.add(e.req.req_pool_idx, e.positions, e.attn_lo, span_adapter=e.req.span_adapter)
 
 
 def _add_decodes(rows: BatchRows, reqs: list[Req]) -> None:
@@ -102,6 +102,7 @@ def _add_decodes(rows: BatchRows, reqs: list[Req]) -> None:
     rows.input_ids += [0] * n  # filled on the device from the rows' last sampled tokens
     rows.positions += [s - 1 for s in seq_lens]
     rows.attn_lo += [0] * n
+    rows.span_adapter_rows += [int(r.span_adapter) for r in reqs]
     rows.req_pool_indices += [r.req_pool_idx for r in reqs]
     rows.seq_lens += seq_lens
     rows.extend_seq_lens += [1] * n

@@ -40,7 +40,7 @@ def deviation_scores(req: Req, runner, kv: ReqKVManager) -> torch.Tensor | None:
     # The row first: a pass that cannot get one must not evict cached KV for its slots.
     if kv.req_to_token_pool.available_size() == 0 or not kv.ensure_free(n):
         return None
-    with runner.scratch_prefill(req.prompt_ids()) as batch:
+    with runner.scratch_prefill(req.prompt_ids(), req.span_adapter) as batch:
         if batch is None:
             return None
         layer = min(DEVIATION_LAYERS, runner.model_config.num_hidden_layers) - 1

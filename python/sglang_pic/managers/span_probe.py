@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from sglang_pic.managers.io_struct import wire_segments
+from sglang_pic.managers.io_struct import runs_span_adapter, wire_segments
 from sglang_pic.managers.req import Req, ReqSegment
 from sglang_pic.radix_ext.segments import Segment, canonicalize
 
@@ -78,7 +78,9 @@ def take_choice(req: Req, scores: np.ndarray, select: str) -> None:
     prompt position, in the spans that `select` scores. It is a plain request from then on, unless spans another
     pass scores are left: it keeps its probe form for that pass."""
     segments = choose(req.probe, scores, select)
-    req.segments = [ReqSegment.from_wire(seg) for seg in wire_segments(segments)]
+    # In its probe form the request keeps a span, so it ran under the adapter exactly when one is served apart.
+    req.span_adapter = runs_span_adapter(segments, req.span_adapter)
+    req.segments = [ReqSegment.from_wire(seg) for seg in wire_segments(segments, req.span_adapter)]
     req.probe = tuple(segments) if any(seg.query_share for seg in segments) else None
 
 

@@ -59,14 +59,15 @@ class ModelRunner:
         logger.info("loading the model from %s onto %s (%s)", model_config.model_path, self.device, self.dtype)
         self.model = load_model(
             model_config, server_args.load_format, self.device, self.dtype, server_args.random_seed,
-            server_args.span_adapter,
+            server_args.span_adapter, server_args.span_adapter_scope,
         )
         self.model.eval()
         logger.info("model loaded in %.1f s", time.perf_counter() - start)
         # Where the served weights come from (None: random dummy weights) and the span adapter merged into them:
-        # updates that fail load them back. Weights loaded by an update are served as they are.
+        # updates that fail load them back. Weights loaded by an update are served as they are (an adapter kept
+        # apart from the weights stays on for span requests).
         self._weights_folder = None if server_args.load_format == "dummy" else model_config.model_path
-        self._weights_adapter = server_args.span_adapter
+        self._weights_adapter = server_args.span_adapter if server_args.span_adapter_scope == "all" else None
         self._init_memory_pools()
         self.sampler = StepSampler(model_config.vocab_size, self.device, self.req_to_token_pool.req_to_token.shape[0])
         self.attn_backend = create_attention_backend(
@@ -103,10 +104,10 @@ class ModelRunner:
                     sorted(set(pool.k_scale)), sorted(set(pool.v_scale)))
 
     @contextmanager
-    def scratch_prefill(self, ids: list[int]) -> Iterator[ForwardBatch | None]:
+    def scratch_prefill(self, ids: list[int], span_adapter: bool = False) -> Iterator[ForwardBatch | None]:
         """A one-request prefill batch of `ids` at positions 0 .., in a request row and KV slots of its own, freed
         on exit: for passes that keep only what the forward measures (calibration, deviation). None when no row
-        or too few slots are free."""
+        or too few slots are free. `span_adapter`: its rows run under the span adapter."""
         n = len(ids)
         row = self.req_to_token_pool.alloc()
         slots = None if row is None else self.allocator.alloc(n)
@@ -118,7 +119,7 @@ class ModelRunner:
         try:
             self.req_to_token_pool.write(row, slice(0, n), slots)
             rows = BatchRows(input_ids=ids)
-            rows.add(row, range(n), [0] * n)
+            rows.add(row, range(n), [0] * n, span_adapter=span_adapter)
             yield ForwardBatch.build(ForwardMode.EXTEND, rows, slots, self.device,
                                      req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
                                      attn_backend=self.attn_backend)

@@ -16,7 +16,7 @@ from sglang_pic.layers.layernorm import RMSNorm
 from sglang_pic.layers.quant_fp8 import FP8, quantize_rows, require_fp8_gemm
 from sglang_pic.model_config import ModelConfig, resolve_dtype
 from sglang_pic.model_loader.gguf_convert import convert_gguf
-from sglang_pic.model_loader.span_adapter import load_adapter, merged_weights
+from sglang_pic.model_loader.span_adapter import attach_row_lora, load_adapter, merged_weights
 from sglang_pic.models.registry import get_model_class
 from sglang_pic.quant_config import checkpoint_quantization
 from sglang_pic.server_args import ServerArgs
@@ -137,10 +137,12 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     seed: int = 0,
     span_adapter: str | None = None,
+    span_adapter_scope: str = "spans",
 ) -> nn.Module:
-    """Instantiate `config.architecture` on `device` in `dtype` (default config.dtype) and load its weights, with a
-    span adapter's LoRA merged into them (model_loader/span_adapter.py), then quantized if `config.quantization`
-    says so (models quantize dense weights of fp8 layers as they load them)."""
+    """Instantiate `config.architecture` on `device` in `dtype` (default config.dtype) and load its weights, then
+    quantize them if `config.quantization` says so (models quantize dense weights of fp8 layers as they load them).
+    A span adapter (a folder) is merged into the weights before that (`span_adapter_scope` "all") or kept apart for
+    the rows of requests under span attention ("spans"; model_loader/span_adapter.py)."""
     if load_format not in ("auto", "dummy", "gguf"):
         raise ValueError(f"unknown load_format {load_format!r}")
     if span_adapter is not None and checkpoint_quantization(config.hf_config):
@@ -154,12 +156,16 @@ def load_model(
     dtype = config.dtype if dtype in (None, "auto") else resolve_dtype(dtype, None, device.type)
     with _default_dtype(dtype), device:
         model = get_model_class(config.architecture)(config)
+    merged = span_adapter if span_adapter_scope == "all" else None
     if load_format == "dummy":
-        if span_adapter is not None:
-            raise ValueError("a span adapter is trained for real weights; it cannot be merged into dummy ones")
+        if merged is not None:
+            raise ValueError("a span adapter merges into checkpoint weights, not dummy ones (scope spans can serve "
+                             "one beside them, e.g. to measure its cost)")
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(checkpoint_weights(resolve_model_path(config.model_path, load_format), span_adapter))
+        model.load_weights(checkpoint_weights(resolve_model_path(config.model_path, load_format), merged))
+    if span_adapter is not None and merged is None:
+        attach_row_lora(model, load_adapter(span_adapter))
     return model.eval().requires_grad_(False)
 
 

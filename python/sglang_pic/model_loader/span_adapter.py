@@ -2,9 +2,12 @@
 
 The files are PEFT's LoRA format (adapter_config.json, adapter_model.safetensors with `...lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r]), so an adapter trained with peft loads too, plus span_adapter.json: how it was trained
-and the span settings it was trained for, which become the server's span defaults. The merge adds
-(lora_alpha / r) * B @ A to each targeted HF-named weight before the model packs or shards it, so packed q/k/v,
-tensor parallelism and CUDA graphs see plain weights: serving a merged adapter costs nothing per token.
+and the span settings it was trained for, which become the server's span defaults. It is served one of two ways:
+  * merged (`merged_weights`): (lora_alpha / r) * B @ A added to each targeted HF-named weight before the model
+    packs or shards it, so packed q/k/v, tensor parallelism and CUDA graphs see plain weights: no cost per token,
+    but every request runs under the adapter;
+  * apart (`attach_row_lora`): each targeted linear keeps its slice of the factors and adds them on the rows of
+    requests under span attention only (layers/row_lora.py), so dense requests run on the base weights.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
+
+from sglang_pic.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear
+from sglang_pic.layers.row_lora import AdapterRows, RowLora
+from sglang_pic.models.llama import PACKED_MODULES
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -105,3 +113,53 @@ def merged_weights(weights: Iterator[tuple[str, torch.Tensor]], adapter: SpanAda
         yield name, tensor
     if left:
         raise ValueError(f"span adapter targets {len(left)} modules the checkpoint lacks, e.g. {sorted(left)[:2]}")
+
+
+def attach_row_lora(model: nn.Module, adapter: SpanAdapter) -> None:
+    """Give each targeted linear of a loaded `model` this rank's slice of the adapter as a RowLora, all reading one
+    AdapterRows that becomes `model.adapter_rows`. Packed projections (q|k|v, gate|up) stack their parts' A and
+    place each part's B rows in its own columns; a row-parallel layer takes A's columns of its input slice. Raise
+    if the model has no such layer, quantizes it, or a shape disagrees."""
+    modules = dict(model.named_modules())
+    grouped: dict[str, dict[str | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for hf_module, (a, b) in adapter.factors.items():
+        parent, _, proj = hf_module.rpartition(".")
+        ours, part = PACKED_MODULES.get(proj, (proj, None))
+        name = f"{parent}.{ours}"
+        if not isinstance(modules.get(name), Linear):
+            raise ValueError(f"span adapter targets {hf_module}, which {type(model).__name__} has no linear for")
+        grouped.setdefault(name, {})[part] = (a.float(), adapter.scale * b.float())
+    rows = AdapterRows(model.model.embed_tokens.weight.dtype)
+    for name, parts in grouped.items():
+        layer = modules[name]
+        if layer.quant is not None:
+            raise ValueError("a span adapter served apart from the weights needs dense ones; merge it to use fp8")
+        a, b = _packed(layer, parts) if isinstance(layer, MergedColumnParallelLinear) else parts[None]
+        if isinstance(layer, RowParallelLinear):
+            if a.shape[1] != layer.in_shard.full:
+                raise ValueError(f"span adapter A of {name} has {a.shape[1]} inputs, the layer {layer.in_shard.full}")
+            a = a[:, layer.in_shard.start : layer.in_shard.start + layer.in_shard.size]
+        if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
+            raise ValueError(f"span adapter factors of {name} ({tuple(b.shape)} x {tuple(a.shape)}) do not fit "
+                             f"its weight ({layer.out_features}, {layer.in_features})")
+        layer.lora = RowLora(a.to(layer.weight), b.to(layer.weight), rows)
+    model.adapter_rows = rows
+
+
+def _packed(layer: MergedColumnParallelLinear, parts: dict[str | None, tuple[torch.Tensor, torch.Tensor]]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (A, B) for a packed layer: the parts' A stacked, and B with each part's rows of this rank in the columns
+    of its own A (zero where a part has no adapter)."""
+    names = [p for p in layer.parts if p in parts]
+    a = torch.cat([parts[p][0] for p in names])
+    b = a.new_zeros(layer.out_features, a.shape[0])
+    col = 0
+    for p in names:
+        pa, pb = parts[p]
+        shard = layer.parts[p]
+        if pb.shape[0] != shard.full:
+            raise ValueError(f"span adapter B of part {p} has {pb.shape[0]} rows, the checkpoint {shard.full}")
+        row = layer.offsets[p]
+        b[row : row + shard.size, col : col + pa.shape[0]] = pb[shard.start : shard.start + shard.size]
+        col += pa.shape[0]
+    return a, b

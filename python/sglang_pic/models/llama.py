@@ -19,6 +19,7 @@ from sglang_pic.layers.layernorm import RMSNorm
 from sglang_pic.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang_pic.layers.quant_fp8 import ACTIVATION_SCALE_NAMES, FP8, quantize_rows
 from sglang_pic.layers.radix_attention import RadixAttention
+from sglang_pic.layers.row_lora import AdapterRows
 from sglang_pic.layers.rotary_embedding import RotaryEmbedding
 from sglang_pic.layers.vocab_parallel_embedding import VocabParallelEmbedding, vocab_parallel_logits
 from sglang_pic.model_config import ModelConfig
@@ -144,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # A span adapter served apart from the weights (model_loader/span_adapter.attach_row_lora); None: none is.
+        self.adapter_rows: AdapterRows | None = None
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -161,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm. Positions reach RoPE through `forward_batch`."""
+        if self.adapter_rows is not None:
+            self.adapter_rows.set(forward_batch.span_adapter_rows)
         return self.model(input_ids, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ class Run:
     ids: list[int] | torch.Tensor  # token ids (a device tensor avoids a sync for drafted tokens)
     attn_lo: list[int] = field(default_factory=list)  # per token; empty means 0
     seq_len: int | None = None  # keys 0..seq_len-1 addressable; defaults to first + len(ids)
+    span_adapter: bool = False  # its request runs under the span adapter (forward_batch.py)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -42,7 +43,8 @@ def make_batch(
     rows = BatchRows()
     for run in runs:
         n = len(run)
-        rows.add(run.table_row, range(run.first, run.first + n), run.attn_lo or [0] * n, run.seq_len)
+        rows.add(run.table_row, range(run.first, run.first + n), run.attn_lo or [0] * n, run.seq_len,
+                 run.span_adapter)
     if logits:
         rows.logits_indices = list(range(rows.num_tokens))
     ids = _device_ids(runs, runner.device)

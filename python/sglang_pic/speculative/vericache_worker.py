@@ -190,7 +190,8 @@ class VeriCacheWorker:
             if w <= 0:
                 continue
             ids = req.all_ids()[n - w : n]
-            runs.append(Run(self.full_kv.row(req), n - w, ids, attn_lo=_attn_lo(req, n - w, n), seq_len=n))
+            runs.append(Run(self.full_kv.row(req), n - w, ids, attn_lo=_attn_lo(req, n - w, n), seq_len=n,
+                            span_adapter=req.span_adapter))
             observed.append(req)
         if not runs:
             return {}
@@ -250,7 +251,8 @@ class VeriCacheWorker:
             runs = []
             for b in active:
                 n = batch.lengths[b] + i  # draft index of this step's input token
-                runs.append(Run(b, batch.pos_offsets[b] + n, current[b : b + 1], seq_len=n + 1))
+                runs.append(Run(b, batch.pos_offsets[b] + n, current[b : b + 1], seq_len=n + 1,
+                                span_adapter=reqs[b].span_adapter))
             loc = torch.stack([slots[b][i] for b in active])
             fb = make_batch(self.runner, runs, loc, table, backend, logits=True, mode=ForwardMode.DECODE)
             logits = self.runner.forward_with(fb, replayer)[:, : self.vocab_size]
@@ -279,8 +281,8 @@ class VeriCacheWorker:
         """The verification batch of [last token, k drafts] per request, set up before drafting: its shape does not
         depend on the drafted tokens (placed into input_ids afterwards), so host-tier copies start here and run
         while the group drafts."""
-        runs = [Run(self.full_kv.row(req), req.seq_len() - 1, [req.tail.tokens[-1]] + [0] * k)
-                for req, k in zip(reqs, ks)]
+        runs = [Run(self.full_kv.row(req), req.seq_len() - 1, [req.tail.tokens[-1]] + [0] * k,
+                    span_adapter=req.span_adapter) for req, k in zip(reqs, ks)]
         backend = self.full_kv.wrap(reqs, self.runner.attn_backend)
         batch = make_batch(self.runner, runs, torch.cat(slots), self.runner.req_to_token_pool, backend, logits=True)
         backend.init_forward_metadata(batch)
