@@ -151,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-template", help="as the server's --chat-template (default: the tokenizer's)")
     p.add_argument("--max-total-tokens", type=int, help="KV pool size in tokens")
     p.add_argument("--span-adapter", help="span adapter folder the +adapter modes serve")
+    p.add_argument("--span-adapter-scope", default="spans", choices=("spans", "all"),
+                   help="how the +adapter modes serve it: on span requests' rows only, or merged (all)")
     p.add_argument("--samples", type=int, default=8, help="samples per task")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -179,7 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.modes.remove(REFERENCE)
         args.modes.insert(0, REFERENCE)
     try:
-        args.run_modes = {m: with_adapter(MODES[m], args.span_adapter) for m in args.modes}
+        args.run_modes = {m: with_adapter(MODES[m], args.span_adapter, args.span_adapter_scope) for m in args.modes}
     except ValueError as e:
         p.error(str(e))
     args.sizes = sizes_from_flags(p, args, BenchTaskSizes)
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scores = results(runs, workload, args.examples)
     out = {
         "config": {
-            "model_path": model_dir, "span_adapter": args.span_adapter, "device": args.device, "dtype": args.dtype,
+            "model_path": model_dir, "span_adapter": args.span_adapter,
+            "span_adapter_scope": args.span_adapter_scope, "device": args.device, "dtype": args.dtype,
             "samples": args.samples,
             "seed": args.seed, "split": workload.split, "batch_size": args.batch_size, "kl_top_k": args.kl_top_k,
             "sizes": asdict(args.sizes), "reference": REFERENCE, "baseline": BASELINE,

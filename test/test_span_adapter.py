@@ -29,6 +29,9 @@ from sglang_pic.span_adapter.lora import add_lora, lora_off, to_adapter
 from sglang_pic.span_adapter.trainer import layout_logits
 from sglang_pic.train_span_adapter import parse_args
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+from make_adapter import random_adapter  # noqa: E402
+
 DOCS = [
     "The capital of France is Paris, the capital of Japan is Tokyo.",
     "A serving engine batches requests and streams tokens back to each client.",
@@ -188,7 +191,7 @@ def test_cuda_graphs_serve_the_adapter_apart_per_row(adapted, tiny_qwen2):
         assert spans[0]["output_ids"] == merged[0]["output_ids"] != base[0]["output_ids"]
         torch.testing.assert_close(logps(spans[0]), logps(merged[0]), atol=2e-3, rtol=0)
         assert spans[1]["output_ids"] == base[1]["output_ids"]
-        torch.testing.assert_close(logps(spans[1]), logps(base[1]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(logps(spans[1]), logps(base[1]), atol=2e-3, rtol=0)
 
 
 def test_the_adapter_changes_answers_and_lora_off_is_the_base_model(adapted, tiny_qwen2):
@@ -224,6 +227,27 @@ def test_adapter_files_round_trip_and_merge_checks_shapes(adapted, tmp_path):
         list(merged_weights(iter([]), SpanAdapter(4, 8.0, {name: (a, b)})))
     with pytest.raises(ValueError, match="no adapter_config.json"):
         ServerArgs.from_kwargs(model_path="m", span_adapter=str(tmp_path))
+    with pytest.raises(ValueError, match="span_adapter_scope must be spans or all"):
+        ServerArgs.from_kwargs(model_path="m", span_adapter=str(folder), span_adapter_scope="dense")
+    with pytest.raises(ValueError, match="pass --span-adapter-scope all"):  # LoRA apart needs dense activations
+        ServerArgs.from_kwargs(model_path="m", span_adapter=str(folder), quantization="fp8")
+    assert ServerArgs.from_kwargs(model_path="m", span_adapter=str(folder), quantization="fp8",
+                                  span_adapter_scope="all").span_adapter_scope == "all"
+
+
+def test_an_adapter_serves_apart_beside_dummy_weights_but_merges_into_checkpoints_only(tiny_qwen2, tmp_path):
+    """benchmark/make_adapter.py's random factors beside dummy weights (how its cost is measured on big shapes):
+    span prompts' logprobs move, dense ones' stay; merging into dummy weights is refused."""
+    save_adapter(tmp_path, random_adapter(tiny_qwen2, rank=4), str(tiny_qwen2))
+    outs = {}
+    for name, kwargs in {"apart": {"span_adapter": str(tmp_path)}, "none": {}}.items():
+        with Engine(model_path=str(tiny_qwen2), load_format="dummy", dtype="float32", max_total_tokens=2048,
+                    **kwargs) as engine:
+            outs[name] = [served(engine, p, SETTINGS["anchor"])[1] for p in (PROMPT, "Where is Paris? The capital")]
+    assert outs["apart"][0] != pytest.approx(outs["none"][0], abs=1e-3) and outs["apart"][1] == outs["none"][1]
+    with pytest.raises(ValueError, match="not dummy ones"):
+        Engine(model_path=str(tiny_qwen2), load_format="dummy", dtype="float32", max_total_tokens=2048,
+               span_adapter=str(tmp_path), span_adapter_scope="all")
 
 
 def test_recorded_span_settings_are_defaults_that_flags_override(adapted):

@@ -107,10 +107,11 @@ MODES: dict[str, Mode] = {
 }
 
 
-def with_adapter(mode: Mode, folder: str | None) -> Mode:
-    """The mode with the adapter folder in place of its ADAPTER_FOLDER (a mode without one: unchanged)."""
+def with_adapter(mode: Mode, folder: str | None, scope: str = "spans") -> Mode:
+    """The mode with the adapter folder in place of its ADAPTER_FOLDER, served at `scope` (ServerArgs'
+    span_adapter_scope); a mode without one: unchanged."""
     if mode.engine_kwargs.get("span_adapter") != ADAPTER_FOLDER:
         return mode
     if folder is None:
         raise ValueError("+adapter modes need the span adapter's folder (bench_span_quality.py --span-adapter DIR)")
-    return Mode(mode.marking, {**mode.engine_kwargs, "span_adapter": folder})
+    return Mode(mode.marking, {**mode.engine_kwargs, "span_adapter": folder, "span_adapter_scope": scope})
