@@ -89,8 +89,7 @@ def served(engine: Engine, prompt, given: dict) -> tuple[list[int], list[float]]
     return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
 
 
-@pytest.mark.parametrize("scope", ["spans", "all"])
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize(("name", "scope"), [(name, "spans") for name in SETTINGS] + [("anchor+head", "all")])
 def test_training_layout_equals_the_engine_with_the_adapter(adapted, name, scope):
     """Apart from the weights or merged into them, a span prompt runs under the adapter as training ran it."""
     model, _, _, engines = adapted

@@ -36,8 +36,9 @@ TOKEN_FIELDS = ("input_ids", "positions", "attn_lo", "span_adapter_rows", "out_c
 REQUEST_FIELDS = ("req_pool_indices", "seq_lens", "extend_seq_lens", "extend_start_loc")  # int64 [B] device tensors
 HOST_FIELDS = ("req_pool_indices_cpu", "seq_lens_cpu", "extend_seq_lens_cpu")  # host copies of request fields
 # Host copies of token fields: a backend that plans on the host (FlashInfer) reads them instead of syncing with the
-# device, which under overlap scheduling would wait for the step in flight.
-HOST_TOKEN_FIELDS = ("positions_cpu", "attn_lo_cpu")
+# device, which under overlap scheduling would wait for the step in flight; an eager forward with no adapter rows
+# skips the adapter.
+HOST_TOKEN_FIELDS = ("positions_cpu", "attn_lo_cpu", "span_adapter_rows_cpu")
 
 
 class ForwardMode(IntEnum):
@@ -131,6 +132,7 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     positions_cpu: list[int]
     attn_lo_cpu: list[int]
+    span_adapter_rows_cpu: list[int]
     req_to_token_pool: "ReqToTokenPool"
     token_to_kv_pool: "MHATokenToKVPool"
     attn_backend: "AttentionBackend"

@@ -108,6 +108,7 @@ class StaticInputs:
             extend_seq_lens_cpu=extend_lens_cpu,
             positions_cpu=[0] * size,  # the static token rows start at position 0, seeing every key
             attn_lo_cpu=[0] * size,
+            span_adapter_rows_cpu=[1] * size,  # captured with the adapter: replays read the rows' switches
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,

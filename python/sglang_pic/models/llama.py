@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm. Positions reach RoPE through `forward_batch`."""
         if self.adapter_rows is not None:
-            self.adapter_rows.set(forward_batch.span_adapter_rows)
+            self.adapter_rows.set(forward_batch.span_adapter_rows, any(forward_batch.span_adapter_rows_cpu))
         return self.model(input_ids, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
