@@ -29,6 +29,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from sglang_pic.managers.req import Req, ReqSegment
+from sglang_pic.radix_ext.segments import SPAN_NAMESPACE
 from sglang_pic.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def make_span_job(seg: ReqSegment, rid: str, arrival_step: int) -> Req:
     extra_key, tokens = seg.span_id
     return Req(
         rid=rid,
-        segments=[ReqSegment("prefix" if extra_key is None else "span", list(tokens), extra_key)],
+        segments=[ReqSegment("span" if extra_key == SPAN_NAMESPACE else "prefix", list(tokens), extra_key)],
         span_adapter=True,
         sampling_params=SamplingParams(max_new_tokens=0),
         prompt_len=len(tokens),
