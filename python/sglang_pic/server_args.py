@@ -377,7 +377,7 @@ class ServerArgs:
         check_quantization(self.quantization)
         if self.span_adapter_scope not in ("spans", "all"):
             raise ValueError(f"span_adapter_scope must be spans or all, got {self.span_adapter_scope!r}")
-        if self.span_adapter is not None and self.span_adapter_scope == "spans" and self.quantization is not None:
+        if self.span_adapter_apart() and self.quantization is not None:
             raise ValueError("a span adapter kept apart from the weights needs dense ones; with --quantization, "
                              "pass --span-adapter-scope all")
         if self.device not in ("auto", "cpu", "cuda"):

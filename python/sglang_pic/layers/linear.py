@@ -84,8 +84,8 @@ class MergedColumnParallelLinear(Linear):
         return tuple(self.parts)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None) -> None:
-        """Copy this rank's rows of the HF tensor of projection `shard` (weight, bias or weight_scale) into its
-        packed rows."""
+        """Copy this rank's rows of the HF tensor of projection `shard` (weight, bias, weight_scale, or a span
+        adapter's B factor) into its packed rows of `param`."""
         part = self.parts[shard]
         if param is self.weight_scale:
             loaded = channel_scales(loaded, part.full)
@@ -131,11 +131,15 @@ class RowParallelLinear(Linear):
             piece = loaded
         else:
             expected = (self.out_features, self.in_shard.full)
-            piece = loaded[:, self.in_shard.start : self.in_shard.start + self.in_shard.size]
+            piece = self.input_slice(loaded)
         if tuple(loaded.shape) != expected:
             raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != {expected}")
         with torch.no_grad():
             param.copy_(piece)
+
+    def input_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a tensor over the layer's whole input."""
+        return full[:, self.in_shard.start : self.in_shard.start + self.in_shard.size]
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if self.tp_size == 1:

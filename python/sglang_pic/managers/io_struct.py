@@ -154,9 +154,12 @@ def wire_segments(segments: Sequence[Segment], span_adapter: bool = False) -> li
         start += len(tokens)
     if out[-1].kind == "span":
         out.append(TokenizedSegment("pdep", (), tail_key(segments, ()).extra_key, start=start))
-    if span_adapter:
-        out = [replace(seg, extra_key=ADAPTER_NAMESPACE) if seg.extra_key is None else seg for seg in out]
-    return out
+    return adapter_keyed(out) if span_adapter else out
+
+
+def adapter_keyed(segments: list[TokenizedSegment]) -> list[TokenizedSegment]:
+    """The segments of a prompt under the span adapter: their plain keys (namespace None) in ADAPTER_NAMESPACE."""
+    return [replace(seg, extra_key=ADAPTER_NAMESPACE) if seg.extra_key is None else seg for seg in segments]
 
 
 @dataclass

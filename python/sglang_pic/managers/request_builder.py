@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from sglang_pic.managers.io_struct import (
-    GenerateReqInput, TokenizedGenerateReq, TokenizedSegment, runs_span_adapter, wire_segments,
+    GenerateReqInput, TokenizedGenerateReq, TokenizedSegment, adapter_keyed, runs_span_adapter, wire_segments,
 )
 from sglang_pic.managers.segmenter import PromptSegmenter
 from sglang_pic.managers.span_lexical import SpanWords, choose_lexical, selects_lexically
-from sglang_pic.radix_ext.segments import ADAPTER_NAMESPACE, Segment, canonicalize, segment_keys
+from sglang_pic.radix_ext.segments import Segment, canonicalize, segment_keys
 from sglang_pic.sampling.grammar import grammar_backend
 from sglang_pic.sampling.sampling_params import SamplingParams, check_at_least
 from sglang_pic.server_args import ServerArgs
@@ -230,9 +229,7 @@ class RequestBuilder:
                 )
             key = segment_keys([Segment("span", tokens, anchor)])[0]
             out.append(TokenizedSegment("span", tokens, key.extra_key, key_lead=anchor))
-        if self.server_args.span_adapter_apart():  # spans only requests under the adapter read
-            out = [replace(seg, extra_key=seg.extra_key or ADAPTER_NAMESPACE) for seg in out]
-        return out
+        return adapter_keyed(out) if self.server_args.span_adapter_apart() else out  # only span prompts read spans
 
     # ---- span quality settings (span_policy.py) ----------------------------------------------------------------
     def _server_span_policy(self) -> SpanPolicy:

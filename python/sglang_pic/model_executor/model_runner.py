@@ -67,7 +67,7 @@ class ModelRunner:
         # updates that fail load them back. Weights loaded by an update are served as they are (an adapter kept
         # apart from the weights stays on for span requests).
         self._weights_folder = None if server_args.load_format == "dummy" else model_config.model_path
-        self._weights_adapter = server_args.span_adapter if server_args.span_adapter_scope == "all" else None
+        self._weights_adapter = None if server_args.span_adapter_apart() else server_args.span_adapter
         self._init_memory_pools()
         self.sampler = StepSampler(model_config.vocab_size, self.device, self.req_to_token_pool.req_to_token.shape[0])
         self.attn_backend = create_attention_backend(

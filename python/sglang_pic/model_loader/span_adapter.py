@@ -25,7 +25,7 @@ from torch import nn
 
 from sglang_pic.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear
 from sglang_pic.layers.row_lora import AdapterRows, RowLora
-from sglang_pic.models.llama import PACKED_MODULES
+from sglang_pic.models.llama import packed_module
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -123,9 +123,7 @@ def attach_row_lora(model: nn.Module, adapter: SpanAdapter) -> None:
     modules = dict(model.named_modules())
     grouped: dict[str, dict[str | None, tuple[torch.Tensor, torch.Tensor]]] = {}
     for hf_module, (a, b) in adapter.factors.items():
-        parent, _, proj = hf_module.rpartition(".")
-        ours, part = PACKED_MODULES.get(proj, (proj, None))
-        name = f"{parent}.{ours}"
+        name, part = packed_module(hf_module)
         if not isinstance(modules.get(name), Linear):
             raise ValueError(f"span adapter targets {hf_module}, which {type(model).__name__} has no linear for")
         grouped.setdefault(name, {})[part] = (a.float(), adapter.scale * b.float())
@@ -138,7 +136,7 @@ def attach_row_lora(model: nn.Module, adapter: SpanAdapter) -> None:
         if isinstance(layer, RowParallelLinear):
             if a.shape[1] != layer.in_shard.full:
                 raise ValueError(f"span adapter A of {name} has {a.shape[1]} inputs, the layer {layer.in_shard.full}")
-            a = a[:, layer.in_shard.start : layer.in_shard.start + layer.in_shard.size]
+            a = layer.input_slice(a)
         if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
             raise ValueError(f"span adapter factors of {name} ({tuple(b.shape)} x {tuple(a.shape)}) do not fit "
                              f"its weight ({layer.out_features}, {layer.in_features})")
@@ -156,10 +154,6 @@ def _packed(layer: MergedColumnParallelLinear, parts: dict[str | None, tuple[tor
     col = 0
     for p in names:
         pa, pb = parts[p]
-        shard = layer.parts[p]
-        if pb.shape[0] != shard.full:
-            raise ValueError(f"span adapter B of part {p} has {pb.shape[0]} rows, the checkpoint {shard.full}")
-        row = layer.offsets[p]
-        b[row : row + shard.size, col : col + pa.shape[0]] = pb[shard.start : shard.start + shard.size]
+        layer.weight_loader(b[:, col : col + pa.shape[0]], pb, p)  # its rows, as the part's weight takes them
         col += pa.shape[0]
     return a, b

@@ -34,6 +34,14 @@ PACKED_MODULES = {
 }
 
 
+def packed_module(hf_module: str) -> tuple[str, str | None]:
+    """Our module for an HF-named one (model.layers.0.self_attn.q_proj -> ...qkv_proj) and the packed part it fills
+    (None: not packed)."""
+    parent, _, proj = hf_module.rpartition(".")
+    ours, part = PACKED_MODULES.get(proj, (proj, None))
+    return (f"{parent}.{ours}" if parent else hf_module), part
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
@@ -194,9 +202,8 @@ class LlamaForCausalLM(nn.Module):
                 or (hf_name == "lm_head.weight" and self.lm_head is None)
             ):
                 continue
-            parent, _, proj = module_name.rpartition(".")
-            merged, shard = PACKED_MODULES.get(proj, (proj, None))
-            name = f"{parent}.{merged}.{leaf}" if parent else hf_name
+            module, shard = packed_module(module_name)
+            name = f"{module}.{leaf}" if module else hf_name
             if name not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} matches no parameter of {type(self).__name__}")
             param = params[name]
