@@ -113,7 +113,6 @@ KIVI_ENGINE_CASES = ["kivi_engine"]
 ENGINE_CASES = [
     "graph_replay_engine",
     "shared_decode_engine",
-    "shared_decode_tp2_engine",
     "shared_decode_common_prefix_engine",
     "shared_decode_static_plan",
     "span_probe_engine",
@@ -180,22 +179,22 @@ def test_shared_decode_in_the_engine_gives_the_same_tokens(worker: WorkerPool, n
 
 
 @pytest.mark.slow  # engines decoding under the interpreter
-@pytest.mark.parametrize("name", ["shared_decode_tp2_engine", "shared_decode_common_prefix_engine"])
-def test_shared_decode_in_the_engine_with_tp2_or_a_common_prefix(worker: WorkerPool, name: str) -> None:
+@pytest.mark.parametrize("name", ["shared_decode_common_prefix_engine"])
+def test_shared_decode_in_the_engine_over_a_common_prefix(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     assert entry["identical"] and entry["shared_steps"] > 0
 
 
-@pytest.mark.slow  # three engines under the interpreter
+@pytest.mark.slow  # two engines, one of them tensor-parallel, under the interpreter
 @pytest.mark.parametrize("name", ["fp8_kv_engine"])
-def test_fp8_kv_pool_through_the_triton_backend_and_tp2(worker: WorkerPool, name: str) -> None:
+def test_fp8_kv_pool_and_shared_decode_plan_through_the_triton_backend_at_tp2(worker: WorkerPool, name: str) -> None:
     entry = _entry(worker, name)
     assert entry["identical"] and entry["shared_steps"] > 0
 
 
-@pytest.mark.slow  # four engines under the interpreter
+@pytest.mark.slow  # three engines, one of them tensor-parallel, under the interpreter
 @pytest.mark.parametrize("name", ["span_attention_engine"])
-def test_span_attention_scaling_through_the_triton_backend_and_tp2(worker: WorkerPool, name: str) -> None:
+def test_span_attention_scaling_through_the_triton_backend_at_tp2(worker: WorkerPool, name: str) -> None:
     assert _entry(worker, name) == {"dtype": "float32", "nan": False, "identical": True, "scaled": True}
 
 

@@ -92,19 +92,6 @@ def shared_decode_engine_case() -> dict:
     }
 
 
-def shared_decode_tp2_engine_case() -> dict:
-    """The shared decode plan travels to the tensor-parallel follower: tp_size 2 gives torch_native's tokens."""
-    outs, stats = _engine_outputs(
-        {"torch_native": {}, "tp2": dict(attention_backend="triton", tp_size=2)}, _span_prompts()
-    )
-    return {
-        "dtype": "float32",
-        "nan": False,
-        "identical": outs["tp2"] == outs["torch_native"],
-        "shared_steps": stats["tp2"]["shared_decode_steps"],
-    }
-
-
 def shared_decode_common_prefix_engine_case() -> dict:
     """No markers: a common system prompt before different questions is one tree node all of them hold, and
     their decodes share it through the shared kernel."""
@@ -150,57 +137,57 @@ def span_probe_engine_case() -> dict:
 
 def span_attention_engine_case() -> dict:
     """APE's span scaling (server flags, and spans with factors of their own: several groups in a request) through
-    the Triton backend, alone and with tensor parallelism 2: greedy tokens equal torch_native's, and differ from
-    plain attention's."""
+    the Triton backend with tensor parallelism 2 (each rank's kernel over half the heads): greedy tokens equal
+    torch_native's, and differ from plain attention's."""
     from sglang_pic.frontend_lang.markers import pdep, span
 
     ape = dict(span_attention_temperature=0.6, span_attention_scale=1.4)
     own = [span("Tokyo is large. " * 4, attention_temperature=0.5, attention_scale=1.8) + span("Lima is far. " * 4)
            + span("Oslo is cold. " * 4, attention_temperature=0.8) + pdep("Which city?")]
     outs, _ = _engine_outputs(
-        {"torch_native": ape, "triton": dict(attention_backend="triton", **ape),
-         "tp2": dict(attention_backend="triton", tp_size=2, **ape), "plain": {}},
+        {"torch_native": ape, "tp2": dict(attention_backend="triton", tp_size=2, **ape), "plain": {}},
         _span_prompts() + own,
     )
     return {
         "dtype": "float32",
         "nan": False,
-        "identical": outs["triton"] == outs["torch_native"] == outs["tp2"],
+        "identical": outs["tp2"] == outs["torch_native"],
         "scaled": outs["torch_native"] != outs["plain"],
     }
 
 
 def fp8_kv_engine_case() -> dict:
-    """An fp8 KV pool (--kv-cache-dtype fp8_e4m3) through the Triton backend, shared decode and TP2: the kernels
-    read the bytes torch_native reads, so greedy tokens equal torch_native's on the same pool dtype."""
+    """An fp8 KV pool (--kv-cache-dtype fp8_e4m3) through the Triton backend with tensor parallelism 2, whose
+    follower receives the shared decode plan: the kernels read the bytes torch_native reads, so greedy tokens equal
+    torch_native's on the same pool dtype."""
     fp8 = dict(kv_cache_dtype="fp8_e4m3")
     outs, stats = _engine_outputs(
-        {"torch_native": fp8, "triton": dict(attention_backend="triton", **fp8),
-         "tp2": dict(attention_backend="triton", tp_size=2, **fp8)},
+        {"torch_native": fp8, "tp2": dict(attention_backend="triton", tp_size=2, **fp8)},
         _span_prompts(),
     )
     return {
         "dtype": "float32",
         "nan": False,
-        "identical": outs["triton"] == outs["torch_native"] == outs["tp2"],
-        "shared_steps": stats["triton"]["shared_decode_steps"],
+        "identical": outs["tp2"] == outs["torch_native"],
+        "shared_steps": stats["tp2"]["shared_decode_steps"],
     }
 
 
 def graph_replay_engine_case() -> dict:
-    """Decodes and one-request extends replayed as their CUDA graphs would be (graph_replay.py) give the eager
-    engine's tokens: spans with a probe pass (recomputed tokens scattered through them) and an extend behind a
-    cached prefix that pads to the tiny model's whole context, whose keys the graph must stage."""
+    """Decodes and one-request extends replayed as their CUDA graphs would be (graph_replay.py) through the Triton
+    backend give the eager engine's tokens (torch_native's, which the eager Triton engine gives in the other cases):
+    spans with a probe pass (recomputed tokens scattered through them) and an extend behind a cached prefix that
+    pads to the tiny model's whole context, whose keys the graph must stage."""
     from graph_replay import EmulatedGraphs
     from test_gpu_engine import PROBED
     from sglang_pic.engine import Engine
 
     common = dict(model_path=str(tiny_llama()), dtype="float32", max_total_tokens=4096, device="cpu",
-                  attention_backend="triton", span_head_tokens=2, span_query_share=0.3)
+                  span_head_tokens=2, span_query_share=0.3)
     params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     outs = {}
-    for name in ("eager", "graphs"):
-        with Engine(**common) as e:
+    for name, kw in (("eager", {}), ("graphs", dict(attention_backend="triton"))):
+        with Engine(**common, **kw) as e:
             runner = e.scheduler.runner
             if name == "graphs":
                 runner.graph_runner = EmulatedGraphs(runner)
@@ -222,6 +209,5 @@ ENGINE_CASES: dict[str, Callable[[], dict]] = {
     "span_probe_engine": span_probe_engine_case,
     "kivi_engine": kivi_engine_case,
     "shared_decode_engine": shared_decode_engine_case,
-    "shared_decode_tp2_engine": shared_decode_tp2_engine_case,
     "shared_decode_common_prefix_engine": shared_decode_common_prefix_engine_case,
 }

@@ -25,6 +25,7 @@ MIN_CHARS = 200  # shorter paragraphs join their neighbours: a passage should re
 _CODE_FENCE = re.compile(r"```.*?```", re.S)
 _MARKUP = re.compile(r"!\[[^\]]*\]\([^)]*\)|<[^>]{1,200}>|\[!\[.*?\]\(.*?\)\]\(.*?\)")
 _BLANKS = re.compile(r"\n\s*\n")
+_LINES = re.compile(r".*?(?:\r\n|\r|\n)|.+", re.S)  # the line breaks ast counts (not str.splitlines' others)
 
 
 @dataclass(frozen=True)
@@ -152,14 +153,22 @@ def _functions(modules: list[tuple[str, ast.Module]]) -> list[Function]:
     """Public module-level functions with a docstring and a body of 4 to 60 lines."""
     out = []
     for text, tree in modules:
+        lines = _LINES.findall(text)
         for node in tree.body:
             doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
             if not doc or node.name.startswith("_") or not 4 <= node.end_lineno - node.lineno <= 60:
                 continue
             params = tuple(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
-            out.append(Function(node.name, params, doc.strip().splitlines()[0],
-                                ast.get_source_segment(text, node) or ""))
+            out.append(Function(node.name, params, doc.strip().splitlines()[0], _source(lines, node)))
     return [f for f in out if f.source]
+
+
+def _source(lines: list[str], node: ast.stmt) -> str:
+    """What ast.get_source_segment gives for a node of several lines, from the module's lines split once: that
+    function splits the whole module again on every call, which took seconds over the standard library."""
+    first = lines[node.lineno - 1].encode()[node.col_offset:].decode()
+    last = lines[node.end_lineno - 1].encode()[:node.end_col_offset].decode()
+    return "".join([first, *lines[node.lineno:node.end_lineno - 1], last])
 
 
 @functools.cache  # reading every installed distribution and stdlib module takes seconds; the set is fixed per process
