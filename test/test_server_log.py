@@ -33,12 +33,16 @@ def request_lines(server: ServerProcess) -> list[str]:
             if " sglang_pic.entrypoints.request_log: " in line]
 
 
+def lines_with(server: ServerProcess, needle: str) -> list[str]:
+    return [line for line in request_lines(server) if needle in line]
+
+
 def log_line(server: ServerProcess, needle: str, earlier: int = 0) -> str:
     """The request line holding `needle` after the `earlier` ones that hold it too (other modules share the server),
     waiting for it: the reply can reach the client before its line is written."""
     deadline = time.monotonic() + LINE_WAIT_S
     while time.monotonic() < deadline:
-        found = [line for line in request_lines(server) if needle in line]
+        found = lines_with(server, needle)
         if len(found) > earlier:
             assert len(found) == earlier + 1, found
             return found[-1]
@@ -91,7 +95,7 @@ def test_refusals_are_logged_with_their_error(server):
     line = log_line(server, "no-such-model-for-the-log")
     assert " POST /v1/completions 404 " in line and "does not exist" in line
     bad_json = " POST /v1/detokenize 400 "
-    earlier = sum(bad_json in line for line in request_lines(server))
+    earlier = len(lines_with(server, bad_json))
     assert server.post("/v1/detokenize", data=b"{oops").status_code == 400
     assert 'error="malformed JSON body: ' in log_line(server, bad_json, earlier)
 
@@ -100,7 +104,7 @@ def test_polls_stay_out_of_the_info_log(server):
     for path in ("/health", "/metrics", "/get_load"):
         assert server.get(path).status_code == 200
     info = " GET /get_model_info 200 "
-    earlier = sum(info in line for line in request_lines(server))
+    earlier = len(lines_with(server, info))
     assert server.get("/get_model_info").status_code == 200
     log_line(server, info, earlier)  # written after the polls' lines would have been
     polled = [line for line in request_lines(server) if re.search(r" GET /(health|metrics|get_load) ", line)]

@@ -37,7 +37,6 @@ def server(llama_server):
     "backend,dataset",
     # each backend and each dataset once: a run is mostly the client's start-up (seconds), the same for every pair
     [("sglang", "random-ids"), ("sglang-oai", "generated-shared-prefix")],
-    ids=lambda value: value,
 )
 def test_bench_serving_completes_every_request(server, tiny_llama, tmp_path, backend, dataset):
     flags, expected = DATASETS[dataset]

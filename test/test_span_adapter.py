@@ -313,17 +313,18 @@ def test_the_embedded_model_with_auto_answers_from_the_asked_record():
 
 def test_train_command_runs_and_resumes_on_a_tiny_model(tiny_qwen2, tmp_path):
     out = tmp_path / "adapter"
-    base = [sys.executable, "-m", "sglang_pic.train_span_adapter", "--model-path", str(tiny_qwen2), "--out", str(out),
-            "--batch-size", "2", "--docs", "2,3", "--passage-tokens", "16,48", "--answer-tokens", "4",
-            "--device", "cpu", "--checkpoint-every", "1", "--seed", "3", "--teacher-batch", "4"]
-    train_main([*base[3:], "--steps", "2"])  # in this process: the resumed run below is the command's own start-up
+    args = ["--model-path", str(tiny_qwen2), "--out", str(out), "--batch-size", "2", "--docs", "2,3",
+            "--passage-tokens", "16,48", "--answer-tokens", "4", "--device", "cpu", "--checkpoint-every", "1",
+            "--seed", "3", "--teacher-batch", "4"]
+    train_main([*args, "--steps", "2"])  # in this process: the resumed run below is the command's own start-up
     record = json.loads((out / "span_adapter.json").read_text())
     assert record["training"]["steps_done"] == 2 and record["training"]["seed"] == 3
     assert record["training"]["skipped_updates"] == 0 and record["training"]["teacher_batch"] == 4
     assert record["training"]["seconds_per_step"] > 0
     assert record["training"]["corpus"]["paragraphs"] > 100 and len(record["training"]["corpus"]["sha256"]) == 64
     assert record["span_settings"] == {"span_anchor": "auto", "span_head_tokens": 0}
-    second = subprocess.run([*base, "--steps", "3"], capture_output=True, text=True)
+    second = subprocess.run([sys.executable, "-m", "sglang_pic.train_span_adapter", *args, "--steps", "3"],
+                            capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr and "at step 2" in second.stderr
     assert json.loads((out / "span_adapter.json").read_text())["training"]["steps_done"] == 3

@@ -106,7 +106,7 @@ def _pairwise_fast(compressor: str, k: int, full_kv: str) -> tuple:
 @pytest.mark.parametrize(
     "model,compressor,k,full_kv",
     [
-        pytest.param(_model_of(c, k, f), c, k, f, marks=_pairwise_fast(c, k, f), id=f"{_model_of(c, k, f)}-{c}-{k}-{f}")
+        pytest.param(_model_of(c, k, f), c, k, f, marks=_pairwise_fast(c, k, f))
         for f in ("gpu", "host") for k in (1, 8, 32) for c in COMPRESSORS
     ],
 )
