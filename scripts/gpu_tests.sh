@@ -10,7 +10,7 @@ mkdir -p "$out"
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/build/ficache}
 # GPU_TEST_FILES picks a subset (names without .py), to split the run over two calls of the per-call limit.
 FILES=(${GPU_TEST_FILES:-test_gpu_engine test_kernels_gpu test_flashinfer_gpu test_tensor_parallel test_sampling test_span_adapter
-       test_process_failures test_fp8_weights test_fp8_quant_kernel test_fp8_gemv test_norm_act_kernels})
+       test_process_failures test_fp8_weights test_fp8_quant_kernel test_fp8_gemv test_norm_act_kernels test_row_lora_kernel})
 for f in "${FILES[@]}"; do
   timeout "${GPU_TEST_LIMIT_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -rfEs "test/$f.py" \
     > "$out/$f.log" 2>&1

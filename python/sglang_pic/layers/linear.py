@@ -28,7 +28,7 @@ from sglang_pic.quant_config import check_quantization
 
 class Linear(nn.Linear):
     """`quant`: None (weights in the model's dtype) or fp8 (an fp8 weight and its per-row `weight_scale`).
-    `lora`: a span adapter kept apart from the weights (layers/row_lora.py), added to this rank's product."""
+    `lora`: a span adapter kept apart from the weights (layers/row_lora.py), in this rank's product."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, quant: str | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -50,8 +50,9 @@ class Linear(nn.Linear):
         """x, or activations an fp8 layer's producer already quantized (Fp8Rows), times the weight."""
         if self.quant is not None:
             return fp8_linear(x, self.weight, self.weight_scale, bias)
-        out = F.linear(x, self.weight, bias)
-        return out if self.lora is None else self.lora.add_to(out, x)
+        if self.lora is None:
+            return F.linear(x, self.weight, bias)
+        return F.linear(*self.lora.operands(x, self.weight), bias)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.matmul(x, self.bias)

@@ -2,10 +2,13 @@
 
 Merged into the weights, the adapter moves every request, and dense ones lose answers it was never needed for (the
 shipped adapter cost them 1.9 points). Kept apart, each targeted linear adds B(Ax) on the rows of requests whose
-prompt keeps a span (`ForwardBatch.span_adapter_rows`), and every other row runs on the base weights, bit for bit.
-The cost is two thin matmuls per linear on every row of a batch that has such a row, and of every CUDA-graph replay
-(rank 16 over a 896-wide layer: a few percent of its FLOPs); the switch is a multiply, so shapes stay static and
-graphs capture it.
+prompt keeps a span (`ForwardBatch.span_adapter_rows`), and every other row runs on the base weights.
+
+It rides in the linear's own GEMM: the input gains r columns, the switched down-projection m * (x A^T), and the weight
+gains B as r more columns, so y = [x | m x A^T] [W | B]^T. The layer's weight is a view of [W | B]'s first columns,
+so batches without such a row read the same bytes through it. The switch is a multiply, so shapes stay static and
+CUDA graphs capture it. Added after the GEMM instead (x A^T, then B's product into y), the adapter cost 14% of a RAG
+run's throughput on an H100, mostly in passes over y, which is up to 7x as wide as x.
 """
 
 from __future__ import annotations
@@ -16,33 +19,47 @@ from torch import nn
 
 
 class AdapterRows:
-    """The batch's per-row switch of the adapter, [T, 1] in the model's dtype, which the model sets from its
+    """The batch's per-row switch of the adapter, [T] in the model's dtype, which the model sets from its
     ForwardBatch before its layers run; every RowLora of the model reads this one holder. None: no row of the batch
     runs under the adapter, and its layers skip it (an eager batch of dense requests pays nothing; a CUDA graph is
     captured with it and pays on every replay)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.mask: torch.Tensor | None = None
+        self.on: torch.Tensor | None = None
 
     def set(self, rows: torch.Tensor, active: bool) -> None:
-        self.mask = rows.to(self.dtype).unsqueeze(-1) if active else None
+        self.on = rows.to(self.dtype) if active else None
 
 
 class RowLora(nn.Module):
-    """B(Ax) on the rows the holder switches on, nothing elsewhere. `a` [r, in] and `b` [out, r] are this rank's
-    slices (the scale folded into b), so a row-parallel layer adds its partial before the ranks' sum."""
+    """B(Ax) on the rows the holder switches on, nothing elsewhere, for one linear whose `weight` [out, in] it takes
+    over: `a` [r, in] and `b` [out, r] are this rank's slices (the scale folded into b), so a row-parallel layer adds
+    its partial before the ranks' sum. The rank is padded with zeros to a power of two of at least 16 (the Triton
+    kernel's tile), which adds nothing to the product."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, rows: AdapterRows) -> None:
+    def __init__(self, weight: nn.Parameter, a: torch.Tensor, b: torch.Tensor, rows: AdapterRows) -> None:
         super().__init__()
+        rank = max(16, 1 << (a.shape[0] - 1).bit_length())
+        pad = rank - a.shape[0]
+        joined = torch.cat([weight.data, F.pad(b, (0, pad)).to(weight)], dim=1)
+        weight.data = joined[:, : weight.shape[1]]  # the layer's weight now lives in the joined one
         # Buffers, not parameters: a weight update from a checkpoint neither expects nor touches them.
-        self.register_buffer("a", a.contiguous(), persistent=False)
-        self.register_buffer("b", b.contiguous(), persistent=False)
+        self.register_buffer("a", F.pad(a, (0, 0, 0, pad)).to(weight).contiguous(), persistent=False)
+        self.register_buffer("joined", joined, persistent=False)
         self.rows = rows
 
-    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """out + B(Ax) on the rows the holder switches on: the mask scales the rank-wide product, and the add rides
-        in B's matmul (three kernels a linear)."""
-        if self.rows.mask is None:
-            return out
-        return torch.addmm(out, F.linear(x, self.a) * self.rows.mask, self.b.t())
+    def operands(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GEMM's input and weight: (x, weight) when no row of the batch is switched on, else the joined pair.
+        On CUDA one Triton kernel builds the joined input (kernels/row_lora.py); elsewhere these torch ops."""
+        on = self.rows.on
+        if on is None:
+            return x, weight
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.is_cuda:
+            from sglang_pic.kernels.row_lora import shrink_cat
+
+            joined = shrink_cat(rows if rows.stride(-1) == 1 else rows.contiguous(), self.a, on)
+        else:
+            joined = torch.cat([rows, F.linear(rows, self.a) * on[:, None]], dim=-1)
+        return joined.view(*x.shape[:-1], joined.shape[-1]), self.joined

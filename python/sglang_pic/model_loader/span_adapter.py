@@ -140,7 +140,7 @@ def attach_row_lora(model: nn.Module, adapter: SpanAdapter) -> None:
         if a.shape[1] != layer.in_features or b.shape[0] != layer.out_features:
             raise ValueError(f"span adapter factors of {name} ({tuple(b.shape)} x {tuple(a.shape)}) do not fit "
                              f"its weight ({layer.out_features}, {layer.in_features})")
-        layer.lora = RowLora(a.to(layer.weight), b.to(layer.weight), rows)
+        layer.lora = RowLora(layer.weight, a, b, rows)
     model.adapter_rows = rows
 
 
