@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's --kv-cache-dtype (e.g. fp8_e4m3)")
     ap.add_argument("--quantization",
                     help="the engine's --quantization (fp8: weights and GEMMs in float8); needs --no-hf")
+    ap.add_argument("--span-adapter", help="the engine's --span-adapter, served apart: the prompts here are dense, so "
+                    "this measures what a loaded adapter costs requests that keep no span")
     ap.add_argument("--quick", action="store_true", help="tiny model, tiny sizes (CPU smoke run)")
     ap.add_argument("--out", default="benchmark/results/engine_e2e.json")
     args = ap.parse_args()
@@ -189,10 +191,11 @@ def main() -> None:
                     disable_radix_cache=True, mem_fraction_static=0.6, chunked_prefill_size=8192,
                     max_total_tokens=None if device == "cuda" else 8192, schedule_policy="fcfs",
                     attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-                    quantization=args.quantization)
+                    quantization=args.quantization, span_adapter=args.span_adapter)
     vocab = engine.model_config.vocab_size
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": dtype,
               "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
+              "span_adapter": args.span_adapter,
               "config": path if args.model_path else ("tiny" if args.quick else "llama3-8b"),
               "ours": bench_ours(engine, args, vocab)}
     if not args.no_hf:

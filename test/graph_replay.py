@@ -33,11 +33,12 @@ class EmulatedGraphs:
         self.decode_inputs = StaticInputs.allocate(self.batch_sizes[-1], self.batch_sizes[-1], pad, runner.device)
         self.extend_inputs = StaticInputs.allocate(max(self.extend_sizes), 1, pad, runner.device)
         self.shared_plan = None  # decodes replay the per-request graph
+        self.adapter_variants = (False, True) if runner.model.adapter_rows is not None else (False,)
         self.padded: list[tuple[str, int]] = []  # (mode, padded size) of every replay
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        mode, padded, _ = self._padded_key(batch)
-        capture = self._capture_batch(mode, padded)
+        mode, padded, _, adapter = self._padded_key(batch)
+        capture = self._capture_batch(mode, padded, adapter)
         self.attn_backend.init_forward_metadata_capture(capture, padded)
         self._inputs(mode).load(batch, padded, self.req_to_token_pool.padding_row)
         batch.shared_decode = None

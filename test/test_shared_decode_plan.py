@@ -176,15 +176,16 @@ def test_a_step_whose_plan_does_not_fit_the_graph_records_no_sharing():
         runner = object.__new__(CudaGraphRunner)
         runner.batch_sizes, runner.extend_sizes = [4], []
         runner.shared_plan = _Stub(fits=lambda plan, size: fits, load=lambda *args: loaded.append(args))
+        runner.adapter_variants, runner.num_adapter_replays = (False,), 0
         runner.decode_inputs = _Stub(load=lambda *args: None)
         runner.req_to_token_pool = _Stub(padding_row=0)
         runner.attn_backend = TritonAttnBackend()  # nothing to plan before a replay
-        key = (ForwardMode.DECODE, 4, fits)
+        key = (ForwardMode.DECODE, 4, fits, False)
         runner.graphs, runner.outputs = {key: _Stub(replay=lambda: None)}, {key: torch.zeros(4, 2)}
         runner.num_replays, runner.num_shared_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}, 0
         plan = object()
         batch = _Stub(forward_mode=ForwardMode.DECODE, batch_size=3, shared_decode=plan, input_ids=torch.zeros(3),
-                      probe=None, span_scaling=None, deviation=None)
+                      probe=None, span_scaling=None, deviation=None, span_adapter_rows_cpu=[0, 0, 0])
         assert runner.replay(batch).shape == (3, 2)
         assert batch.shared_decode is (plan if fits else None)
         assert runner.num_shared_replays == int(fits)

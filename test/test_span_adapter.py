@@ -170,27 +170,68 @@ def test_dense_and_span_prompts_share_no_kv_and_batch_together_with_the_adapter_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_serve_the_adapter_apart_per_row(adapted, tiny_qwen2):
-    """On CUDA (Triton, decode graphs captured with the row switch inside), in one batch: the span prompt answers as
-    the merged adapter does, the dense prompt as the base model does."""
+    """On CUDA (Triton, decode graphs captured with and without the row switch), in one batch: the span prompt
+    answers as the merged adapter does, the dense prompt as the base model does; alone, the dense prompt too."""
     _, _, folder, _ = adapted
     dense_text = "Answer the question." + "".join(DOCS) + "Where is Paris?"
     params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
-    outs = {}
-    for name, kwargs in {"spans": {"span_adapter": str(folder)}, "all": {"span_adapter": str(folder),
-                         "span_adapter_scope": "all"}, "base": {}}.items():
-        with Engine(model_path=str(tiny_qwen2), dtype="float32", device="cuda", attention_backend="triton",
-                    max_total_tokens=4096, **kwargs) as engine:
-            outs[name] = [engine.generate(prompt=[PROMPT, dense_text], sampling_params=params, return_logprob=True,
-                                          **SETTINGS["anchor+head"]) for _ in range(2)]  # cold, then cached
 
     def logps(out):
         return torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
 
+    outs, dense_alone, adapter_replays = {}, {}, {}
+    for name, kwargs in {"spans": {"span_adapter": str(folder)}, "all": {"span_adapter": str(folder),
+                         "span_adapter_scope": "all"}, "base": {}}.items():
+        with Engine(model_path=str(tiny_qwen2), dtype="float32", device="cuda", attention_backend="triton",
+                    max_total_tokens=4096, **kwargs) as engine:
+            graphs = engine.runner.graph_runner
+            dense_alone[name] = engine.generate(prompt=dense_text, sampling_params=params, return_logprob=True)
+            adapter_replays[name] = graphs.num_adapter_replays
+            outs[name] = [engine.generate(prompt=[PROMPT, dense_text], sampling_params=params, return_logprob=True,
+                                          **SETTINGS["anchor+head"]) for _ in range(2)]  # cold, then cached
+            adapter_replays[name] = (adapter_replays[name], graphs.num_adapter_replays)
+    # A batch of dense requests replays the graphs captured without the adapter's rows; one with a span request,
+    # those with them (the merged adapter has no rows to switch).
+    assert adapter_replays["spans"][0] == 0 < adapter_replays["spans"][1]
+    assert adapter_replays["all"] == adapter_replays["base"] == (0, 0)
+    assert dense_alone["spans"]["output_ids"] == dense_alone["base"]["output_ids"]
+    torch.testing.assert_close(logps(dense_alone["spans"]), logps(dense_alone["base"]), atol=2e-3, rtol=0)
     for spans, merged, base in zip(outs["spans"], outs["all"], outs["base"]):
         assert spans[0]["output_ids"] == merged[0]["output_ids"] != base[0]["output_ids"]
         torch.testing.assert_close(logps(spans[0]), logps(merged[0]), atol=2e-3, rtol=0)
         assert spans[1]["output_ids"] == base[1]["output_ids"]
         torch.testing.assert_close(logps(spans[1]), logps(base[1]), atol=2e-3, rtol=0)
+
+
+def test_a_graph_replay_takes_the_adapter_graph_only_for_a_batch_with_its_rows():
+    """Where an adapter is served apart, each size has a graph with the rows' switch and a plain one: a decode batch
+    replays the first when a row runs under the adapter, else the plain one (the GPU test above runs both)."""
+    from types import SimpleNamespace
+
+    from sglang_pic.forward_batch import ForwardMode
+    from sglang_pic.layers.triton_backend import TritonAttnBackend
+    from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    runner = object.__new__(CudaGraphRunner)
+    runner.batch_sizes, runner.extend_sizes, runner.shared_plan = [4], [], None
+    runner.adapter_variants, runner.num_adapter_replays = (False, True), 0
+    runner.decode_inputs = SimpleNamespace(load=lambda *args: None)
+    runner.req_to_token_pool = SimpleNamespace(padding_row=0)
+    runner.attn_backend = TritonAttnBackend()  # nothing to plan before a replay
+    replayed = []
+    runner.graphs = {(ForwardMode.DECODE, 4, False, a): SimpleNamespace(replay=lambda a=a: replayed.append(a))
+                     for a in (False, True)}
+    runner.outputs = {key: torch.zeros(4, 2) for key in runner.graphs}
+    runner.num_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}
+    for rows in ([0, 0, 0], [0, 1, 0], [0, 0]):
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(rows), shared_decode=None,
+                                input_ids=torch.zeros(len(rows)), probe=None, span_scaling=None, deviation=None,
+                                span_adapter_rows_cpu=rows)
+        assert runner.replay(batch).shape == (len(rows), 2)
+    assert replayed == [False, True, False] and runner.num_adapter_replays == 1
+    runner.adapter_variants = (False,)  # no adapter apart: one graph per size, whatever the rows say
+    batch.span_adapter_rows_cpu = [1, 1]
+    assert runner._padded_key(batch)[3] is False
 
 
 def test_the_adapter_changes_answers_and_lora_off_is_the_base_model(adapted, tiny_qwen2):

@@ -231,9 +231,10 @@ def test_a_probe_batch_never_replays_a_cuda_graph():
 
     runner = object.__new__(CudaGraphRunner)
     runner.batch_sizes, runner.extend_sizes, runner.shared_plan = [4], [8], None
+    runner.adapter_variants = (False,)
     batch = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1, num_decode_tail=0,
                             input_ids=torch.zeros(5), shared_decode=None, probe=None, span_scaling=None,
-                            deviation=None)
+                            deviation=None, span_adapter_rows_cpu=[0] * 5)
     assert runner.can_run(batch)
     batch.probe = AttentionProbe()
     assert not runner.can_run(batch)

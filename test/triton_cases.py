@@ -178,7 +178,8 @@ def graph_padding_case(spec: pb.RequestSpec, padded: int, context_len: int = 409
     static = StaticInputs.allocate(padded, 1, live.req_to_token_pool.padding_row, torch.device("cpu"))
     static.load(live, padded, live.req_to_token_pool.padding_row)
     graph_batch = static.batch(
-        ForwardMode.EXTEND, padded, context_len, live.req_to_token_pool, live.token_to_kv_pool, live.attn_backend
+        ForwardMode.EXTEND, padded, context_len, live.req_to_token_pool, live.token_to_kv_pool, live.attn_backend,
+        adapter=False,
     )
     graph_batch.attn_backend.init_forward_metadata(graph_batch)
     rows = q.shape[0]

@@ -21,8 +21,8 @@ from torch import nn
 class AdapterRows:
     """The batch's per-row switch of the adapter, [T] in the model's dtype, which the model sets from its
     ForwardBatch before its layers run; every RowLora of the model reads this one holder. None: no row of the batch
-    runs under the adapter, and its layers skip it (an eager batch of dense requests pays nothing; a CUDA graph is
-    captured with it and pays on every replay)."""
+    runs under the adapter, and its layers skip it, so a batch of dense requests pays nothing (CUDA graphs are
+    captured with and without the switch, model_executor/cuda_graph_runner.py)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

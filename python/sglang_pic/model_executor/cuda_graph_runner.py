@@ -13,6 +13,9 @@ their KV into slot 0. The grid is sized for the padded count and the model's con
 and a key-staging workspace of that many keys when it fits its bound), and each chunk's key range is derived on
 the device from the true positions, so one capture serves every context.
 
+With a span adapter served apart (layers/row_lora.py) every graph is captured twice, with the adapter's per-row
+switch inside and without it: a batch with no row under the adapter replays the plain graph and pays nothing for it.
+
 The engine holds one runner over its request table and backend; VeriCache holds another over its draft tables
 (speculative/draft_runner.py). Both share one memory pool: their graphs never run at the same time.
 """
@@ -30,6 +33,8 @@ from sglang_pic.forward_batch import REQUEST_FIELDS, TOKEN_FIELDS, ForwardBatch,
 from sglang_pic.kernels.shared_decode_plan import StaticSharedPlan, members_per_item
 
 logger = logging.getLogger(__name__)
+
+GraphKey = tuple[ForwardMode, int, bool, bool]  # mode, padded size, shared decode, span adapter rows
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -89,12 +94,12 @@ class StaticInputs:
             self.tensors["seq_lens"][reqs:padded].fill_(1)
 
     def batch(self, mode: ForwardMode, size: int, context_len: int, req_to_token_pool, token_to_kv_pool,
-              attn_backend) -> ForwardBatch:
+              attn_backend, adapter: bool) -> ForwardBatch:
         """The batch a graph captures: `size` requests for decode, or `size` tokens of one request for extend,
         whose host-side lengths ask the backend for the widest grid (every key chunk a context_len context has).
         An extend's context is longer than its tokens even where `size` reaches context_len, so that the capture
         includes the passes over cached keys (the Triton backend's key staging) that replays with a cached prefix
-        need."""
+        need. `adapter`: every row under a span adapter served apart (replays read the rows' switches), or none."""
         if mode.is_decode():
             reqs, seq_lens_cpu, extend_lens_cpu = size, [1] * size, [1] * size
         else:
@@ -108,7 +113,7 @@ class StaticInputs:
             extend_seq_lens_cpu=extend_lens_cpu,
             positions_cpu=[0] * size,  # the static token rows start at position 0, seeing every key
             attn_lo_cpu=[0] * size,
-            span_adapter_rows_cpu=[1] * size,  # captured with the adapter: replays read the rows' switches
+            span_adapter_rows_cpu=[int(adapter)] * size,
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,
@@ -144,11 +149,14 @@ class CudaGraphRunner:
         self.shared_plan = None
         if shared_members is not None and batch_sizes:
             self.shared_plan = StaticSharedPlan.allocate(max(batch_sizes), shared_members, dev)
-        # (mode, padded size, shared decode) -> graph and its output
-        self.graphs: dict[tuple[ForwardMode, int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[ForwardMode, int, bool], torch.Tensor] = {}
+        # Graphs with a span adapter's rows switched on, beside the plain ones, where the model serves one apart.
+        self.adapter_variants = (False, True) if getattr(runner.model, "adapter_rows", None) is not None else (False,)
+        # (mode, padded size, shared decode, adapter rows) -> graph and its output
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.num_replays = {ForwardMode.DECODE: 0, ForwardMode.EXTEND: 0}
         self.num_shared_replays = 0  # decode replays that read a shared decode plan
+        self.num_adapter_replays = 0  # replays of graphs with the span adapter's rows
         self.pool = pool
         self._capture_all()
 
@@ -175,10 +183,11 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         gc.disable()
         try:
-            keys = [(ForwardMode.DECODE, bs, False) for bs in self.batch_sizes]
+            sized = [(ForwardMode.DECODE, bs, False) for bs in self.batch_sizes]
             if self.shared_plan is not None:
-                keys += [(ForwardMode.DECODE, bs, True) for bs in self.batch_sizes]
-            keys += [(ForwardMode.EXTEND, n, False) for n in self.extend_sizes]
+                sized += [(ForwardMode.DECODE, bs, True) for bs in self.batch_sizes]
+            sized += [(ForwardMode.EXTEND, n, False) for n in self.extend_sizes]
+            keys = [(*key, adapter) for key in sized for adapter in self.adapter_variants]
             stream = torch.cuda.Stream()
             for key in reversed(keys):
                 self._capture(key, stream)
@@ -186,15 +195,16 @@ class CudaGraphRunner:
         finally:
             gc.enable()
         logger.info(
-            "captured CUDA graphs for decode batch sizes %s%s and one-request extends of %s tokens (%s)",
+            "captured CUDA graphs for decode batch sizes %s%s and one-request extends of %s tokens%s (%s)",
             self.batch_sizes,
             " (each also with shared decode)" if self.shared_plan is not None else "",
             self.extend_sizes,
+            ", each with and without the span adapter's rows" if len(self.adapter_variants) > 1 else "",
             type(self.attn_backend).__name__,
         )
 
-    def _capture_batch(self, mode: ForwardMode, size: int) -> ForwardBatch:
-        """The batch over the static inputs that the graph of (mode, size) is captured with."""
+    def _capture_batch(self, mode: ForwardMode, size: int, adapter: bool) -> ForwardBatch:
+        """The batch over the static inputs that the graph of (mode, size, adapter rows) is captured with."""
         inputs = self._inputs(mode)
         if not mode.is_decode():
             inputs.tensors["extend_seq_lens"].fill_(size)  # the warm-up runs attend with every row
@@ -205,11 +215,12 @@ class CudaGraphRunner:
             self.req_to_token_pool,
             self.runner.token_to_kv_pool,
             self.attn_backend,
+            adapter,
         )
 
-    def _capture(self, key: tuple[ForwardMode, int, bool], stream: torch.cuda.Stream) -> None:
-        mode, size, shared = key
-        batch = self._capture_batch(mode, size)
+    def _capture(self, key: GraphKey, stream: torch.cuda.Stream) -> None:
+        mode, size, shared, adapter = key
+        batch = self._capture_batch(mode, size, adapter)
         if shared:
             batch.shared_decode = self.shared_plan.view(size)
         with torch.cuda.stream(stream):
@@ -226,7 +237,7 @@ class CudaGraphRunner:
         self.graphs[key] = graph
         self.outputs[key] = out
 
-    def _padded_key(self, batch: ForwardBatch) -> tuple[ForwardMode, int, bool] | None:
+    def _padded_key(self, batch: ForwardBatch) -> GraphKey | None:
         if batch.probe is not None:  # its layers score the question in Python (layers/attention_probe.py)
             return None
         if batch.span_scaling is not None:  # its ranges size the kernel's loops; no graph was captured with them
@@ -244,14 +255,15 @@ class CudaGraphRunner:
             return None
         plan = batch.shared_decode
         shared = plan is not None and self.shared_plan is not None and self.shared_plan.fits(plan, sizes[i])
-        return batch.forward_mode, sizes[i], shared
+        adapter = self.adapter_variants[-1] and any(batch.span_adapter_rows_cpu)
+        return batch.forward_mode, sizes[i], shared, adapter
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return self._padded_key(batch) is not None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         key = self._padded_key(batch)
-        mode, padded, shared = key
+        mode, padded, shared, adapter = key
         self._inputs(mode).load(batch, padded, self.req_to_token_pool.padding_row)
         self.attn_backend.init_forward_metadata_replay(batch, padded, self.req_to_token_pool.padding_row)
         if shared:
@@ -261,4 +273,5 @@ class CudaGraphRunner:
             batch.shared_decode = None
         self.graphs[key].replay()
         self.num_replays[mode] += 1
+        self.num_adapter_replays += adapter
         return self.outputs[key][: batch.input_ids.shape[0]]
