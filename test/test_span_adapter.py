@@ -516,6 +516,24 @@ def test_examples_leave_room_for_the_answer_in_the_context(tiny_qwen2):
         never.example(random.Random(0), {})
 
 
+def test_examples_under_the_lexical_setting_recompute_the_asked_records_span(tiny_qwen2):
+    """`--settings` takes every span field a request does: a records turn drawn under the lexical setting is the
+    anchored turn's prompt with the span that names the asked package recomputed in context (training then sees the
+    attention the server gives that setting)."""
+    from sglang_pic.span_adapter.corpus import build_corpus
+    from sglang_pic.span_adapter.examples import ExampleMaker, ExampleSizes
+
+    maker = ExampleMaker(str(tiny_qwen2), build_corpus(), ExampleSizes(2, 3, 16, 48), kinds={"records": 1.0},
+                         answer_tokens=4)
+    for seed in range(4):
+        anchored = maker.example(random.Random(seed), SETTINGS["anchor"])
+        lexical = maker.example(random.Random(seed), SETTINGS["anchor+lexical"])
+        assert lexical.layout.dense_ids() == anchored.layout.dense_ids()
+        in_span = [sum(s is not None and v for s, v in zip(e.layout.scope, e.layout.visible))
+                   for e in (anchored, lexical)]
+        assert 0 < in_span[1] < in_span[0], seed
+
+
 def _label_offsets(text: str, lines: bool) -> dict[str, int]:
     """Where each field of a record text starts, found by its label line or its sentence."""
     from sglang_pic.span_adapter.examples import RECORD_SENTENCES

@@ -36,8 +36,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--dense-share", type=float, default=d.dense_share,
                         help="share of turns the student runs with full attention (keeps dense answers)")
     parser.add_argument("--settings", default=json.dumps(d.settings),
-                        help="JSON list of the span settings (span_anchor, span_head_tokens, span_tail_tokens) turns "
-                        "are drawn from")
+                        help="JSON list of the span settings turns are drawn from: any of a request's span fields "
+                        "(span_anchor, span_head_tokens, span_tail_tokens, span_query_share, span_select), applied "
+                        "as the engine applies them")
     parser.add_argument("--serve-settings", default=json.dumps(d.serve_settings),
                         help="JSON span settings recorded as the server's defaults when the adapter is loaded")
     parser.add_argument("--span-token-weight", type=float, default=d.span_token_weight,
