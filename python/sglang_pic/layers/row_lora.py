@@ -51,7 +51,7 @@ class RowLora(nn.Module):
 
     def operands(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The GEMM's input and weight: (x, weight) when no row of the batch is switched on, else the joined pair.
-        On CUDA one Triton kernel builds the joined input (kernels/row_lora.py); elsewhere these torch ops."""
+        On CUDA two Triton kernels build the joined input (kernels/row_lora.py); elsewhere these torch ops."""
         on = self.rows.on
         if on is None:
             return x, weight
