@@ -113,7 +113,7 @@ def _silu_and_mul_fp8_kernel(
         tl.store(q_ptr + row * stride_q + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last dim] with unit column stride (a view when the layout allows, else a copy)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -143,13 +143,13 @@ def _rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(out, scales, summed): out in the norm's dtype, or with `min_amax` in fp8 with its per-row scales."""
     n_cols = x.shape[-1]
-    rows = _rows(x)
+    rows = as_rows(x)
     value_dtype = torch.result_type(weight, x)
     quant = min_amax is not None
     out = torch.empty(rows.shape, dtype=FP8 if quant else value_dtype, device=x.device)
     scales = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if quant else None
     summed = None if residual is None else torch.empty_like(rows)
-    res = rows if residual is None else _rows(residual)
+    res = rows if residual is None else as_rows(residual)
     res_out = rows if summed is None else summed  # not written without a residual
     block = triton.next_power_of_2(n_cols)
     if rows.shape[0]:
@@ -181,7 +181,7 @@ def _rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [..., gate | up]."""
     n_cols = x.shape[-1] // 2
-    rows = _rows(x)
+    rows = as_rows(x)
     out = torch.empty((rows.shape[0], n_cols), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         grid = (rows.shape[0], triton.cdiv(n_cols, ACT_BLOCK))
@@ -192,7 +192,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_fp8(x: torch.Tensor, min_amax: float) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_and_mul's output quantized per row as quantize_rows_fp8 would: (fp8 [..., n], float32 scales [...])."""
     n_cols = x.shape[-1] // 2
-    rows = _rows(x)
+    rows = as_rows(x)
     q = torch.empty((rows.shape[0], n_cols), dtype=FP8, device=x.device)
     scales = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0]:

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_pic.kernels.norm_act import as_rows
 from sglang_pic.kernels.rope import dot_operand_dtype, dot_precision
 
 BLOCK_K = 128
@@ -73,9 +74,10 @@ def _switched_sum_kernel(part_ptr, on_ptr, out_ptr, n_rows, n_in, stride_o, n_sp
 
 
 def shrink_cat(x: torch.Tensor, a: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
-    """[x | on * (x A^T)] for x [T, in] (unit column stride), A [r, in] contiguous with r a power of two >= 16, and
-    the rows' 0/1 switches `on` [T] in x's dtype: [T, in + r], as torch.cat([x, F.linear(x, a) * on[:, None]], -1)
-    up to the order of the float32 sum."""
+    """[x | on * (x A^T)] for x [T, in], A [r, in] contiguous with r a power of two >= 16, and the rows' 0/1
+    switches `on` [T] in x's dtype: [T, in + r], as torch.cat([x, F.linear(x, a) * on[:, None]], -1) up to the
+    order of the float32 sum."""
+    x = as_rows(x)
     rows, width = x.shape
     rank = a.shape[0]
     out = torch.empty(rows, width + rank, dtype=x.dtype, device=x.device)

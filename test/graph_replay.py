@@ -13,7 +13,12 @@ from __future__ import annotations
 import torch
 
 from sglang_pic.forward_batch import ForwardBatch
-from sglang_pic.model_executor.cuda_graph_runner import CudaGraphRunner, StaticInputs, engine_capture_sizes
+from sglang_pic.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    StaticInputs,
+    adapter_variants,
+    engine_capture_sizes,
+)
 
 
 class EmulatedGraphs:
@@ -33,7 +38,7 @@ class EmulatedGraphs:
         self.decode_inputs = StaticInputs.allocate(self.batch_sizes[-1], self.batch_sizes[-1], pad, runner.device)
         self.extend_inputs = StaticInputs.allocate(max(self.extend_sizes), 1, pad, runner.device)
         self.shared_plan = None  # decodes replay the per-request graph
-        self.adapter_variants = (False, True) if runner.model.adapter_rows is not None else (False,)
+        self.adapter_variants = adapter_variants(runner.model)
         self.padded: list[tuple[str, int]] = []  # (mode, padded size) of every replay
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:

@@ -50,16 +50,14 @@ class RowLora(nn.Module):
         self.rows = rows
 
     def operands(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The GEMM's input and weight: (x, weight) when no row of the batch is switched on, else the joined pair.
-        On CUDA two Triton kernels build the joined input (kernels/row_lora.py); elsewhere these torch ops."""
+        """The GEMM's input and weight for x [T, in]: (x, weight) when no row of the batch is switched on, else the
+        joined pair. On CUDA two Triton kernels build the joined input (kernels/row_lora.py); elsewhere these torch
+        ops."""
         on = self.rows.on
         if on is None:
             return x, weight
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.is_cuda:
+        if x.is_cuda:
             from sglang_pic.kernels.row_lora import shrink_cat
 
-            joined = shrink_cat(rows if rows.stride(-1) == 1 else rows.contiguous(), self.a, on)
-        else:
-            joined = torch.cat([rows, F.linear(rows, self.a) * on[:, None]], dim=-1)
-        return joined.view(*x.shape[:-1], joined.shape[-1]), self.joined
+            return shrink_cat(x, self.a, on), self.joined
+        return torch.cat([x, F.linear(x, self.a) * on[:, None]], dim=-1), self.joined

@@ -57,6 +57,12 @@ def engine_capture_sizes(runner) -> tuple[list[int], list[int]]:
     return capture_batch_sizes(min(args.cuda_graph_max_bs, args.max_running_requests)), extends
 
 
+def adapter_variants(model) -> tuple[bool, ...]:
+    """Whether graphs are captured without and with a span adapter's rows switched on: both where the model serves
+    one apart from its weights (layers/row_lora.py), else only without."""
+    return (False, True) if getattr(model, "adapter_rows", None) is not None else (False,)
+
+
 @dataclass
 class StaticInputs:
     """Device tensors a captured graph reads, one per device field of ForwardBatch (TOKEN_FIELDS of `tokens` rows,
@@ -149,8 +155,7 @@ class CudaGraphRunner:
         self.shared_plan = None
         if shared_members is not None and batch_sizes:
             self.shared_plan = StaticSharedPlan.allocate(max(batch_sizes), shared_members, dev)
-        # Graphs with a span adapter's rows switched on, beside the plain ones, where the model serves one apart.
-        self.adapter_variants = (False, True) if getattr(runner.model, "adapter_rows", None) is not None else (False,)
+        self.adapter_variants = adapter_variants(runner.model)
         # (mode, padded size, shared decode, adapter rows) -> graph and its output
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
