@@ -12,11 +12,14 @@ anchor with a recomputed head of 64 tokens. `--oracle` adds two modes that know 
 phrase recomputed whole (`target`), or every other span (`others`); they show whether a wrong answer comes from the
 asked document's own context-free KV or from its rivals'. `--lexical` adds a mode that picks without the answer
 and without a probe: the one span sharing the most rare words with the question's line (lexical_runs).
-`--span-adapter` serves every mode with an adapter (the probe still reads the base model's attention).
+`--sentences` adds modes that recompute sentences instead of whole spans, picked by the same words (sentence_runs).
+`--span-adapter` serves every mode with an adapter (the probe still reads the base model's attention); the span
+modes send span_query_share 0, so the selection an adapter's record serves with adds nothing to their runs.
 
 Usage: python benchmark/study_query_selection.py --samples 10 --tasks factual_qa,rag_two_hop
        --fractions 0.05,0.1,0.15,0.25 [--out benchmark/results/query_selection.json]
        python benchmark/study_query_selection.py --tasks factual_qa,multi_turn --fractions "" --oracle
+       python benchmark/study_query_selection.py --fractions "" --lexical --sentences best,0.1 --span-adapter auto
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from sglang_pic.engine import Engine
 from sglang_pic.managers.io_struct import GenerateReqInput
-from sglang_pic.managers.span_lexical import lexical_scores, words
+from sglang_pic.managers.span_lexical import lexical_scores, question_weights, words
 from sglang_pic.model_loader.loader import model_dirs
 from sglang_pic.radix_ext.segments import normalize_runs
 from sglang_pic.span_quality.items import SPLITS, Gold, Item, item_seed
@@ -87,7 +91,8 @@ class Layout:
 
 
 def layout(engine: Engine, marked: str) -> Layout:
-    (req,) = engine.make_reqs(GenerateReqInput(text=marked, span_anchor="auto", span_head_tokens=0))
+    (req,) = engine.make_reqs(GenerateReqInput(text=marked, span_anchor="auto", span_head_tokens=0,
+                                                 span_query_share=0.0))
     ids, pos, scope, visible, span_token = [], [], [], [], {}
     question_start, spans = 0, 0
     for n, seg in enumerate(req.segments):
@@ -174,6 +179,43 @@ def lexical_runs(marked: str, ssep: str, pdep: str, lengths: list[int]) -> list[
     return [[(0, n)] if i == best and scores[best] > 0 else [] for i, n in enumerate(lengths)]
 
 
+SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+|\n")
+
+
+def sentence_runs(marked: str, ssep: str, pdep: str, span_ids: list[list[int]], decode, share: float | None
+                  ) -> list[list[tuple[int, int]]]:
+    """Recompute sentences, not whole spans: each sentence (split at . ! ? : ; and line ends) is scored by the
+    question line's rare words it says (span_lexical's weights). share None: the sentences of the best-scored span
+    that say any; else sentences of every span, best first, while short of `share` of the span tokens."""
+    parts = marked.split(ssep)[1:]
+    texts = [part.split(pdep)[0] for part in parts]
+    after = parts[-1].split(pdep, 1)
+    spans = [words(t) for t in texts]
+    weights = question_weights(spans, after[1] if len(after) > 1 else "")
+    best = max(range(len(spans)), key=lambda i: sum(weights.get(w, 0.0) for w in spans[i]))
+    found = []  # (score, span, first token, end token)
+    for s, ids in enumerate(span_ids):
+        if share is None and s != best:
+            continue
+        ends = [len(decode(ids[:j])) for j in range(len(ids) + 1)]  # char offset where each token starts
+        text, start = decode(ids), 0
+        for m in [*SENTENCE_END.finditer(text), None]:
+            stop = m.start() if m else len(text)
+            score = sum(weights.get(w, 0.0) for w in words(text[start:stop]))
+            first = max(j for j in range(len(ids) + 1) if ends[j] <= start)
+            last = min((j for j in range(len(ids) + 1) if ends[j] >= stop), default=len(ids))
+            if score > 0 and last > first:
+                found.append((score, s, first, last))
+            start = m.end() if m else len(text)
+    runs, total, taken = [[] for _ in span_ids], sum(len(i) for i in span_ids), 0
+    for score, s, first, last in sorted(found, key=lambda f: (-f[0], f[1], f[2])):
+        if share is not None and taken >= share * total:
+            break
+        runs[s].append((first, last - first))
+        taken += last - first
+    return [list(normalize_runs(r, len(ids))) for r, ids in zip(runs, span_ids)]
+
+
 # ---- the study ----------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--unit", choices=("tokens", "spans"), default="tokens", help="what the selection picks")
     p.add_argument("--oracle", action="store_true", help="add the target and others modes (see above)")
     p.add_argument("--lexical", action="store_true", help="add the lexical mode (see above)")
+    p.add_argument("--sentences", default="", help="comma-separated shares for the sentence modes (sentence_runs): "
+                   "'best' for the best span's sentences, a number for sentences of every span up to that share")
     p.add_argument("--span-adapter", help="serve every mode with this span adapter (launch_server's flag)")
     p.add_argument("--out", type=Path)
     p.add_argument("--model-path", help="an HF folder; default: the embedded model")
@@ -196,8 +240,10 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = sizes_from_flags(p, args, BenchTaskSizes)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="probe").eval()
     fractions = [float(f) for f in args.fractions.split(",") if f]
+    sentence_shares = [x for x in args.sentences.split(",") if x]
     modes = ["dense", "anchor", "anchor+head64", *(f"query{f:g}" for f in fractions),
-             *(("target", "others") if args.oracle else ()), *(("lexical",) if args.lexical else ())]
+             *(("target", "others") if args.oracle else ()), *(("lexical",) if args.lexical else ()),
+             *(f"sent-{x}" for x in sentence_shares)]
     results: dict[str, dict[str, list]] = {}
     engine_args = dict(model_path=model_dir, tokenizer_path=tokenizer_dir, chat_template=args.chat_template,
                        span_adapter=args.span_adapter)
@@ -209,13 +255,15 @@ def main(argv: list[str] | None = None) -> dict:
             rows = results[task_name] = {m: [] for m in modes}
             for item in items:
                 prompt = builder.build(item)
-                scores = span_scores(model, layout(engine, prompt.marked))
+                lay = layout(engine, prompt.marked)
+                scores = span_scores(model, lay)
                 lengths = [len(r) for r in scores]
                 total = sum(lengths)
+                own = {"span_query_share": 0.0}  # no selection beyond the mode's own (an adapter's record may set one)
                 requests = {  # mode -> (request, the share of span tokens it recomputes, cache aside)
                     "dense": ({"input_ids": prompt.ids}, 1.0),
-                    "anchor": ({"prompt": prompt.marked, "span_head_tokens": 0}, 0.0),
-                    "anchor+head64": ({"prompt": prompt.marked, "span_head_tokens": 64},
+                    "anchor": ({"prompt": prompt.marked, "span_head_tokens": 0, **own}, 0.0),
+                    "anchor+head64": ({"prompt": prompt.marked, "span_head_tokens": 64, **own},
                                       sum(min(64, n) for n in lengths) / total),
                 }
                 chosen = {f"query{f:g}": select_runs(scores, f, args.unit) for f in fractions}
@@ -223,9 +271,14 @@ def main(argv: list[str] | None = None) -> dict:
                     chosen |= oracle_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, item, lengths)
                 if args.lexical:
                     chosen["lexical"] = lexical_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, lengths)
+                span_ids = [[lay.ids[f] for f, (s, _) in sorted(lay.span_token.items()) if s == k]
+                            for k in range(len(lengths))]
+                for x in sentence_shares:
+                    chosen[f"sent-{x}"] = sentence_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, span_ids,
+                                                        builder.tokenizer.decode, None if x == "best" else float(x))
                 for mode, runs in chosen.items():
                     marked = with_runs(prompt.marked, sa.ssep_marker, sa.span_settings_marker, runs)
-                    requests[mode] = ({"prompt": marked}, sum(n for r in runs for _, n in r) / total)
+                    requests[mode] = ({"prompt": marked, **own}, sum(n for r in runs for _, n in r) / total)
                 dense_first = None
                 for mode in modes:  # cache hits equal recomputation, so the modes share one warm cache
                     request, share = requests[mode]

@@ -43,6 +43,24 @@ def test_lexical_mode_recomputes_the_span_naming_the_questions_rare_words():
     assert study.lexical_runs(second_question, "<S>", "<P>", [6, 6, 6]) == [[], [], [(0, 6)]]
 
 
+def test_sentence_modes_recompute_the_sentences_naming_the_questions_rare_words():
+    docs = ["Orvent Works is old. It was founded in Pineford.", "That firm is new. Solara moved to Glendale."]
+    marked = "a" + "".join(f"<S>{d}<P>" for d in docs) + "Where did Solara go?"
+    ids = [[ord(c) for c in d] for d in docs]  # one token per character
+
+    def decode(token_ids):
+        return "".join(map(chr, token_ids))
+
+    first, second = docs[1].index("Solara moved"), len(docs[1])
+    best = study.sentence_runs(marked, "<S>", "<P>", ids, decode, None)
+    assert best == [[], [(first, second - first)]]  # the sentence, not its span's other one
+    # under a share, sentences of every span, best first (the earlier on ties), while the tokens taken are short of it
+    two = marked.replace("Solara go?", "Solara go from Pineford?")
+    assert study.sentence_runs(two, "<S>", "<P>", ids, decode, 0.1) == [[(21, 27)], []]
+    assert study.sentence_runs(two, "<S>", "<P>", ids, decode, 0.5) == [[(21, 27)], [(first, second - first)]]
+    assert study.sentence_runs(marked.replace("Solara go", "they go"), "<S>", "<P>", ids, decode, 0.5) == [[], []]
+
+
 def test_study_runs_end_to_end(tiny_model_root: Path):
     from tiny_models import build_tiny_model
 

@@ -37,7 +37,12 @@ class Group:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
     def leave(self) -> None:
+        """Wait for every process, then tear the group down. Gloo's worker threads let go of a collective's tensors a
+        moment after its wait returns; a process that exits right after its last collective (every one but the
+        leader, which still writes the adapter) can be finalizing Python when they do, and aborts (a two-process CPU
+        run failed so about once in a hundred). The barrier's own tensors are not Python's."""
         if self.size > 1 and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
     def share(self, items: list) -> list:
