@@ -171,12 +171,17 @@ def oracle_runs(marked: str, ssep: str, pdep: str, item: Item, lengths: list[int
 def lexical_runs(marked: str, ssep: str, pdep: str, lengths: list[int]) -> list[list[tuple[int, int]]]:
     """Recompute whole the one span the engine's lexical selection scores best (managers/span_lexical.py: the rare
     words of the question line, each weighted log(spans / spans holding it)); none when no line says a rare word."""
-    parts = marked.split(ssep)[1:]
-    spans = [words(part.split(pdep)[0]) for part in parts]
-    after = parts[-1].split(pdep, 1)
-    scores = lexical_scores(spans, after[1] if len(after) > 1 else "")
+    spans, after = span_words_and_question(marked, ssep, pdep)
+    scores = lexical_scores(spans, after)
     best = max(range(len(spans)), key=lambda i: scores[i])
     return [[(0, n)] if i == best and scores[best] > 0 else [] for i, n in enumerate(lengths)]
+
+
+def span_words_and_question(marked: str, ssep: str, pdep: str) -> tuple[list[set[str]], str]:
+    """Each span's words and the text after the last span, which the lexical choices read."""
+    parts = marked.split(ssep)[1:]
+    after = parts[-1].split(pdep, 1)
+    return [words(part.split(pdep)[0]) for part in parts], after[1] if len(after) > 1 else ""
 
 
 SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+|\n")
@@ -185,17 +190,14 @@ SENTENCE_END = re.compile(r"(?<=[.!?:;])\s+|\n")
 def sentence_runs(marked: str, ssep: str, pdep: str, span_ids: list[list[int]], decode, share: float | None
                   ) -> list[list[tuple[int, int]]]:
     """Recompute sentences, not whole spans: each sentence (split at . ! ? : ; and line ends) is scored by the
-    question line's rare words it says (span_lexical's weights). share None: the sentences of the best-scored span
-    that say any; else sentences of every span, best first, while short of `share` of the span tokens."""
-    parts = marked.split(ssep)[1:]
-    texts = [part.split(pdep)[0] for part in parts]
-    after = parts[-1].split(pdep, 1)
-    spans = [words(t) for t in texts]
-    weights = question_weights(spans, after[1] if len(after) > 1 else "")
-    best = max(range(len(spans)), key=lambda i: sum(weights.get(w, 0.0) for w in spans[i]))
+    question line's rare words it says (span_lexical's weights). share None: the sentences of the span lexical_runs
+    picks that say any; else sentences of every span, best first, while short of `share` of the span tokens."""
+    spans, after = span_words_and_question(marked, ssep, pdep)
+    weights = question_weights(spans, after)
+    best = lexical_runs(marked, ssep, pdep, [len(ids) for ids in span_ids])
     found = []  # (score, span, first token, end token)
     for s, ids in enumerate(span_ids):
-        if share is None and s != best:
+        if share is None and not best[s]:
             continue
         ends = [len(decode(ids[:j])) for j in range(len(ids) + 1)]  # char offset where each token starts
         text, start = decode(ids), 0
@@ -271,8 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
                     chosen |= oracle_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, item, lengths)
                 if args.lexical:
                     chosen["lexical"] = lexical_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, lengths)
-                span_ids = [[lay.ids[f] for f, (s, _) in sorted(lay.span_token.items()) if s == k]
-                            for k in range(len(lengths))]
+                span_ids = [[] for _ in lengths]
+                for flat, (s, _) in sorted(lay.span_token.items()):
+                    span_ids[s].append(lay.ids[flat])
                 for x in sentence_shares:
                     chosen[f"sent-{x}"] = sentence_runs(prompt.marked, sa.ssep_marker, sa.pdep_marker, span_ids,
                                                         builder.tokenizer.decode, None if x == "best" else float(x))
